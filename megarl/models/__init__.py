@@ -1,0 +1,1 @@
+"""Model assets megarl can build without a model hub (tiny configs, tokenizers, random weights)."""

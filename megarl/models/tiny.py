@@ -1,0 +1,101 @@
+"""A tiny Qwen3-MoE checkpoint built in code: HF config, a character tokenizer, random weights.
+
+The result is an ordinary Hugging Face model directory (config.json, tokenizer files,
+model.safetensors), so every consumer loads it the way it would load a real checkpoint:
+the Megatron engine through mbridge, the rollout server through transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>"]
+CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz +-*=?:,.\n")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# hidden 64, 2 layers, 4 experts top-2, vocab 64: small enough to train from scratch on a laptop
+# CPU, and every dimension divisible by 2 so TP=2 and EP=2 both apply.
+TINY_QWEN3_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    attention_bias=False,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+    router_aux_loss_coef=0.0,
+    output_router_logits=False,
+    initializer_range=0.02,
+    torch_dtype="float32",
+    bos_token_id=None,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+
+
+def build_tokenizer():
+    """Character-level tokenizer with a chat template; ids 0..len(vocab)-1 (51 < vocab_size)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, **overrides) -> Path:
+    """Write a randomly initialised tiny Qwen3-MoE HF checkpoint to `out_dir` and return it.
+
+    Deterministic for a given seed and overrides. Written to a temporary sibling and renamed, so
+    a crash never leaves a half-written checkpoint that a later run would trust.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out = Path(out_dir)
+    cfg_dict = {**TINY_QWEN3_MOE, **overrides}
+    marker = out / "megarl_tiny.json"
+    if marker.exists() and json.loads(marker.read_text()) == {"seed": seed, "config": cfg_dict}:
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures",)})
+    config.architectures = cfg_dict["architectures"]
+    gen = torch.manual_seed(seed)
+    del gen
+    model = Qwen3MoeForCausalLM(config).float().eval()
+    model.save_pretrained(tmp, safe_serialization=True)
+    build_tokenizer().save_pretrained(tmp)
+    (tmp / "megarl_tiny.json").write_text(json.dumps({"seed": seed, "config": cfg_dict}))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
