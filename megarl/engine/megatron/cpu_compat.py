@@ -1,0 +1,234 @@
+"""Run megatron-core on CPU over gloo.
+
+megatron-core assumes CUDA in a few dozen places. Rather than forking call sites, this module
+patches those places once, and only when CUDA is absent (`activate()` is a no-op on a GPU
+machine). Each patch names the failure it fixes, so it can be dropped when megatron stops
+needing it. Measured against megatron-core 0.19.2 + torch 2.13 CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE = False
+_THREAD = threading.local()
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def activate() -> bool:
+    """Install the CPU patches if CUDA is absent. Idempotent. Returns whether they are active.
+
+    Call it in every thread that runs megatron code: the device-redirect mode is thread-local.
+    """
+    global _ACTIVE
+    if not needed():
+        return False
+    if not _ACTIVE:
+        _patch_torch_cuda()
+        _patch_rng()
+        _patch_torch_norm()
+        _patch_moe_splits()
+        _ACTIVE = True
+    if not getattr(_THREAD, "mode_on", False):
+        _CudaToCpu().__enter__()
+        _THREAD.mode_on = True
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Hard-coded placement: megatron writes `device="cuda"`, `.cuda()` and `pin_memory=True` in ~34
+# places on the paths we use (causal masks in transformer/utils.py, schedules.py,
+# get_batch_on_this_cp_rank, MoE token counts, DDP buffers...), each failing with "Torch not
+# compiled with CUDA enabled". One function mode sends all of them to the CPU instead of 34
+# call-site patches that would go stale with every megatron release.
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    _IDENTITY = {torch.Tensor.cuda, torch.Tensor.pin_memory}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._IDENTITY:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.cuda: device queries, streams and events used for overlap that CPU does not have.
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is ordered already, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def record_event(self, *args):
+        return _NullStream()
+
+    def record(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def wait(self, *args):
+        pass
+
+
+def _patch_torch_cuda():
+    # `device=torch.cuda.current_device()` appears in buffer allocations (DDP grad buffers,
+    # MoE token dispatch): "Torch not compiled with CUDA enabled" -> allocate on CPU instead.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullStream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.empty_cache = lambda: None
+
+
+# --------------------------------------------------------------------------------------------
+# RNG: model_parallel_cuda_manual_seed asserts on CUDA generators; keep named CPU RNG states.
+
+
+class CpuRNGStatesTracker:
+    """CPU twin of megatron's CudaRNGStatesTracker: named generator states forked on demand."""
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self.states_ = {}
+        self.seeds_ = set()
+        self._is_initialized = False
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"rng seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _patch_rng():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom.initialize_rng_tracker = lambda *a, **k: None
+    mrandom.get_cuda_rng_tracker = lambda *a, **k: mrandom._CUDA_RNG_STATE_TRACKER
+    _orig_manual_seed = torch.cuda.manual_seed
+    del _orig_manual_seed
+    torch.cuda.manual_seed = torch.manual_seed
+
+
+# --------------------------------------------------------------------------------------------
+# Norms: megatron's torch-norm wrapper asserts "sequence parallel not supported by torch
+# LayerNorm" (TE's norms are the SP-aware ones). Under SP each TP rank normalises different tokens
+# with replicated weights; marking the weights `sequence_parallel` makes finalize_model_grads
+# all-reduce their gradients across TP, which is all TE does differently.
+
+
+def _patch_torch_norm():
+    from megatron.core.transformer import torch_norm
+
+    def _new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+             zero_centered_gamma=False, normalization="LayerNorm"):
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("layernorm_zero_centered_gamma needs TransformerEngine norms")
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"normalization={config.normalization!r} is not supported on CPU")
+        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = _new
+
+
+# --------------------------------------------------------------------------------------------
+# MoE all-to-all: the alltoall dispatcher turns split sizes into numpy via
+# moe_utils.maybe_move_tensor_to_cpu, but only for CUDA tensors; on CPU they stay tensors and
+# gloo's all_to_all_single rejects them ("incompatible function arguments").
+
+
+def _patch_moe_splits():
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+def seed_model_parallel(seed: int) -> None:
+    """Seed every RNG megatron uses (CPU or CUDA) for this rank's place in the mesh."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+

@@ -1,0 +1,192 @@
+"""Move weights between Hugging Face checkpoints and Megatron shards (TP / EP / PP aware).
+
+mbridge supplies the facts about names and layouts (`_weight_name_mapping_mcore_to_hf`, fused
+QKV and gated-MLP formats, how a tensor splits across TP); this module owns the distributed part:
+which rank holds which slice, and the collectives that put full tensors back together. Every
+rank calls these functions (they contain collectives); all ranks see the same stream of names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.engine.megatron.model import grouped_expert_index, local_expert_to_grouped
+
+
+def _mesh():
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def _is_expert(global_name: str) -> bool:
+    return ".mlp.experts.linear_fc" in global_name
+
+
+def local_to_global_names(model) -> dict[str, str]:
+    """Map this rank's state-dict names to global mcore names (mbridge's naming).
+
+    Global names use the model-wide layer index (PP / VPP offset) and the grouped-expert form
+    `...experts.linear_fc1.weight{global_expert_id}` (EP offset) that mbridge maps to HF.
+    """
+    ps = _mesh()
+    layer_offset = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)} \
+        if hasattr(model, "decoder") else {}
+    ep_size, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    names = {}
+    for name in model.state_dict():
+        if "_extra_state" in name:
+            continue
+        g = name
+        if "decoder.layers." in g:
+            idx = int(g.split("decoder.layers.")[1].split(".")[0])
+            g = g.replace(f"decoder.layers.{idx}.", f"decoder.layers.{layer_offset[idx]}.", 1)
+        g = local_expert_to_grouped(g)
+        expert = grouped_expert_index(g)
+        if expert is not None and ep_size > 1:
+            per_rank = model.config.num_moe_experts // ep_size
+            g = g[: g.rindex("weight")] + f"weight{expert + per_rank * ep_rank}"
+        names[name] = g
+    return names
+
+
+def _tp_split(global_name: str) -> tuple[int, int, object]:
+    """(size, rank, group) of the tensor-parallel split that applies to this parameter."""
+    ps = _mesh()
+    if _is_expert(global_name):
+        return (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_group())
+
+
+def _is_tp_partitioned(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+class SafetensorsDir:
+    """Lazy reader for the tensors of an HF checkpoint directory (single or sharded)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = str(path)
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            weight_map = json.load(open(index))["weight_map"]
+        else:
+            single = os.path.join(self.path, "model.safetensors")
+            if not os.path.exists(single):
+                raise FileNotFoundError(
+                    f"model.path={self.path}: no model.safetensors or model.safetensors.index.json")
+            with safe_open(single, "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        self.weight_map = weight_map
+        self._open = safe_open
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor '{name}' is missing from checkpoint {self.path}")
+        with self._open(os.path.join(self.path, self.weight_map[name]), "pt") as f:
+            return f.get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(bridge, model, path: str | os.PathLike) -> None:
+    """Fill this rank's shards of `model` from the HF checkpoint at `path`.
+
+    Each rank reads what it needs from the (shared) filesystem and keeps its slice, so no
+    collective is needed; shapes are checked so a wrong mapping fails loudly, never silently.
+    """
+    ckpt = SafetensorsDir(path)
+    state = model.state_dict()
+    for local_name, global_name in local_to_global_names(model).items():
+        param = state[local_name]
+        hf_names = bridge._weight_name_mapping_mcore_to_hf(global_name)
+        full = bridge._weight_to_mcore_format(global_name, [ckpt.get(n) for n in hf_names])
+        size, rank, _ = _tp_split(global_name)
+        if size > 1 and (_is_tp_partitioned(param) or full.shape != param.shape):
+            full = bridge._weight_split_across_tp(global_name, full, param, size)[rank]
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{global_name} (from {hf_names}): checkpoint shape {tuple(full.shape)} does not "
+                f"match the Megatron shard {tuple(param.shape)}")
+        param.copy_(full)
+
+
+def _gather_tp(bridge, global_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    size, _, group = _tp_split(global_name)
+    if size == 1 or not _is_tp_partitioned(tensor):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+    if _is_expert(global_name):
+        return _merge_expert_tp(global_name, parts, tensor)
+    return bridge._weight_merge_across_tp(global_name, parts, tensor)
+
+
+def _merge_expert_tp(global_name, parts, param):
+    # mbridge's merge keys off the dense TP size; experts split over expert-TP instead.
+    if "linear_fc1" in global_name:
+        gates, ups = zip(*(p.chunk(2) for p in parts))
+        return torch.cat([torch.cat(gates), torch.cat(ups)])
+    return torch.cat(parts, dim=1)
+
+
+def _gather_ep(global_name: str, tensor: torch.Tensor, num_experts: int):
+    """All experts' copies of one local-expert tensor, with their global names."""
+    ps = _mesh()
+    ep_size = ps.get_expert_model_parallel_world_size()
+    if ep_size == 1:
+        return [(global_name, tensor)]
+    parts = [torch.empty_like(tensor) for _ in range(ep_size)]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=ps.get_expert_model_parallel_group())
+    per_rank = num_experts // ep_size
+    local_id = grouped_expert_index(global_name) % per_rank
+    prefix = global_name[: global_name.rindex("weight")]
+    return [(f"{prefix}weight{local_id + per_rank * r}", t) for r, t in enumerate(parts)]
+
+
+def _full_mcore_tensors(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
+    """This PP stage's parameters as full (TP- and EP-gathered) mcore tensors."""
+    # named_parameters keeps megatron's attributes (tensor_model_parallel, partition_dim);
+    # state_dict adds buffers that are weights too (the router's expert_bias).
+    tensors = {**model.state_dict(), **dict(model.named_parameters())}
+    num_experts = model.config.num_moe_experts or 0
+    for local_name, global_name in local_to_global_names(model).items():
+        tensor = _gather_tp(bridge, global_name, tensors[local_name])
+        if _is_expert(global_name):
+            yield from _gather_ep(global_name, tensor, num_experts)
+        else:
+            yield global_name, tensor.detach()
+
+
+@torch.no_grad()
+def export_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for the whole model, on every rank.
+
+    Pipeline stages take turns: stage s announces its names and shapes, then broadcasts each
+    tensor from its rank in this rank's PP group.
+    """
+    ps = _mesh()
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    for stage in range(pp_size):
+        mine = list(_full_mcore_tensors(bridge, model)) if stage == pp_rank else None
+        if pp_size > 1:
+            meta = [[(n, tuple(t.shape), t.dtype) for n, t in mine] if mine is not None else None]
+            src = dist.get_global_rank(pp_group, stage)
+            dist.broadcast_object_list(meta, src=src, group=pp_group)
+            if mine is None:
+                mine = [(n, torch.empty(s, dtype=d)) for n, s, d in meta[0]]
+            for _, t in mine:
+                dist.broadcast(t, src=src, group=pp_group)
+        for mcore_name, tensor in mine:
+            hf_names, hf_tensors = bridge._weight_to_hf_format(mcore_name, tensor)
+            yield from zip(hf_names, hf_tensors)
