@@ -65,6 +65,9 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in self._IDENTITY:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # DDP and the optimizers check `param.type() == 'torch.cuda.FloatTensor'`.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
         if kwargs.get("pin_memory"):

@@ -1,0 +1,272 @@
+"""A Megatron-core engine for one SPMD rank: build, load, forward log-probs, train, export.
+
+Ray-free: the caller has already joined a torch.distributed group (gloo on CPU, NCCL on GPU).
+`MegatronActor` (a Ray worker) and the tests drive it the same way.
+
+Row layout it consumes (one row per sample, right-padded, no left padding, so a causal mask
+is the whole attention mask): `input_ids` [B, T] = prompt tokens followed by response tokens,
+`prompt_lengths` [B], `responses` [B, R], `response_mask` [B, R]. Outputs are [B, R] aligned with
+`responses`: position j of row i is the log-prob of responses[i, j].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.data.batch import Batch
+from megarl.engine.megatron import cpu_compat
+from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
+from megarl.engine.megatron.model import make_bridge
+from megarl.engine.megatron.weights import export_hf_weights, load_hf_weights
+
+
+@dataclass
+class ParallelSpec:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class OptimSpec:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class EngineSpec:
+    model_path: str
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    optim: OptimSpec | None = None  # None: forward-only (reference policy)
+    micro_batch_size: int = 8
+    seed: int = 0
+
+
+# A loss function maps (log_prob [b,R], entropy [b,R], micro-batch) to
+# (loss summed over its units, number of units, metrics). Megatron divides the summed gradient
+# by the units of the whole mini-batch across data-parallel ranks (calculate_per_token_loss).
+LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+class MegatronEngine:
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+        self.model = None
+        self.optimizer = None
+
+    # ---------------------------------------------------------------- set-up
+    def initialize(self) -> None:
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronEngine.initialize: join torch.distributed first")
+        cpu_compat.activate()
+        p = self.spec.parallel
+        if p.cp != 1:
+            raise NotImplementedError("context parallelism (actor.parallel.cp>1) is not supported yet")
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=p.tp,
+                pipeline_model_parallel_size=p.pp,
+                context_parallel_size=p.cp,
+                expert_model_parallel_size=p.ep,
+                expert_tensor_parallel_size=1,
+            )
+        cpu_compat.seed_model_parallel(self.spec.seed)
+        hf_config = AutoConfig.from_pretrained(self.spec.model_path)
+        training = self.spec.optim is not None
+        self.bridge = make_bridge(
+            hf_config,
+            sequence_parallel=p.sequence_parallel,
+            calculate_per_token_loss=True,
+            expert_tensor_parallel_size=1,
+        )
+        model = self.bridge._model_provider([])(
+            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
+        )
+        load_hf_weights(self.bridge, model, self.spec.model_path)
+        if training:
+            model = self._wrap_ddp(model)
+            self.optimizer = self._build_optimizer(model)
+        else:
+            for param in model.parameters():
+                param.requires_grad_(False)
+        self.model = model
+        self.config = self.bridge.config
+
+    def _wrap_ddp(self, model):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.spec.optim.use_distributed_optimizer,
+            average_in_collective=False,
+        )
+        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model.config.no_sync_func = ddp.no_sync
+        return ddp
+
+    def _build_optimizer(self, model):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self.spec.optim
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=False,
+            fp16=False,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=o.use_distributed_optimizer,
+        )
+        return get_megatron_optimizer(config, [model])
+
+    # ---------------------------------------------------------------- mesh facts
+    def mesh_coord(self) -> dict:
+        from megatron.core import parallel_state as ps
+
+        return dict(
+            rank=dist.get_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            cp_rank=ps.get_context_parallel_rank(),
+            cp_size=ps.get_context_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+        )
+
+    # ---------------------------------------------------------------- forward / backward
+    def _padded_length(self, length: int) -> int:
+        # sequence parallel scatters the sequence over TP ranks: it must divide evenly.
+        multiple = self.spec.parallel.tp if self.spec.parallel.sequence_parallel else 1
+        return int(math.ceil(length / multiple) * multiple)
+
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        n = max(1, math.ceil(len(batch) / self.spec.micro_batch_size))
+        return batch.chunk(n)
+
+    def _run(self, batch: Batch, loss_fn: LossFn | None, temperature: float, forward_only: bool):
+        """One pass of megatron's pipeline schedule over `batch` split into micro-batches.
+
+        Returns, on the last pipeline stage, the per-micro-batch (log_prob, entropy, metrics);
+        on other stages an empty list.
+        """
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        cpu_compat.activate()
+        micro = self._micro_batches(batch)
+        seq_len = self._padded_length(max(mb["input_ids"].shape[1] for mb in micro))
+        tp_group = ps.get_tensor_model_parallel_group()
+        results = []
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            ids = mb["input_ids"]
+            if ids.shape[1] < seq_len:
+                ids = torch.nn.functional.pad(ids, (0, seq_len - ids.shape[1]), value=0)
+            position_ids = torch.arange(seq_len).unsqueeze(0).expand_as(ids)
+            output = model(ids, position_ids, None)
+
+            def loss_func(logits):
+                vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+                logp, ent = vocab_parallel_logprob_entropy(
+                    logits[:, :-1], ids[:, 1:], vocab_start, tp_group, temperature)
+                logp, ent = _response_slice(logp, mb), _response_slice(ent, mb)
+                if loss_fn is None:
+                    results.append((logp.detach(), ent.detach(), {}))
+                    zero = logp.sum() * 0
+                    return zero, torch.ones((), dtype=torch.int), {}
+                loss_sum, units, metrics = loss_fn(logp, ent, mb)
+                results.append((logp.detach(), ent.detach(), metrics))
+                return loss_sum, units.to(torch.int), {}
+
+            return output, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=[self.model],
+            num_microbatches=len(micro),
+            seq_length=seq_len,
+            micro_batch_size=max(len(mb) for mb in micro),
+            forward_only=forward_only,
+        )
+        return results
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
+        """log-probs and entropy of `responses` under the current weights ([B, R] each)."""
+        self.model.eval()
+        results = self._run(batch, None, temperature, forward_only=True)
+        if not results:
+            return None
+        return Batch({
+            "log_probs": torch.cat([r[0] for r in results]),
+            "entropy": torch.cat([r[1] for r in results]),
+        })
+
+    def train_mini_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0) -> dict:
+        """One optimizer step over `batch` (this rank's share of a mini-batch)."""
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        results = self._run(batch, loss_fn, temperature, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        metrics = _mean_metrics([r[2] for r in results])
+        metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["actor/update_skipped"] = float(not ok)
+        return metrics
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, full tensor) for every weight; a collective: call it on every rank."""
+        from megatron.core.distributed import DistributedDataParallel
+
+        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        return export_hf_weights(self.bridge, model)
+
+
+def _response_slice(values: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """Pick, per row, the positions that predict response tokens: [b, T-1] -> [b, R].
+
+    values[:, t] scores token t+1, so response token j (at t+1 = prompt_len + j) is values[:,
+    prompt_len - 1 + j]. Positions past the row's response are zeroed by response_mask.
+    """
+    R = mb["responses"].shape[1]
+    start = mb["prompt_lengths"].long() - 1
+    index = (start.unsqueeze(1) + torch.arange(R).unsqueeze(0)).clamp(max=values.shape[1] - 1)
+    return values.gather(1, index) * mb["response_mask"].to(values.dtype)
+
+
+def _mean_metrics(dicts: list[dict]) -> dict:
+    keys = {k for d in dicts for k in d}
+    out = {}
+    for k in keys:
+        vals = [float(d[k]) for d in dicts if k in d]
+        out[k] = sum(vals) / len(vals)
+    return out

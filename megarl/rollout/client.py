@@ -1,0 +1,219 @@
+"""Client for any server that speaks SGLang's HTTP API: SGLang, sglang-router, megarl's embedded server.
+
+The controller generates for a whole batch at once: `generate` sends one /generate per prompt, all
+concurrently (bounded by `max_concurrency`), so a router can spread them over its workers, and
+returns the outputs in prompt order (prompt-major when n>1, as SGLang does). Connection errors,
+timeouts and 5xx answers are retried with exponential backoff; after `max_retries` retries the
+call raises `RolloutRequestError` naming the URL and the request. A 4xx is the caller's mistake
+and raises at once with the server's message. No request is ever dropped silently.
+
+The public methods are synchronous (the controller is plain Python); they run on a private event
+loop thread, so they also work when called from inside another event loop. `agenerate` is the
+awaitable form for async callers (the agent loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+__all__ = ["GenerateOutput", "RolloutClient", "RolloutRequestError"]
+
+
+class RolloutRequestError(RuntimeError):
+    """A request failed for good: rejected by the server, or still failing after every retry."""
+
+
+@dataclass
+class GenerateOutput:
+    output_ids: list[int]
+    text: str
+    output_logprobs: list[float] | None  # one per output token, when return_logprob was set
+    finish_reason: dict
+    meta_info: dict  # the server's meta_info, untouched
+
+    @classmethod
+    def from_response(cls, item: dict) -> "GenerateOutput":
+        meta = item.get("meta_info", {})
+        triples = meta.get("output_token_logprobs")
+        return cls(output_ids=list(item.get("output_ids") or []), text=item.get("text", ""),
+                   output_logprobs=None if triples is None else [t[0] for t in triples],
+                   finish_reason=meta.get("finish_reason") or {}, meta_info=meta)
+
+
+class RolloutClient:
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, max_retries: int = 3,
+                 backoff_s: float = 0.5, max_backoff_s: float = 10.0, max_concurrency: int = 256):
+        self.base_url = base_url.rstrip("/")
+        self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
+        self._timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
+        self._max_concurrency = max_concurrency
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
+        self._thread.start()
+        self._http: httpx.AsyncClient = self._run(self._open())
+
+    async def _open(self) -> httpx.AsyncClient:
+        self._semaphore = asyncio.Semaphore(self._max_concurrency)
+        limits = httpx.Limits(max_connections=self._max_concurrency, max_keepalive_connections=64)
+        return httpx.AsyncClient(timeout=self._timeout, limits=limits)
+
+    def _run(self, coro):
+        if not self._thread.is_alive():
+            raise RuntimeError(f"RolloutClient for {self.base_url} is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._run(self._http.aclose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> "RolloutClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- transport ----------------------------------------------------------------------------
+    async def _request(self, method: str, path: str, payload: dict | None, what: str) -> httpx.Response:
+        """Send with retries; returns a response with status < 500 (callers check 4xx)."""
+        url, last_error = f"{self.base_url}{path}", ""
+        for attempt in range(self.max_retries + 1):
+            try:
+                async with self._semaphore:
+                    response = await self._http.request(method, url, json=payload)
+                if response.status_code < 500:
+                    return response
+                last_error = f"HTTP {response.status_code}: {response.text[:500]}"
+            except httpx.TransportError as exc:  # connect/read/write errors and timeouts
+                last_error = f"{type(exc).__name__}: {exc or 'no detail'}"
+            if attempt < self.max_retries:
+                await asyncio.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s))
+        raise RolloutRequestError(
+            f"{method} {url} failed {self.max_retries + 1} times for {what}; last error: {last_error}. "
+            "Check that the rollout server is up (its log says why it failed).")
+
+    async def _json(self, method: str, path: str, payload: dict | None = None, what: str | None = None) -> Any:
+        what = what or path
+        response = await self._request(method, path, payload, what)
+        if response.status_code >= 400:
+            raise RolloutRequestError(
+                f"{self.base_url}{path} rejected {what}: HTTP {response.status_code}: {_message(response)}")
+        return response.json() if response.content else None
+
+    async def _control(self, path: str, payload: dict | None = None) -> dict:
+        """Control endpoints answer {"success", "message"}; success false raises."""
+        body = await self._json("POST", path, payload)
+        if isinstance(body, dict) and body.get("success") is False:
+            raise RolloutRequestError(f"{self.base_url}{path} failed: {body.get('message')}")
+        return body
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None,
+                 return_logprob: bool = False, rids: list[str] | None = None) -> list[GenerateOutput]:
+        """One output per prompt (n per prompt, prompt-major, when sampling_params has n > 1)."""
+        return self._run(self._generate_all(input_ids, sampling_params, return_logprob, rids))
+
+    async def agenerate(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None,
+                        return_logprob: bool = False, rids: list[str] | None = None) -> list[GenerateOutput]:
+        coro = self._generate_all(input_ids, sampling_params, return_logprob, rids)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def _generate_all(self, input_ids, sampling_params, return_logprob, rids) -> list[GenerateOutput]:
+        if not isinstance(input_ids, list) or not all(isinstance(p, list) for p in input_ids):
+            raise TypeError("input_ids must be a list of prompts, each a list of token ids")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(input_ids)
+        if len(params) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)):
+            raise ValueError(f"{len(input_ids)} prompts but {len(params)} sampling_params / "
+                             f"{None if rids is None else len(rids)} rids")
+        tasks = [self._generate_one(i, ids, p, return_logprob, None if rids is None else rids[i])
+                 for i, (ids, p) in enumerate(zip(input_ids, params))]
+        per_prompt = await asyncio.gather(*tasks)
+        return [out for outputs in per_prompt for out in outputs]
+
+    async def _generate_one(self, index, ids, params, return_logprob, rid) -> list[GenerateOutput]:
+        payload = {"input_ids": ids, "sampling_params": params, "return_logprob": return_logprob}
+        if rid is not None:
+            payload["rid"] = rid
+        what = f"prompt {index} ({len(ids)} tokens, rid={rid}, sampling_params={params})"
+        body = await self._json("POST", "/generate", payload, what)
+        items = body if isinstance(body, list) else [body]
+        expected = int(params.get("n", 1) or 1)
+        if len(items) != expected:
+            raise RolloutRequestError(f"{self.base_url}/generate answered {len(items)} outputs for {what}, "
+                                      f"expected n={expected}")
+        return [GenerateOutput.from_response(item) for item in items]
+
+    # ---- weights and memory -------------------------------------------------------------------
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str] | str, *, load_format: str | None = None,
+                                   flush_cache: bool = True, weight_version: str | None = None,
+                                   abort_all_requests: bool = False) -> dict:
+        """`serialized_named_tensors`: one weights_codec payload per TP rank of the server. Keep the
+        tensors behind it alive until this returns."""
+        payloads = [serialized_named_tensors] if isinstance(serialized_named_tensors, str) else serialized_named_tensors
+        return self._run(self._control("/update_weights_from_tensor", {
+            "serialized_named_tensors": payloads, "load_format": load_format, "flush_cache": flush_cache,
+            "weight_version": weight_version, "abort_all_requests": abort_all_requests}))
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
+                                 flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
+        return self._run(self._control("/update_weights_from_disk", {
+            "model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests}))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._run(self._control("/release_memory_occupation", {"tags": tags}))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._run(self._control("/resume_memory_occupation", {"tags": tags}))
+
+    # ---- control and inspection ---------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """True when flushed; False when the server refused because requests are still running."""
+        response = self._run(self._request("POST", "/flush_cache", None, "/flush_cache"))
+        return response.status_code == 200
+
+    def health(self) -> bool:
+        """One quick probe, no retries: is the server up and its scheduler alive?"""
+        return self._run(self._probe("/health", timeout_s=5.0))
+
+    def health_generate(self) -> bool:
+        """One probe, no retries: can the server generate a token right now?"""
+        return self._run(self._probe("/health_generate", timeout_s=60.0))
+
+    async def _probe(self, path: str, timeout_s: float) -> bool:
+        try:
+            return (await self._http.get(f"{self.base_url}{path}", timeout=timeout_s)).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def get_model_info(self) -> dict:
+        return self._run(self._json("GET", "/get_model_info"))
+
+    def get_server_info(self) -> dict:
+        return self._run(self._json("GET", "/get_server_info"))
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self._run(self._json("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}))
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self._run(self._json("POST", "/pause_generation", {"mode": mode}))
+
+    def continue_generation(self) -> dict:
+        return self._run(self._json("POST", "/continue_generation", {}))
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:1000]
+    if isinstance(body, dict):
+        error = body.get("error")
+        return str(error.get("message") if isinstance(error, dict) else body.get("message") or body)[:1000]
+    return str(body)[:1000]

@@ -1,0 +1,493 @@
+"""The embedded rollout engine: a Hugging Face causal LM behind a batching scheduler thread.
+
+Requests queue up; one scheduler thread takes up to `max_batch_size` of them, left-pads them and
+runs prefill + decode with the HF KV cache until every row has stopped (a batch runs to
+completion; requests arriving meanwhile wait for the next batch). Rows that finish early are
+dropped from the batch and their callers answered at once.
+
+Weights change only between forward steps (`_model_lock`), so a running batch may continue with
+new weights, as SGLang's in-place pause does. Log-probs follow megarl's contract:
+log_softmax(logits / temperature) over the full vocabulary; temperature 0 is greedy with log-probs
+of the raw logits.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+class InvalidRequest(ValueError):
+    """The request itself is wrong (HTTP 400); the message names the offending field."""
+
+
+class WeightsUnavailable(RuntimeError):
+    """Generation was asked for while the weights are released or not yet refilled."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = off
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False  # as in SGLang: also ignores stop_token_ids, not stop strings
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None  # rows with the same seed draw the same samples
+
+
+def sample_next_tokens(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
+                       top_ks: list[int], generators: list[torch.Generator]):
+    """Per-row temperature / top-k / top-p sampling of (rows, vocab) logits.
+
+    Returns (token ids, log-probs by the contract: full-vocab log_softmax(logits / T), raw logits
+    for T == 0, which picks the argmax). Sampling is an exponential race over the kept tokens
+    (argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i / sum of kept p), so each row
+    draws from its own generator and a seeded row is reproducible whatever batch it lands in.
+    """
+    rows, vocab = logits.shape
+    temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
+    greedy = temps == 0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+    probs = logprobs.exp()
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    top_k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)[:, None]
+    top_p = torch.tensor(top_ps, dtype=logits.dtype, device=logits.device)[:, None]
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # the most likely token always stays
+    keep_sorted = (torch.arange(vocab, device=logits.device)[None] < top_k) & (mass_before < top_p)
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    noise = torch.stack([torch.empty(vocab).exponential_(generator=g) for g in generators]).to(logits.device)
+    sampled = torch.where(keep, probs / noise, -1.0).argmax(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), sampled)
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+@dataclass
+class GenerationRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    group_rid: str | None = None  # the caller's rid when n>1 expanded it into several requests
+    created: float = field(default_factory=time.time)
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class GenerationResult:
+    rid: str
+    text: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    input_logprobs: list[float | None] | None  # from logprob_start_len; the first token has None
+    finish_reason: dict
+    prompt_tokens: int
+    weight_version: str
+    e2e_latency: float
+
+
+class _Row:
+    """One request while it is in a batch."""
+
+    def __init__(self, req: GenerationRequest, default_generator: torch.Generator):
+        self.req = req
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.input_logprobs: list[float | None] | None = None
+        self.finish: dict | None = None
+        seed = req.params.sampling_seed
+        self.generator = default_generator if seed is None else torch.Generator().manual_seed(seed)
+
+
+@dataclass
+class _Batch:
+    """The running batch: `active` row indices aligned with dim 0 of the cache, mask, positions."""
+
+    active: list[int]
+    cache: object
+    mask: torch.Tensor
+    positions: torch.Tensor
+
+    def keep_unfinished(self, rows: list[_Row], device: torch.device) -> None:
+        keep = [k for k, i in enumerate(self.active) if rows[i].finish is None]
+        if len(keep) == len(self.active):
+            return
+        if keep:  # finished rows leave the KV cache so later steps cost only what is still running
+            index = torch.tensor(keep, device=device)
+            self.cache.batch_select_indices(index)
+            self.mask, self.positions = self.mask[index], self.positions[index]
+        self.active = [self.active[k] for k in keep]
+
+
+class GenerationEngine:
+    def __init__(self, model_path: str, tokenizer_path: str | None = None, device: str = "cpu",
+                 dtype: str = "float32", max_batch_size: int = 32, seed: int | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path, self.tokenizer_path = str(model_path), str(tokenizer_path or model_path)
+        self.device, self.dtype, self.max_batch_size = torch.device(device), dtype, max_batch_size
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.context_length = getattr(self.model.config, "max_position_embeddings", None)
+        self.eos_token_ids = self._collect_eos_ids()
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.weight_version = "default"
+        self._tensors_by_name = self.model.state_dict(keep_vars=True)  # HF name -> Parameter/buffer
+        self._shapes = {name: tuple(t.shape) for name, t in self._tensors_by_name.items()}  # survive release
+        self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}  # released param -> layout
+        self._unfilled: set[str] = set()  # params re-allocated by resume, awaiting an update
+        self._weights_resident = True
+        self._generator = torch.Generator()
+        self._generator.manual_seed(seed) if seed is not None else self._generator.seed()
+        self._model_lock = threading.Lock()  # held for each forward and each weight write
+        self._tokenizer_lock = threading.Lock()  # fast tokenizers dislike concurrent use
+        self._cond = threading.Condition()  # guards the queue, pause, abort and weight state
+        self._queue: collections.deque[GenerationRequest] = collections.deque()
+        self._running: list[GenerationRequest] = []
+        self._abort_rids: dict[str, str] = {}  # running rid -> abort message
+        self._paused = False
+        self._closed = False
+        self.stats = collections.Counter()  # batches, forward_steps, requests_finished, max_rows
+        self._thread = threading.Thread(target=self._scheduler_loop, name="rollout-engine", daemon=True)
+        self._thread.start()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        with self._tokenizer_lock:
+            return self.tokenizer.encode(text)  # special tokens added as SGLang does
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def validate(self, req: GenerationRequest, where: str = "input_ids") -> None:
+        ids = req.input_ids
+        if not ids:
+            raise InvalidRequest(f"{where} is empty; a prompt needs at least one token")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"{where} contains {bad[:5]} outside the model's vocabulary [0, {self.vocab_size})")
+        if self.context_length and len(ids) + req.params.max_new_tokens > self.context_length:
+            raise InvalidRequest(
+                f"{where} has {len(ids)} tokens and max_new_tokens={req.params.max_new_tokens}; together "
+                f"they exceed the model's context length {self.context_length}")
+
+    def submit(self, requests: list[GenerationRequest]) -> list[concurrent.futures.Future]:
+        """Queue requests (validated first, all or none); they are taken in order, together if they fit."""
+        for req in requests:
+            self.validate(req)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the generation engine is shut down")
+            if not self._weights_resident or self._unfilled:
+                raise WeightsUnavailable(self._weights_state_message())
+            self._queue.extend(requests)
+            self._cond.notify_all()
+        return [r.future for r in requests]
+
+    def abort(self, rid: str | None = None, abort_all: bool = False,
+              message: str = "aborted by /abort_request") -> int:
+        """Abort queued and running requests by rid (or the caller's rid of an n>1 group) or all."""
+        with self._cond:
+            def matches(r: GenerationRequest) -> bool:
+                return abort_all or rid in (r.rid, r.group_rid)
+
+            queued = [r for r in self._queue if matches(r)]
+            for req in queued:
+                self._queue.remove(req)
+            running = [r.rid for r in self._running if matches(r)]
+            self._abort_rids.update(dict.fromkeys(running, message))
+            self._cond.notify_all()
+        for req in queued:  # never started: finish with no tokens
+            self._resolve(_Row(req, self._generator), {"type": "abort", "message": message})
+        return len(queued) + len(running)
+
+    def pause(self, mode: str = "abort") -> None:
+        """abort: finish every request with finish_reason abort, then pause. in_place / retract:
+        the running batch halts between forward steps and resumes on continue_generation."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise InvalidRequest(f"mode={mode!r} must be one of 'abort', 'in_place', 'retract'")
+        if mode == "abort":
+            self.abort(abort_all=True, message="aborted by /pause_generation")
+        with self._cond:
+            self._paused = True
+
+    def resume_generation(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + len(self._running)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def weights_ready(self) -> bool:
+        return self._weights_resident and not self._unfilled
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # ---- weights --------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None) -> str:
+        """Copy HF-named tensors into the model between forward steps; all checked before any is written."""
+        problems = []
+        for name, tensor in named_tensors:
+            shape = self._shapes.get(name)
+            if shape is None:
+                problems.append(f"{name!r} is not a parameter of {type(self.model).__name__}")
+            elif tuple(tensor.shape) != shape:
+                problems.append(f"{name!r} has shape {tuple(tensor.shape)}, the model expects {shape}")
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise ValueError("weight update rejected, nothing was written: " + "; ".join(problems[:5]) + more)
+        with self._model_lock, torch.no_grad():
+            if not self._weights_resident:
+                raise WeightsUnavailable("weights are released; call /resume_memory_occupation before updating them")
+            for name, tensor in named_tensors:
+                self._tensors_by_name[name].data.copy_(tensor)
+        with self._cond:
+            self._unfilled.difference_update(self._canonical_names(n for n, _ in named_tensors))
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+            self._cond.notify_all()
+        return f"updated {len(named_tensors)} tensors; weight_version={self.weight_version}"
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no *.safetensors files in model_path={model_path!r}")
+        named = [item for f in files for item in load_file(str(f)).items()]
+        message = self.update_weights(named, weight_version)
+        self.model_path = str(model_path)
+        return f"{message} from {len(files)} file(s) in {model_path}"
+
+    def release_weights(self) -> str:
+        """Free every parameter's memory; generation is refused until resume + a full update."""
+        with self._model_lock, self._cond:
+            if not self._weights_resident:
+                return "weights were already released"
+            for name, param in self.model.named_parameters():
+                self._released[name] = (param.shape, param.dtype)
+                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            self._weights_resident = False
+        return f"released {len(self._released)} parameter tensors"
+
+    def resume_weights(self) -> str:
+        """Re-allocate released parameters (uninitialised); an update must fill all of them."""
+        with self._model_lock, self._cond:
+            if self._weights_resident:
+                return "weights are resident; nothing to resume"
+            params = dict(self.model.named_parameters())
+            for name, (shape, dtype) in self._released.items():
+                params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
+            self._unfilled = set(self._released)
+            self._released.clear()
+            self._weights_resident = True
+        return (f"re-allocated {len(self._unfilled)} parameter tensors; they hold no values until "
+                "/update_weights_from_tensor or /update_weights_from_disk fills every one")
+
+    def _weights_state_message(self) -> str:
+        if not self._weights_resident:
+            return "weights released; call /resume_memory_occupation then update weights"
+        return (f"weights resumed but {len(self._unfilled)} parameters were not refilled yet "
+                f"(e.g. {sorted(self._unfilled)[:3]}); update them before generating")
+
+    def _canonical_names(self, names) -> set[str]:
+        by_identity = {id(p): n for n, p in self.model.named_parameters()}
+        return {by_identity[id(self._tensors_by_name[n])] for n in names if id(self._tensors_by_name[n]) in by_identity}
+
+    def _collect_eos_ids(self) -> frozenset[int]:
+        values = (getattr(self.model.config, "eos_token_id", None), self.tokenizer.eos_token_id,
+                  getattr(getattr(self.model, "generation_config", None), "eos_token_id", None))
+        return frozenset(v for value in values for v in (value if isinstance(value, (list, tuple)) else [value])
+                         if v is not None)
+
+    # ---- scheduler ------------------------------------------------------------------------------
+    def _scheduler_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._queue or self._paused or not self.weights_ready):
+                    self._cond.wait()
+                if self._closed:
+                    break
+                batch = [self._queue.popleft() for _ in range(min(self.max_batch_size, len(self._queue)))]
+                self._running = batch
+            try:
+                with torch.inference_mode():
+                    self._run_batch(batch)
+            except Exception as exc:  # a failed batch fails its callers, the engine keeps serving
+                log.exception("generation batch of %d requests failed", len(batch))
+                for req in batch:
+                    if not req.future.done():
+                        req.future.set_exception(RuntimeError(f"generation failed: {exc!r}"))
+            finally:
+                with self._cond:
+                    self._running = []
+                    self._abort_rids.clear()
+        with self._cond:
+            for req in self._queue:
+                req.future.set_exception(RuntimeError("the generation engine shut down"))
+            self._queue.clear()
+
+    def _run_batch(self, requests: list[GenerationRequest]) -> None:
+        from transformers import DynamicCache
+
+        self.stats["batches"] += 1
+        self.stats["max_rows"] = max(self.stats["max_rows"], len(requests))
+        rows = [_Row(r, self._generator) for r in requests]
+        ids, mask = self._left_pad([r.input_ids for r in requests])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_input_lp = any(r.return_logprob and r.logprob_start_len >= 0 for r in requests)
+        out = self._forward(ids, mask, positions, DynamicCache(), keep_all=want_input_lp)
+        if want_input_lp:
+            self._fill_input_logprobs(rows, out.logits, ids)
+        batch = _Batch(list(range(len(rows))), out.past_key_values, mask, positions)
+        last_logits = out.logits[:, -1]
+        for row in rows:
+            if row.req.params.max_new_tokens == 0:
+                self._resolve(row, {"type": "length", "length": 0})
+        while True:
+            self._finish_aborted(rows, batch.active)
+            live = [k for k, i in enumerate(batch.active) if rows[i].finish is None]
+            if live:
+                self._sample_into_rows(rows, [batch.active[k] for k in live], last_logits[live])
+            while True:  # between forward steps: honour pause, released weights and aborts
+                batch.keep_unfinished(rows, self.device)
+                if not batch.active:
+                    return
+                if self._wait_until_runnable(rows, batch.active):
+                    break
+                self._finish_aborted(rows, batch.active)
+            next_ids = torch.tensor([[rows[i].output_ids[-1]] for i in batch.active], device=self.device)
+            batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.active), 1)], dim=1)
+            batch.positions = batch.positions[:, -1:] + 1
+            out = self._forward(next_ids, batch.mask, batch.positions, batch.cache, keep_all=False)
+            last_logits = out.logits[:, -1]
+
+    def _forward(self, ids, mask, positions, cache, keep_all: bool):
+        while True:  # weights may be released between the caller's check and this lock
+            with self._model_lock:
+                if self.weights_ready:
+                    self.stats["forward_steps"] += 1
+                    return self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                      past_key_values=cache, use_cache=True,
+                                      logits_to_keep=0 if keep_all else 1)
+            with self._cond:
+                while not self.weights_ready and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    raise RuntimeError("the engine shut down while weights were released")
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _fill_input_logprobs(self, rows: list[_Row], logits: torch.Tensor, ids: torch.Tensor) -> None:
+        width = ids.shape[1]
+        for b, row in enumerate(rows):
+            start, prompt = row.req.logprob_start_len, row.req.input_ids
+            if not (row.req.return_logprob and start >= 0):
+                continue
+            pad, temperature = width - len(prompt), row.req.params.temperature
+            # logits at padded position pad+j-1 predict prompt token j
+            scaled = logits[b, pad:width - 1].float() / (temperature if temperature > 0 else 1.0)
+            lp = torch.log_softmax(scaled, dim=-1).gather(-1, ids[b, pad + 1:, None])[:, 0].tolist()
+            row.input_logprobs = ([None] + lp)[start:]
+
+    def _sample_into_rows(self, rows: list[_Row], indices: list[int], logits: torch.Tensor) -> None:
+        params = [rows[i].req.params for i in indices]
+        tokens, logprobs = sample_next_tokens(
+            logits.float(), [p.temperature for p in params], [p.top_p for p in params],
+            [p.top_k for p in params], [rows[i].generator for i in indices])
+        for i, token, lp in zip(indices, tokens.tolist(), logprobs.tolist()):
+            row = rows[i]
+            row.output_ids.append(token)
+            row.logprobs.append(lp)
+            finish = self._stop_reason(row)
+            if finish is not None:
+                self._resolve(row, finish)
+
+    def _stop_reason(self, row: _Row) -> dict | None:
+        """SGLang's order: length, then stop tokens (all skipped by ignore_eos), then stop strings."""
+        p, token = row.req.params, row.output_ids[-1]
+        if len(row.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if not p.ignore_eos and (token in p.stop_token_ids or token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            text = self.decode(row.output_ids, p.skip_special_tokens)
+            for s in p.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        return None
+
+    def _finish_aborted(self, rows: list[_Row], active: list[int]) -> None:
+        with self._cond:
+            closing = self._closed
+            aborted = {i: "the engine is shutting down" if closing else self._abort_rids[rows[i].req.rid]
+                       for i in active if rows[i].finish is None
+                       and (closing or rows[i].req.rid in self._abort_rids)}
+        for i, message in aborted.items():
+            self._resolve(rows[i], {"type": "abort", "message": message})
+
+    def _wait_until_runnable(self, rows: list[_Row], active: list[int]) -> bool:
+        """Block while paused or weights are missing; False when an active row was aborted meanwhile."""
+        with self._cond:
+            while True:
+                if self._closed or any(rows[i].req.rid in self._abort_rids for i in active):
+                    return False
+                if not self._paused and self.weights_ready:
+                    return True
+                self._cond.wait()
+
+    def _resolve(self, row: _Row, finish: dict) -> None:
+        row.finish, req, p = finish, row.req, row.req.params
+        text_ids = row.output_ids
+        if finish["type"] == "stop" and isinstance(finish.get("matched"), int) and not p.no_stop_trim:
+            text_ids = text_ids[:-1]  # the matched stop token is not part of the text
+        text = self.decode(text_ids, p.skip_special_tokens)
+        if finish["type"] == "stop" and isinstance(finish.get("matched"), str) and not p.no_stop_trim:
+            text = text[: text.find(finish["matched"])]
+        result = GenerationResult(
+            rid=req.rid, text=text, input_ids=req.input_ids, output_ids=list(row.output_ids),
+            output_logprobs=list(row.logprobs) if req.return_logprob else None,
+            input_logprobs=row.input_logprobs if req.return_logprob else None,
+            finish_reason=finish, prompt_tokens=len(req.input_ids),
+            weight_version=self.weight_version, e2e_latency=time.time() - req.created)
+        self.stats["requests_finished"] += 1
+        if not req.future.done():
+            req.future.set_result(result)

@@ -1,0 +1,158 @@
+"""Start and stop the embedded rollout server as a subprocess.
+
+    with RolloutServerProcess(model_path, max_batch_size=16) as server:
+        client = RolloutClient(server.url)
+
+The server runs in its own process group (start_new_session), so stop() can take down everything
+it spawned: SIGTERM to the group, then SIGKILL after a grace period. stop() is also registered
+with atexit, so an exception or a normal interpreter exit never leaves a server behind (a SIGKILL
+of the parent still can; that needs an outer supervisor such as Ray or Slurm). port=0 picks a
+free port here and passes it on; if another process grabs it first, start() retries on a new one.
+Output goes to a log file whose last lines are quoted in every startup error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+import megarl
+
+_PACKAGE_ROOT = str(Path(megarl.__file__).resolve().parent.parent)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RolloutServerProcess:
+    def __init__(self, model_path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 0,
+                 max_batch_size: int = 32, seed: int | None = None, device: str = "cpu",
+                 dtype: str = "float32", torch_threads: int | None = None, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
+                 startup_timeout_s: float = 180.0, python: str = sys.executable):
+        self.model_path, self.host, self.requested_port = str(model_path), host, port
+        self.port: int | None = None
+        self.options = {"--max-batch-size": max_batch_size, "--seed": seed, "--device": device,
+                        "--dtype": dtype, "--torch-threads": torch_threads}
+        self.extra_args, self.python, self.startup_timeout_s = list(extra_args), python, startup_timeout_s
+        self.env = env
+        self.log_path = Path(log_path) if log_path else _new_log_file()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the rollout server is not started; call start() first")
+        return f"http://{self.host}:{self.port}"
+
+    def command(self, port: int) -> list[str]:
+        cmd = [self.python, "-m", "megarl.rollout.server", "--model-path", self.model_path,
+               "--host", self.host, "--port", str(port)]
+        for flag, value in self.options.items():
+            if value is not None:
+                cmd += [flag, str(value)]
+        return cmd + self.extra_args
+
+    def start(self) -> "RolloutServerProcess":
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"the rollout server at {self.url} is already running (pid {self.process.pid})")
+        attempts = 3 if self.requested_port == 0 else 1
+        for attempt in range(attempts):
+            self.port = self.requested_port or free_port(self.host)
+            self._spawn()
+            try:
+                self._wait_until_healthy()
+                return self
+            except _PortTaken:
+                if attempt == attempts - 1:
+                    raise RuntimeError(f"could not bind a free port after {attempts} tries; log tail:\n"
+                                       f"{self.log_tail()}") from None
+
+    def _spawn(self) -> None:
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(self.command(self.port), stdout=log_file, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        atexit.register(self.stop)
+
+    def _wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                tail = self.log_tail()
+                self.stop()
+                if "address already in use" in tail.lower():
+                    raise _PortTaken()
+                raise RuntimeError(f"rollout server exited with code {code} during startup "
+                                   f"(command: {' '.join(self.command(self.port))}); last log lines "
+                                   f"from {self.log_path}:\n{tail}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"rollout server at {self.url} was not healthy within {self.startup_timeout_s:.0f}s; "
+                           f"last log lines from {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `grace_s`; safe to call twice."""
+        atexit.unregister(self.stop)
+        process, self.process = self.process, None
+        if process is None:
+            return
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(process.pid, signal.SIGKILL)  # also whatever the server left in its group
+        process.wait()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as exc:
+            return f"(log {self.log_path} unreadable: {exc})"
+
+    def __enter__(self) -> "RolloutServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _new_log_file() -> Path:
+    fd, path = tempfile.mkstemp(prefix="megarl-rollout-server-", suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the group is already gone
+        pass

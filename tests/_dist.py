@@ -1,0 +1,66 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each returns."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # torch.save to bytes: tensors put on a Queue are shared by fd and die with this process.
+        buf = io.BytesIO()
+        torch.save(fn(rank, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # reported to the parent, which fails the test with it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 600):
+    """fn(rank, *args) on `world_size` gloo ranks; returns the results ordered by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("distributed test failed on " + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
