@@ -1,1 +1,12 @@
-"""megarl.algo"""
+"""megarl.algo: RL algorithm math as pure torch functions (no Ray, no Megatron)."""
+
+from megarl.algo.advantages import grpo_advantages, group_normalized_scores, row_scores
+from megarl.algo.kl import KL_KINDS, kl_loss, kl_penalty
+from megarl.algo.losses import (LOSS_AGG_MODES, agg_loss, entropy_from_logits, entropy_loss,
+                                masked_mean, policy_loss)
+
+__all__ = [
+    "KL_KINDS", "LOSS_AGG_MODES", "agg_loss", "entropy_from_logits", "entropy_loss",
+    "group_normalized_scores", "grpo_advantages", "kl_loss", "kl_penalty", "masked_mean",
+    "policy_loss", "row_scores",
+]

@@ -1,1 +1,1 @@
-"""megarl.trainer"""
+"""megarl.trainer: the RL loops (sync for now), metrics, run set-up and tear-down."""

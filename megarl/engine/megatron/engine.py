@@ -30,6 +30,7 @@ class ParallelSpec:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int = 1
     cp: int = 1
     sequence_parallel: bool = False
 
@@ -83,7 +84,7 @@ class MegatronEngine:
                 pipeline_model_parallel_size=p.pp,
                 context_parallel_size=p.cp,
                 expert_model_parallel_size=p.ep,
-                expert_tensor_parallel_size=1,
+                expert_tensor_parallel_size=p.etp,
             )
         cpu_compat.seed_model_parallel(self.spec.seed)
         hf_config = AutoConfig.from_pretrained(self.spec.model_path)
@@ -92,7 +93,7 @@ class MegatronEngine:
             hf_config,
             sequence_parallel=p.sequence_parallel,
             calculate_per_token_loss=True,
-            expert_tensor_parallel_size=1,
+            expert_tensor_parallel_size=p.etp,
         )
         model = self.bridge._model_provider([])(
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()

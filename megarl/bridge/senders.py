@@ -1,0 +1,85 @@
+"""Senders: push buckets of named tensors to SGLang-API rollout servers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Iterable
+
+from megarl.bridge.buckets import NamedTensor, iter_buckets, tensor_bytes, with_last_flag
+from megarl.rollout.client import RolloutClient
+
+
+class TensorWeightSender:
+    """Colocated transport: each bucket becomes one flattened buffer whose shared-memory handle
+    (CUDA IPC on GPU) goes to /update_weights_from_tensor; the bytes never cross HTTP.
+
+    The buffer is a fresh copy, so later in-place optimizer updates cannot race the server's
+    read, and it stays referenced here until every server has answered.
+    """
+
+    def __init__(self, server_urls: list[str], bucket_bytes: int, timeout_s: float = 600.0):
+        if not server_urls:
+            raise ValueError("bridge: no rollout server URLs to send weights to")
+        self.clients = [RolloutClient(url, timeout_s=timeout_s) for url in server_urls]
+        self.bucket_bytes = bucket_bytes
+
+    def send(self, named: Iterable[NamedTensor], weight_version: str) -> dict:
+        from megarl.rollout.weights_codec import serialize_flattened_bucket
+
+        n_tensors = n_bytes = n_buckets = 0
+        try:
+            for bucket, last in with_last_flag(iter_buckets(named, self.bucket_bytes)):
+                payload = serialize_flattened_bucket(bucket)
+                for client in self.clients:
+                    client.update_weights_from_tensor(
+                        [payload], load_format="flattened_bucket", flush_cache=last,
+                        weight_version=weight_version if last else None)
+                n_buckets += 1
+                n_tensors += len(bucket)
+                n_bytes += sum(tensor_bytes(t) for _, t in bucket)
+        finally:
+            for client in self.clients:
+                client.close()
+        return {"bridge/buckets": n_buckets, "bridge/tensors": n_tensors, "bridge/bytes": n_bytes}
+
+
+class DiskWeightSender:
+    """Disk transport: write an HF safetensors checkpoint (atomically: temp dir, then rename)
+    and ask every server to reload it with /update_weights_from_disk."""
+
+    def __init__(self, server_urls: list[str], directory: str, timeout_s: float = 600.0):
+        self.server_urls = list(server_urls)
+        self.directory = directory
+        self.timeout_s = timeout_s
+
+    def send(self, named: Iterable[NamedTensor], weight_version: str) -> dict:
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().contiguous().clone() for name, t in named}
+        final = os.path.join(self.directory, f"weights_{weight_version}")
+        tmp = f"{final}.tmp{os.getpid()}"
+        os.makedirs(tmp, exist_ok=True)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        start = time.perf_counter()
+        for url in self.server_urls:
+            with RolloutClient(url, timeout_s=self.timeout_s) as client:
+                client.update_weights_from_disk(final, weight_version=weight_version)
+        return {"bridge/tensors": len(tensors),
+                "bridge/bytes": sum(tensor_bytes(t) for t in tensors.values()),
+                "bridge/disk_load_s": time.perf_counter() - start}
+
+
+def make_weight_sender(spec: dict):
+    """spec: transport ("tensor"|"disk"), server_urls, bucket_bytes, disk_dir, timeout_s."""
+    transport = spec.get("transport", "tensor")
+    if transport == "tensor":
+        return TensorWeightSender(spec["server_urls"], int(spec["bucket_bytes"]),
+                                  spec.get("timeout_s", 600.0))
+    if transport == "disk":
+        return DiskWeightSender(spec["server_urls"], spec["disk_dir"], spec.get("timeout_s", 600.0))
+    raise ValueError(f"bridge.transport={transport!r} is not one of 'tensor', 'disk'")

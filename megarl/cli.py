@@ -1,0 +1,69 @@
+"""The `megarl` command.
+
+    megarl train configs/quickstart.yaml actor.optim.lr=3e-4 trainer.total_steps=50
+    megarl show-config configs/quickstart.yaml [overrides...]   # print the resolved config
+
+Bad configuration exits with status 2 and one line naming the key, before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarl", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "run RL training"),
+                       ("show-config", "print the validated, resolved config as YAML")):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/quickstart.yaml)")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=3e-4")
+        p.add_argument("--config", dest="config_flag", help="YAML config file (alternative)")
+    return parser
+
+
+def _split(args) -> tuple[str | None, list[str]]:
+    config, overrides = args.config_flag, list(args.overrides)
+    if args.config is not None:
+        if "=" in args.config:  # `megarl train key=value ...` with no file
+            overrides.insert(0, args.config)
+        elif config is not None:
+            raise SystemExit(f"megarl: two config files given: {args.config} and --config {config}")
+        else:
+            config = args.config
+    return config, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from megarl.config.loader import ConfigError, dump, load_config
+    from megarl.config.validate import validate
+    from megarl.data.dataset import DatasetError
+
+    config_path, overrides = _split(args)
+    try:
+        cfg = validate(load_config(config_path, overrides))
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"megarl: config error: {err}", file=sys.stderr)
+        return 2
+    if args.command == "show-config":
+        print(dump(cfg), end="")
+        return 0
+    from megarl.trainer.run import train
+
+    try:
+        train(cfg)
+    except DatasetError as err:
+        print(f"megarl: data error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("megarl: interrupted; every process this run started has been stopped",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""YAML file + dotted command-line overrides -> a type-checked RunConfig.
+
+    cfg = load_config("configs/quickstart.yaml", ["actor.optim.lr=3e-4", "rollout.n=8"])
+
+Override values are parsed as YAML scalars (`true`, `null`, `8`, `[1, 2]`). Every value is
+checked against its dataclass field type (Optional, Literal, nested sections); a wrong type
+or an unknown key raises ConfigError naming the full dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from megarl.config.schema import RunConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; str() is one line that starts with the dotted key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = " ".join(message.split())  # one line, whatever the caller passed
+        super().__init__(self.message if self.message.startswith(key) else f"{key}: {self.message}")
+
+
+# ------------------------------------------------------------------ schema introspection
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved type hints of a config dataclass (the schema uses postponed annotations)."""
+    return typing.get_type_hints(cls)
+
+
+def all_dotted_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of the schema as a dotted path, e.g. 'actor.optim.lr'."""
+    keys = []
+    for name, tp in field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            keys += all_dotted_keys(tp, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(_describe(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _unknown_key(key: str, known_here: list[str]) -> ConfigError:
+    leaf = key.rsplit(".", 1)[-1]
+    section = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    close = [section + k for k in difflib.get_close_matches(leaf, known_here, n=3, cutoff=0.6)]
+    close += [k for k in all_dotted_keys() if k.rsplit(".", 1)[-1] == leaf and k not in close]
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return ConfigError(key, f"{key} is not a config key{hint} (known here: {', '.join(known_here)})")
+
+
+# ------------------------------------------------------------------ values
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """`value` converted to field type `tp`, or ConfigError naming `key`.
+
+    Conversions are deliberately few: ints widen to floats; numeric strings are accepted for
+    floats (PyYAML reads `1e-6` as a string); numbers are accepted for strings.
+    """
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        members = typing.get_args(tp)
+        if value is None and type(None) in members:
+            return None
+        for member in members:
+            if member is type(None):
+                continue
+            try:
+                return coerce(value, member, key)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"{key}={value!r} is not a valid {_describe(tp)}")
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) is not bool:
+            return value
+        raise ConfigError(key, f"{key}={value!r} must be one of {_describe(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"{key} is a section; give a mapping, not {value!r}")
+        return from_dict(tp, value, key + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        raise TypeError(f"config schema field {key} has unsupported type {tp!r}")
+    raise ConfigError(key, f"{key}={value!r} is not a valid {_describe(tp)}")
+
+
+def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    """Build config dataclass `cls` from a nested dict; missing keys keep their defaults."""
+    types_here = field_types(cls)
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in types_here:
+            raise _unknown_key(key, list(types_here))
+        kwargs[name] = coerce(value, types_here[name], key)
+    return cls(**kwargs)
+
+
+def check_types(obj: Any, prefix: str = "") -> None:
+    """Re-check a config built in code (dataclasses do not enforce annotations)."""
+    for name, tp in field_types(type(obj)).items():
+        value = getattr(obj, name)
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, tp):
+                raise ConfigError(key, f"{key} must be a {tp.__name__}, got {value!r}")
+            check_types(value, key + ".")
+            continue
+        coerced = coerce(value, tp, key)
+        if type(coerced) is not type(value) and not (isinstance(value, int) and tp is float):
+            raise ConfigError(key, f"{key}={value!r} is not a valid {_describe(tp)}")
+
+
+# ------------------------------------------------------------------ overrides and files
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'actor.optim.lr=3e-4' -> (['actor', 'optim', 'lr'], '3e-4' parsed as a YAML scalar)."""
+    if "=" not in text:
+        raise ConfigError(text, f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(key or text, f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(key, f"{key}: value {raw!r} is not valid YAML ({e})") from None
+    return key.split("."), value
+
+
+def apply_override(data: dict, path: list[str], value: Any) -> None:
+    """Set data[path[0]]...[path[-1]] = value, creating sections that the file left out.
+
+    The path is checked against the schema first, so a typo is reported by its dotted name.
+    """
+    cls: Any = RunConfig
+    for i, part in enumerate(path):
+        dotted = ".".join(path[: i + 1])
+        types_here = field_types(cls)
+        if part not in types_here:
+            raise _unknown_key(dotted, list(types_here))
+        cls = types_here[part]
+        if i < len(path) - 1 and not dataclasses.is_dataclass(cls):
+            raise ConfigError(dotted, f"{dotted} is a value, not a section; cannot set "
+                                      f"{'.'.join(path)}")
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            dotted = ".".join(path[: i + 1])
+            raise ConfigError(dotted, f"{dotted} is a section, but the file sets it to {child!r}")
+        node = child
+    node[path[-1]] = value
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config", f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("config", f"config file {p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"config file {p} must hold a mapping of sections")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> RunConfig:
+    """Schema defaults <- YAML file (if any) <- dotted overrides, type-checked."""
+    data = read_yaml(path) if path is not None else {}
+    for text in overrides:
+        apply_override(data, *parse_override(text))
+    return from_dict(RunConfig, data)
+
+
+# ------------------------------------------------------------------ output
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict (for logging, checkpoints and `from_dict`)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump(cfg: Any) -> str:
+    """YAML text that load_config reads back into an equal config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,147 @@
+"""The typed schema of one megarl run: every knob, its type, its default, in one place.
+
+Sizes are counted in rows unless a name says otherwise: one row is one (prompt, response)
+sample, so a step produces data.train_batch_size * rollout.n rows. Fields typed `X | None`
+with a default of None mean "auto"; `validate` resolves them and says how.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None               # HF checkpoint dir; None builds `preset` from scratch
+    preset: Literal["tiny-qwen3-moe"] = "tiny-qwen3-moe"
+    seed: int = 0                         # init seed for a preset built from scratch
+
+
+@dataclass
+class DataConfig:
+    train_files: str | None = None        # .parquet or .jsonl; None generates `task`
+    val_files: str | None = None          # None generates `task` with a different seed
+    task: Literal["digits"] = "digits"    # procedural task used when files are None
+    num_train: int = 1024                 # generated prompts (when train_files is None)
+    num_val: int = 64
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 32           # tokens after the chat template; longer prompts error
+    train_batch_size: int = 16            # prompts per step (rows = this * rollout.n)
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["grpo"] = "grpo"
+    norm_adv_by_std: bool = True          # GRPO divides by the group std; False = Dr.GRPO style
+    epsilon: float = 1e-6                 # added to the group std
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1                           # tensor parallel
+    pp: int = 1                           # pipeline parallel
+    ep: int = 1                           # expert parallel
+    etp: int = 1                          # expert tensor parallel
+    cp: int = 1                           # context parallel
+    sequence_parallel: bool | None = None  # None: on when tp > 1
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0                # max global grad norm; 0 disables clipping
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class ActorConfig:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = 256        # rows per optimizer step (all data-parallel ranks)
+    micro_batch_size: int = 32            # rows per forward/backward on one data-parallel rank
+    ppo_epochs: int = 1                   # passes over each step's rows
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: KlLossType = "low_var_kl"
+    entropy_coeff: float = 0.0
+    loss_agg_mode: LossAggMode = "token-mean"
+    seed: int = 0
+
+
+@dataclass
+class RefConfig:
+    enabled: bool | None = None           # None: on exactly when actor.use_kl_loss
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["embedded", "sglang"] = "embedded"
+    n: int = 16                           # responses per prompt
+    temperature: float = 1.0              # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1                       # -1 = off
+    max_new_tokens: int = 2
+    val_temperature: float = 0.0          # validation decodes greedily by default
+    host: str = "127.0.0.1"
+    port: int = 0                         # 0 = pick a free port
+    num_servers: int = 1
+    max_batch_size: int = 256             # sequences one server decodes at once
+    request_timeout_s: float = 60.0
+    max_retries: int = 3
+
+
+@dataclass
+class BridgeConfig:
+    transport: Literal["tensor", "disk"] = "tensor"
+    bucket_size_mb: float = 64.0
+    check_parity: bool = True             # compare server and trainer log-probs after a sync
+    parity_atol: float = 1e-3             # max |logprob difference| the parity check accepts
+
+
+@dataclass
+class RewardConfig:
+    custom_function: str | None = None    # "package.module:function"; None = rule by data_source
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 200
+    output_dir: str = "outputs"
+    experiment_name: str = "megarl"
+    log_every: int = 1
+    tensorboard: bool = False
+    val_every: int = 0                    # steps between validations; 0 = never
+    seed: int = 0
+
+
+@dataclass
+class ClusterConfig:
+    address: str | None = None            # None: start a local Ray cluster; "auto"/address: join
+    num_cpus: int | None = None           # CPUs for a local cluster; None = Ray's default
+    num_actor_ranks: int = 2              # Megatron world size of the actor
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    bridge: BridgeConfig = field(default_factory=BridgeConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)

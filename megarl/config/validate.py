@@ -1,0 +1,221 @@
+"""Cross-field validation of a RunConfig, run before any process starts.
+
+`validate(cfg, model_config)` raises the first ConfigError it finds (one line, naming the
+dotted key and the value) and otherwise returns a copy with every "auto" (None) field resolved.
+
+Parallel layout rules (Megatron-core's, for world = cluster.num_actor_ranks):
+  * tp*pp*cp divides world; data-parallel size dp = world / (tp*pp*cp)
+  * ep*etp divides world/pp (experts are laid out over the ranks of one pipeline stage)
+  * tp divides num_attention_heads and num_key_value_heads; pp divides num_hidden_layers;
+    ep divides num_experts; MoE with tp > 1 needs sequence parallel
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from megarl.config.loader import ConfigError, check_types
+from megarl.config.schema import RunConfig
+
+_POSITIVE = [
+    "data.num_train", "data.max_prompt_length", "data.train_batch_size",
+    "actor.parallel.tp", "actor.parallel.pp", "actor.parallel.ep", "actor.parallel.etp",
+    "actor.parallel.cp", "actor.ppo_mini_batch_size", "actor.micro_batch_size",
+    "actor.ppo_epochs", "actor.optim.lr", "actor.optim.adam_eps", "algorithm.epsilon",
+    "rollout.n", "rollout.max_new_tokens", "rollout.num_servers", "rollout.max_batch_size",
+    "rollout.request_timeout_s", "bridge.bucket_size_mb", "bridge.parity_atol",
+    "trainer.total_steps", "trainer.log_every", "cluster.num_actor_ranks",
+]
+_NON_NEGATIVE = [
+    "data.num_val", "actor.optim.weight_decay", "actor.optim.clip_grad", "actor.clip_ratio_low",
+    "actor.clip_ratio_high", "actor.kl_loss_coef", "actor.entropy_coeff", "rollout.temperature",
+    "rollout.val_temperature", "rollout.max_retries", "trainer.val_every",
+]
+_FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_DATA_SUFFIXES = (".parquet", ".jsonl")
+
+
+def get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    for key in _POSITIVE:
+        _require(get(cfg, key) > 0, key, f"{key}={get(cfg, key)!r} must be > 0")
+    for key in _NON_NEGATIVE:
+        _require(get(cfg, key) >= 0, key, f"{key}={get(cfg, key)!r} must be >= 0")
+    low = cfg.actor.clip_ratio_low
+    _require(low < 1, "actor.clip_ratio_low", f"actor.clip_ratio_low={low} must be < 1 "
+             "(the ratio is clipped to [1 - low, 1 + high])")
+    for key in ("actor.optim.adam_beta1", "actor.optim.adam_beta2"):
+        _require(0 <= get(cfg, key) < 1, key, f"{key}={get(cfg, key)} must be in [0, 1)")
+    top_p = cfg.rollout.top_p
+    _require(0 < top_p <= 1, "rollout.top_p", f"rollout.top_p={top_p} must be in (0, 1]")
+    top_k = cfg.rollout.top_k
+    _require(top_k == -1 or top_k >= 1, "rollout.top_k",
+             f"rollout.top_k={top_k} must be -1 (off) or >= 1")
+    port = cfg.rollout.port
+    _require(0 <= port <= 65535, "rollout.port", f"rollout.port={port} must be in 0..65535 "
+             "(0 picks a free port)")
+    cpus = cfg.cluster.num_cpus
+    _require(cpus is None or cpus >= 1, "cluster.num_cpus",
+             f"cluster.num_cpus={cpus} must be >= 1 or null (Ray's default)")
+    for key in ("trainer.output_dir", "trainer.experiment_name", "rollout.host"):
+        _require(bool(get(cfg, key).strip()), key, f"{key} must not be empty")
+    _require(cfg.cluster.address is None or bool(cfg.cluster.address.strip()), "cluster.address",
+             "cluster.address must be null (start a local Ray cluster), 'auto' or an address")
+
+
+def check_batch_sizes(cfg: RunConfig) -> None:
+    n = cfg.rollout.n
+    if cfg.algorithm.name == "grpo":
+        _require(n >= 2, "rollout.n", f"rollout.n={n} must be >= 2 for grpo: advantages compare "
+                 "responses to the same prompt, so a group of 1 learns nothing")
+    rows = cfg.data.train_batch_size * n
+    mini = cfg.actor.ppo_mini_batch_size
+    _require(rows % mini == 0, "actor.ppo_mini_batch_size",
+             f"actor.ppo_mini_batch_size={mini} must divide the rows per step "
+             f"data.train_batch_size*rollout.n={rows}")
+    dp = data_parallel_size(cfg)
+    _require(mini % dp == 0, "actor.ppo_mini_batch_size",
+             f"actor.ppo_mini_batch_size={mini} must be divisible by the data-parallel size "
+             f"{dp} (cluster.num_actor_ranks / (tp*pp*cp)) so every rank gets equal rows")
+    if cfg.data.train_files is None:
+        _require(cfg.data.num_train >= cfg.data.train_batch_size, "data.num_train",
+                 f"data.num_train={cfg.data.num_train} is smaller than data.train_batch_size="
+                 f"{cfg.data.train_batch_size}; an epoch would have no full batch")
+    if cfg.trainer.val_every > 0 and cfg.data.val_files is None:
+        _require(cfg.data.num_val >= 1, "data.num_val",
+                 "data.num_val=0 but trainer.val_every > 0; generate at least one val prompt")
+
+
+def data_parallel_size(cfg: RunConfig) -> int:
+    p = cfg.actor.parallel
+    return max(cfg.cluster.num_actor_ranks // (p.tp * p.pp * p.cp), 1)
+
+
+def num_experts(model_config: dict | None) -> int:
+    """Routed experts of an HF config (Qwen-MoE, Mixtral and DeepSeek spell it differently)."""
+    if not model_config:
+        return 0
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if model_config.get(key):
+            return int(model_config[key])
+    return 0
+
+
+def check_parallel(cfg: RunConfig, model_config: dict | None) -> None:
+    p, world = cfg.actor.parallel, cfg.cluster.num_actor_ranks
+    model_parallel = p.tp * p.pp * p.cp
+    _require(world % model_parallel == 0, "actor.parallel",
+             f"actor.parallel tp*pp*cp={p.tp}*{p.pp}*{p.cp}={model_parallel} does not divide "
+             f"cluster.num_actor_ranks={world}")
+    per_stage = world // p.pp
+    _require(per_stage % (p.ep * p.etp) == 0, "actor.parallel.ep",
+             f"actor.parallel.ep={p.ep} times etp={p.etp} does not divide the ranks of one "
+             f"pipeline stage cluster.num_actor_ranks/pp={per_stage}")
+    _require(not (p.sequence_parallel and p.tp == 1), "actor.parallel.sequence_parallel",
+             "actor.parallel.sequence_parallel=true needs actor.parallel.tp > 1; set it to "
+             "null (auto) or raise tp")
+    is_moe = num_experts(model_config) > 0 or (model_config is None and p.ep > 1)
+    _require(not (is_moe and p.tp > 1 and p.sequence_parallel is False),
+             "actor.parallel.sequence_parallel",
+             f"actor.parallel.sequence_parallel=false with tp={p.tp} on an MoE model; Megatron "
+             "needs sequence parallel for MoE with tp > 1 (set it to null or true)")
+    if model_config is not None:
+        check_model_fit(cfg, model_config)
+
+
+def check_model_fit(cfg: RunConfig, mc: dict) -> None:
+    p = cfg.actor.parallel
+    heads = mc.get("num_attention_heads")
+    kv_heads = mc.get("num_key_value_heads") or heads
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value:
+            _require(value % p.tp == 0, "actor.parallel.tp",
+                     f"actor.parallel.tp={p.tp} does not divide model.{name}={value}; "
+                     "choose a divisor")
+    layers = mc.get("num_hidden_layers")
+    if layers:
+        _require(layers % p.pp == 0, "actor.parallel.pp",
+                 f"actor.parallel.pp={p.pp} does not divide model.num_hidden_layers={layers}")
+    experts = num_experts(mc)
+    if p.ep > 1:
+        _require(experts > 0, "actor.parallel.ep",
+                 f"actor.parallel.ep={p.ep} but the model has no experts; use ep=1")
+        _require(experts % p.ep == 0, "actor.parallel.ep",
+                 f"actor.parallel.ep={p.ep} does not divide model.num_experts={experts}")
+    max_pos = mc.get("max_position_embeddings")
+    total = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if max_pos:
+        _require(total <= max_pos, "data.max_prompt_length",
+                 f"data.max_prompt_length + rollout.max_new_tokens = {total} exceeds "
+                 f"model.max_position_embeddings={max_pos}")
+
+
+def check_paths(cfg: RunConfig) -> None:
+    for key in ("data.train_files", "data.val_files"):
+        path = get(cfg, key)
+        if path is None:
+            continue
+        _require(path.endswith(_DATA_SUFFIXES), key,
+                 f"{key}={path!r} must end in {' or '.join(_DATA_SUFFIXES)}")
+        _require(Path(path).is_file(), key, f"{key}={path!r} does not exist")
+    if cfg.model.path is not None:
+        _require((Path(cfg.model.path) / "config.json").is_file(), "model.path",
+                 f"model.path={cfg.model.path!r} is not a Hugging Face checkpoint directory "
+                 "(no config.json); set it to null to build model.preset")
+    fn = cfg.reward.custom_function
+    _require(fn is None or bool(_FUNCTION_REF.match(fn)), "reward.custom_function",
+             f"reward.custom_function={fn!r} must look like 'package.module:function'")
+
+
+def check_algorithm(cfg: RunConfig) -> None:
+    _require(not (cfg.actor.use_kl_loss and cfg.ref.enabled is False), "ref.enabled",
+             "ref.enabled=false but actor.use_kl_loss=true needs reference log-probs; "
+             "set ref.enabled to null (auto) or true")
+
+
+def read_model_config(cfg: RunConfig) -> dict | None:
+    """config.json of model.path, or None (a preset's caller passes its dict explicitly)."""
+    if cfg.model.path is None:
+        return None
+    return json.loads((Path(cfg.model.path) / "config.json").read_text())
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """A copy with auto fields decided: sequence parallel on iff tp > 1; ref iff KL loss."""
+    out = copy.deepcopy(cfg)
+    p = out.actor.parallel
+    if p.sequence_parallel is None:
+        p.sequence_parallel = p.tp > 1
+    if out.ref.enabled is None:
+        out.ref.enabled = out.actor.use_kl_loss
+    return out
+
+
+def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
+    """Check `cfg` (and its fit to `model_config`, an HF config dict) and resolve auto fields.
+
+    When model_config is None and model.path is set, the checkpoint's config.json is read.
+    """
+    check_types(cfg)
+    check_ranges(cfg)
+    check_paths(cfg)
+    if model_config is None:
+        model_config = read_model_config(cfg)
+    check_parallel(cfg, model_config)
+    check_batch_sizes(cfg)
+    check_algorithm(cfg)
+    return resolve(cfg)

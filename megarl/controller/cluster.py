@@ -1,0 +1,205 @@
+"""RayCluster: own the Ray connection of the controller for the length of a `with` block.
+
+    with RayCluster(num_cpus=2) as cluster:       # address None: a fresh local cluster
+        group = RayWorkerGroup(...)
+        ...
+    # every Ray process this block started is gone, also after an exception, Ctrl-C or SIGTERM
+
+With an address the block joins an existing cluster and only disconnects on exit; Ray then reclaims
+the job's actors and placement groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import psutil
+import ray
+
+from megarl.controller.worker_group import pythonpath_with_repo
+
+logger = logging.getLogger(__name__)
+
+_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RayCluster:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        num_cpus: int | None = None,
+        num_gpus: int | None = None,
+        object_store_memory: int | None = None,
+        log_to_driver: bool = True,
+        runtime_env: dict[str, Any] | None = None,
+        namespace: str | None = None,
+        handle_signals: bool = True,
+        shutdown_grace_s: float = 10.0,
+    ) -> None:
+        if address is not None and (num_cpus is not None or num_gpus is not None or object_store_memory is not None):
+            raise ValueError(
+                f"RayCluster(address={address!r}) joins an existing cluster whose resources are fixed; "
+                "num_cpus/num_gpus/object_store_memory only apply when starting a local cluster (address=None)"
+            )
+        self.address = address
+        self.num_cpus = num_cpus
+        self.num_gpus = num_gpus
+        self.object_store_memory = object_store_memory
+        self.log_to_driver = log_to_driver
+        self.runtime_env = _with_repo_on_pythonpath(runtime_env)
+        self.namespace = namespace
+        self.handle_signals = handle_signals
+        self.shutdown_grace_s = shutdown_grace_s
+        self._started = False
+        self._preexisting_children: set[int] = set()
+        self._previous_handlers: dict[int, Any] = {}
+        self._terminated_by: int | None = None
+
+    def __enter__(self) -> RayCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+        signum, self._terminated_by = self._terminated_by, None
+        if signum is not None:
+            # Ray turns a SystemExit raised inside ray.get into SystemExit(1); restore the
+            # conventional 128 + signal code so supervisors see a clean, signalled exit.
+            raise SystemExit(128 + signum) from None
+
+    def start(self) -> None:
+        if ray.is_initialized():
+            raise RuntimeError(
+                "Ray is already initialized in this process; RayCluster must own the connection so it can "
+                "clean up. Call ray.shutdown() first, or use the existing connection without RayCluster."
+            )
+        self._preexisting_children = {p.pid for p in psutil.Process().children(recursive=True)}
+        # Remember the handlers from before ray.init (which installs a SIGTERM handler of its own)
+        # so close() leaves the process as it found it.
+        self._remember_signal_handlers()
+        try:
+            self._connect()
+        except BaseException:
+            self._restore_signal_handlers()
+            raise
+        self._started = True
+        self._install_signal_handlers()
+
+    def _connect(self) -> None:
+        common = dict(log_to_driver=self.log_to_driver, runtime_env=self.runtime_env, namespace=self.namespace)
+        if self.address is None:
+            # "local" always starts a new cluster; None would silently join one left by `ray start`.
+            ray.init(
+                address="local",
+                num_cpus=self.num_cpus,
+                num_gpus=self.num_gpus,
+                object_store_memory=self.object_store_memory,
+                include_dashboard=False,
+                **common,
+            )
+        else:
+            ray.init(address=self.address, **common)
+
+    def close(self) -> None:
+        """Shut Ray down and make sure no Ray process started by this cluster outlives it."""
+        if not self._started:
+            return
+        self._started = False
+        self._ignore_signals_during_shutdown()
+        try:
+            started_here = self._ray_processes_started_here()
+            ray.shutdown()
+            _reap(started_here, self.shutdown_grace_s)
+        finally:
+            self._restore_signal_handlers()
+
+    def _ray_processes_started_here(self) -> list[psutil.Process]:
+        """Ray processes below this one (raylet workers are re-parented when the raylet exits, so
+        they are recorded now, before shutdown)."""
+        processes = []
+        for process in psutil.Process().children(recursive=True):
+            if process.pid not in self._preexisting_children and _is_ray_process(process):
+                processes.append(process)
+        return processes
+
+    # ---- signals --------------------------------------------------------------------------------
+
+    def _remember_signal_handlers(self) -> None:
+        if not self.handle_signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("RayCluster: not in the main thread, so SIGINT/SIGTERM cleanup handlers are not installed")
+            return
+        self._previous_handlers = {signum: signal.getsignal(signum) for signum in _HANDLED_SIGNALS}
+
+    def _install_signal_handlers(self) -> None:
+        for signum in self._previous_handlers:
+            signal.signal(signum, self._raise_to_unwind)
+
+    def _raise_to_unwind(self, signum: int, frame: FrameType | None) -> None:
+        """Turn the signal into an exception so every `with` block (worker groups, the cluster) exits."""
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self._terminated_by = signum
+        raise SystemExit(128 + signum)
+
+    def _ignore_signals_during_shutdown(self) -> None:
+        # A second Ctrl-C must not interrupt ray.shutdown halfway and leave processes behind.
+        for signum in self._previous_handlers:
+            signal.signal(signum, _log_ignored_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        # getsignal returns None for a handler not installed from Python; SIG_DFL is the closest.
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous_handlers = {}
+
+
+def _log_ignored_signal(signum: int, frame: FrameType | None) -> None:
+    name = signal.Signals(signum).name
+    logger.warning("RayCluster: %s received while shutting down Ray; finishing the shutdown first", name)
+
+
+def _is_ray_process(process: psutil.Process) -> bool:
+    try:
+        name = process.name()
+        cmdline = " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return False
+    return name in ("raylet", "gcs_server") or name.startswith("ray::") or "/ray/" in cmdline
+
+
+def _reap(processes: list[psutil.Process], grace_s: float) -> None:
+    """Wait for `processes` to exit after ray.shutdown; terminate, then kill, any that linger."""
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    if not alive:
+        return
+    pids = [p.pid for p in alive]
+    logger.warning("RayCluster: %d Ray processes outlived ray.shutdown(); terminating %s", len(alive), pids)
+    for process in alive:
+        _signal_quietly(process, kill=False)
+    _, alive = psutil.wait_procs(alive, timeout=grace_s)
+    for process in alive:
+        _signal_quietly(process, kill=True)
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def _signal_quietly(process: psutil.Process, *, kill: bool) -> None:
+    try:
+        process.kill() if kill else process.terminate()
+    except psutil.NoSuchProcess:
+        pass  # exited between the check and the signal: that is what we wanted
+
+
+def _with_repo_on_pythonpath(runtime_env: dict[str, Any] | None) -> dict[str, Any]:
+    """Workers must import megarl even where it is not pip-installed: put the repo on PYTHONPATH."""
+    runtime_env = dict(runtime_env or {})
+    env_vars = dict(runtime_env.get("env_vars", {}))
+    env_vars["PYTHONPATH"] = pythonpath_with_repo(env_vars.get("PYTHONPATH"))
+    runtime_env["env_vars"] = env_vars
+    return runtime_env

@@ -1,0 +1,292 @@
+"""RayWorkerGroup: N Ray actors running one Worker class as SPMD ranks.
+
+Ray is only the transport here; how arguments are split and results gathered lives in dispatch.py.
+Every method of the worker class decorated with @register becomes a method of the group:
+
+    group = RayWorkerGroup(Actor, num_workers=4, init_args=(config,), num_cpus_per_worker=0.5)
+    log_probs = group.compute_log_prob(batch)     # split by dp rank, gathered from the dp owners
+    group.shutdown()
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.placement_group import placement_group as create_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+import megarl
+from megarl.controller.decorator import Registration, registration_of
+from megarl.controller.dispatch import Dispatch, MeshCoord, collect_outputs, split_args, validate_mesh
+from megarl.controller.worker import Worker
+from megarl.data.batch import Batch
+
+REPO_ROOT = str(Path(megarl.__file__).resolve().parents[1])
+
+
+def pythonpath_with_repo(extra: str | None = None) -> str:
+    """PYTHONPATH for Ray workers: the repo (workers must import megarl even where it is not
+    pip-installed), then `extra`, then whatever the node already had (Ray expands ${PYTHONPATH})."""
+    return ":".join(p for p in (REPO_ROOT, extra, "${PYTHONPATH}") if p)
+
+
+class WorkerError(RuntimeError):
+    """A worker raised (or died) during a group call; `rank` says which one."""
+
+    def __init__(self, message: str, *, rank: int, method: str, cause: BaseException | None):
+        super().__init__(message)
+        self.rank = rank
+        self.method = method
+        self.cause = cause
+
+
+class RayWorkerGroup:
+    def __init__(
+        self,
+        worker_cls: type[Worker],
+        num_workers: int,
+        *,
+        init_args: Sequence[Any] = (),
+        init_kwargs: dict[str, Any] | None = None,
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float = 0.0,
+        placement_group: PlacementGroup | None = None,
+        bundle_offset: int = 0,
+        env_vars: dict[str, str] | None = None,
+        name_prefix: str | None = None,
+        placement_timeout_s: float = 60.0,
+        init_timeout_s: float = 600.0,
+    ) -> None:
+        """Start `num_workers` actors of `worker_cls`, one per placement-group bundle, and set up
+        their torch.distributed world.
+
+        placement_group None: the group creates its own (one bundle per rank, PACK) and removes it
+        on shutdown. Given: ranks use bundles [bundle_offset, bundle_offset + num_workers), which
+        lets several groups share (colocate on) the same bundles with fractional resources.
+        """
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"worker_cls must be a subclass of megarl.controller.Worker, got {worker_cls!r}")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.worker_cls = worker_cls
+        self.world_size = num_workers
+        self.name = name_prefix or f"{worker_cls.__name__}_{uuid.uuid4().hex[:6]}"
+        self.actors: list[ray.actor.ActorHandle] = []
+        self.mesh: list[MeshCoord] = []
+        self._owns_placement_group = placement_group is None
+        self._alive = True
+        self.placement_group = placement_group
+        registered = _registered_methods(worker_cls)
+        if placement_group is not None and not 0 <= bundle_offset <= placement_group.bundle_count - num_workers:
+            raise ValueError(
+                f"{self.name}: ranks need bundles [{bundle_offset}, {bundle_offset + num_workers}) but the given "
+                f"placement group has {placement_group.bundle_count} bundles"
+            )
+        try:
+            if placement_group is None:
+                self._create_placement_group(num_cpus_per_worker, num_gpus_per_worker, placement_timeout_s)
+            self._start_actors(
+                init_args, init_kwargs or {}, num_cpus_per_worker, num_gpus_per_worker, bundle_offset, env_vars or {}
+            )
+            self._init_distributed(init_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        for method_name, registration in registered.items():
+            setattr(self, method_name, self._group_method(method_name, registration, getattr(worker_cls, method_name)))
+
+    # ---- start-up -------------------------------------------------------------------------------
+
+    def _create_placement_group(self, num_cpus: float, num_gpus: float, timeout_s: float) -> None:
+        if num_cpus <= 0 and num_gpus <= 0:
+            raise ValueError(f"{self.name}: each rank needs num_cpus_per_worker > 0 or num_gpus_per_worker > 0")
+        bundle = {name: amount for name, amount in (("CPU", num_cpus), ("GPU", num_gpus)) if amount > 0}
+        bundles = [dict(bundle) for _ in range(self.world_size)]
+        pg = create_placement_group(bundles, strategy="PACK", name=f"{self.name}_pg")
+        self.placement_group = pg
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"{self.name}: could not reserve {self.world_size} bundles of {bundle} within {timeout_s:.0f}s; "
+                f"cluster has {ray.cluster_resources()} in total, {ray.available_resources()} free. "
+                f"Lower num_cpus_per_worker/num_gpus_per_worker or add nodes."
+            ) from None
+
+    def _start_actors(
+        self,
+        init_args: Sequence[Any],
+        init_kwargs: dict[str, Any],
+        num_cpus: float,
+        num_gpus: float,
+        bundle_offset: int,
+        env_vars: dict[str, str],
+    ) -> None:
+        env = dict(env_vars)
+        env["PYTHONPATH"] = pythonpath_with_repo(env_vars.get("PYTHONPATH"))
+        actor_cls = ray.remote(self.worker_cls)
+
+        def start(rank: int, master_addr: str | None, master_port: int | None) -> ray.actor.ActorHandle:
+            return actor_cls.options(
+                name=f"{self.name}_rank{rank}",
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement_group, placement_group_bundle_index=bundle_offset + rank
+                ),
+                runtime_env={"env_vars": env},
+            ).remote(
+                *init_args,
+                rank=rank,
+                world_size=self.world_size,
+                master_addr=master_addr,
+                master_port=master_port,
+                **init_kwargs,
+            )
+
+        # Rank 0 picks the rendezvous address on its own node; the rest are told it.
+        self.actors.append(start(0, None, None))
+        master_addr, master_port = self._gather([self.actors[0].get_master_addr_port.remote()], "__init__")[0]
+        self.actors.extend(start(rank, master_addr, master_port) for rank in range(1, self.world_size))
+
+    def _init_distributed(self, timeout_s: float) -> None:
+        # All ranks must enter the rendezvous together, so submit to all before waiting on any.
+        self._gather([a.init_distributed.remote() for a in self.actors], "init_distributed", timeout_s=timeout_s)
+        self.mesh = self._gather([a.get_mesh_coord.remote() for a in self.actors], "get_mesh_coord")
+        validate_mesh(self.mesh)
+
+    # ---- calls ----------------------------------------------------------------------------------
+
+    def _group_method(self, method_name: str, registration: Registration, worker_method: Any):
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pending = self.submit(method_name, registration.dispatch, *args, **kwargs)
+            return pending.get() if registration.blocking else pending
+
+        functools.update_wrapper(call, worker_method)
+        return call
+
+    def submit(self, method_name: str, dispatch: Dispatch, *args: Any, **kwargs: Any) -> PendingCall:
+        """Start `method_name` on every rank with arguments split per `dispatch`; don't wait."""
+        if not self._alive:
+            raise RuntimeError(f"{self.name}: the worker group was shut down; create a new one")
+        calls = _share_repeated_args(split_args(dispatch, self.mesh, args, kwargs))
+        refs = [getattr(actor, method_name).remote(*a, **k) for actor, (a, k) in zip(self.actors, calls)]
+        return PendingCall(self, method_name, dispatch, refs)
+
+    def _gather(self, refs: list[ray.ObjectRef], method_name: str, timeout_s: float | None = None) -> list[Any]:
+        """Results in rank order; the first worker failure is raised at once, naming its rank."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        while rank_of:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(rank_of), num_returns=1, timeout=remaining)
+            if not ready:
+                waiting = sorted(rank_of.values())
+                raise TimeoutError(f"{self.name}.{method_name}: ranks {waiting} did not finish within {timeout_s:.0f}s")
+            rest = [r for r in rank_of if r not in ready]
+            others, _ = ray.wait(rest, num_returns=len(rest), timeout=0) if rest else ([], [])
+            for ref in ready + others:
+                rank = rank_of.pop(ref)
+                results[rank] = self._get_one(ref, rank, method_name)
+        return results
+
+    def _get_one(self, ref: ray.ObjectRef, rank: int, method_name: str) -> Any:
+        where = f"{self.name} rank {rank} of {self.world_size}"
+        if rank < len(self.mesh):
+            where += f" [{self.mesh[rank].describe()}]"
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as error:
+            cause = getattr(error, "cause", None)
+            message = f"{where} raised in {method_name}():\n{error}"
+            raise WorkerError(message, rank=rank, method=method_name, cause=cause) from error
+        except ray.exceptions.RayActorError as error:
+            raise WorkerError(
+                f"{where} died during {method_name}() (crash, OOM kill or failed constructor):\n{error}",
+                rank=rank,
+                method=method_name,
+                cause=error,
+            ) from error
+        except ray.exceptions.RayError as error:  # lost objects, cancellation, ...
+            message = f"{where}: Ray could not return the result of {method_name}():\n{error}"
+            raise WorkerError(message, rank=rank, method=method_name, cause=error) from error
+
+    # ---- teardown -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Kill every actor and remove the placement group this group created. Idempotent."""
+        if not self._alive:
+            return
+        self._alive = False
+        if not ray.is_initialized():
+            return  # the cluster is gone, and with it every actor and placement group
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self._owns_placement_group and self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+
+    def __enter__(self) -> RayWorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+
+class PendingCall:
+    """A submitted group call; `get()` waits for every rank and gathers per the dispatch mode."""
+
+    def __init__(self, group: RayWorkerGroup, method_name: str, dispatch: Dispatch, refs: list[ray.ObjectRef]):
+        self.group = group
+        self.method_name = method_name
+        self.dispatch = dispatch
+        self.refs = refs
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        outputs = self.group._gather(self.refs, self.method_name, timeout_s=timeout_s)
+        return collect_outputs(self.dispatch, self.group.mesh, outputs)
+
+
+def _registered_methods(worker_cls: type[Worker]) -> dict[str, Registration]:
+    methods = {}
+    for method_name, member in inspect.getmembers(worker_cls):
+        registration = registration_of(member)
+        if registration is None:
+            continue
+        if hasattr(RayWorkerGroup, method_name):
+            raise ValueError(
+                f"{worker_cls.__name__}.{method_name} is registered but clashes with "
+                f"RayWorkerGroup.{method_name}; rename it"
+            )
+        methods[method_name] = registration
+    return methods
+
+
+def _share_repeated_args(calls: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    """Put a large argument that goes to several workers into the object store once, instead of
+    serializing it once per worker (tp/pp peers of one dp rank all receive the same chunk)."""
+    uses: dict[int, int] = {}
+    for args, kwargs in calls:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, (Batch, torch.Tensor, np.ndarray)):
+                uses[id(value)] = uses.get(id(value), 0) + 1
+    refs: dict[int, ray.ObjectRef] = {}
+
+    def shared(value: Any) -> Any:
+        if uses.get(id(value), 0) < 2:
+            return value
+        if id(value) not in refs:
+            refs[id(value)] = ray.put(value)
+        return refs[id(value)]
+
+    return [(tuple(shared(a) for a in args), {k: shared(v) for k, v in kwargs.items()}) for args, kwargs in calls]

@@ -1,0 +1,204 @@
+"""Prompt datasets: read canonical rows, validate every one, tokenize, batch deterministically.
+
+A canonical row (parquet or jsonl):
+    prompt: [{"role": str, "content": str}, ...]       (the key is configurable: prompt_key)
+    data_source: str                                    (selects the reward rule)
+    reward_model: {"ground_truth": str, "style": "rule" | "model"}
+    extra_info: dict                                    (null is read as {})
+
+Problems are reported as "<file> row <i>: <what>" so a bad row can be found and fixed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megarl.data.batch import Batch
+from megarl.data.tasks import write_task
+
+REWARD_STYLES = ("rule", "model")
+
+
+class DatasetError(ValueError):
+    """A dataset file or row does not match the canonical format."""
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """All rows of a .parquet or .jsonl file as dicts."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"dataset file {p} does not exist")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    if p.suffix == ".jsonl":
+        rows = []
+        for line_no, line in enumerate(p.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{p.name} line {line_no}: not valid JSON ({e.msg})") from None
+        return rows
+    raise DatasetError(f"dataset file {p} must be .parquet or .jsonl")
+
+
+def _field(row: dict, dotted: str, expected: type | tuple[type, ...], where: str) -> Any:
+    node: Any = row
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node or node[part] is None:
+            raise DatasetError(f"{where}: missing field {dotted!r}")
+        node = node[part]
+    if not isinstance(node, expected):
+        names = expected.__name__ if isinstance(expected, type) else "/".join(t.__name__ for t in expected)
+        raise DatasetError(f"{where}: field {dotted!r} is a {type(node).__name__}, expected {names}")
+    return node
+
+
+def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> dict:
+    """The row with canonical types checked (extra_info null -> {}); raises DatasetError."""
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: a row must be a mapping, got {type(row).__name__}")
+    messages = _field(row, prompt_key, (list, np.ndarray), where)
+    if len(messages) == 0:
+        raise DatasetError(f"{where}: field {prompt_key!r} has no messages")
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DatasetError(f"{where}: {prompt_key}[{j}] must be a mapping with role and content")
+        _field(message, "role", str, f"{where}: {prompt_key}[{j}]")
+        _field(message, "content", str, f"{where}: {prompt_key}[{j}]")
+    _field(row, "data_source", str, where)
+    _field(row, "reward_model.ground_truth", str, where)
+    style = _field(row, "reward_model.style", str, where)
+    if style not in REWARD_STYLES:
+        raise DatasetError(f"{where}: field 'reward_model.style' is {style!r}, expected one of "
+                           f"{REWARD_STYLES}")
+    if "extra_info" not in row:
+        raise DatasetError(f"{where}: missing field 'extra_info'")
+    extra = row["extra_info"] if row["extra_info"] is not None else {}
+    if not isinstance(extra, dict):
+        raise DatasetError(f"{where}: field 'extra_info' is a {type(extra).__name__}, expected dict")
+    return {**row, prompt_key: [dict(m) for m in messages], "extra_info": extra}
+
+
+def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the chat-templated prompt, ending with the assistant turn marker."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers return an encoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+class RLDataset:
+    """Validated, tokenized prompt rows; row i is a dict with canonical fields + raw_prompt_ids."""
+
+    def __init__(self, rows: list[dict], tokenizer, max_prompt_length: int,
+                 prompt_key: str = "prompt", source: str = "<rows>"):
+        self.source = source
+        self.prompt_key = prompt_key
+        self.rows: list[dict] = []
+        for index, raw in enumerate(rows):
+            where = f"{source} row {index}"
+            row = validate_row(raw, where, prompt_key)
+            ids = tokenize_prompt(tokenizer, row[prompt_key])
+            if len(ids) > max_prompt_length:
+                raise DatasetError(f"{where}: prompt is {len(ids)} tokens, longer than "
+                                   f"data.max_prompt_length={max_prompt_length}; raise the limit "
+                                   "or drop the row")
+            self.rows.append({**row, "raw_prompt_ids": ids})
+        if not self.rows:
+            raise DatasetError(f"{source} has no rows")
+
+    @classmethod
+    def from_file(cls, path: str | Path, tokenizer, max_prompt_length: int,
+                  prompt_key: str = "prompt") -> RLDataset:
+        return cls(read_rows(path), tokenizer, max_prompt_length, prompt_key, Path(path).name)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.rows[index]
+
+
+class PromptBatches:
+    """Deterministic epoch-shuffled prompt batches, addressable by step (for exact resume).
+
+    Epoch e uses the permutation drawn from (seed, e); step s is batch s % steps_per_epoch of
+    epoch s // steps_per_epoch. Each batch carries non-tensor columns raw_prompt_ids,
+    raw_prompt, data_source, ground_truth, reward_style, extra_info and uid (unique per prompt
+    per epoch: "e<epoch>-r<row>").
+    """
+
+    def __init__(self, dataset: RLDataset, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True):
+        if batch_size < 1:
+            raise DatasetError(f"batch_size must be >= 1, got {batch_size}")
+        if drop_last and len(dataset) < batch_size:
+            raise DatasetError(f"{dataset.source} has {len(dataset)} rows, fewer than one batch "
+                               f"of {batch_size}; lower data.train_batch_size or add rows")
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.drop_last = drop_last
+        full, rest = divmod(len(dataset), batch_size)
+        self.steps_per_epoch = full if drop_last or rest == 0 else full + 1
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+
+    def batch_at(self, step: int) -> Batch:
+        epoch, position = divmod(step, self.steps_per_epoch)
+        order = self.epoch_order(epoch)
+        rows = order[position * self.batch_size:(position + 1) * self.batch_size]
+        return self._make_batch([int(r) for r in rows], epoch, step)
+
+    def _make_batch(self, indices: list[int], epoch: int, step: int) -> Batch:
+        rows = [self.dataset[i] for i in indices]
+        return Batch(non_tensors={
+            "raw_prompt_ids": [r["raw_prompt_ids"] for r in rows],
+            "raw_prompt": [r[self.dataset.prompt_key] for r in rows],
+            "data_source": [r["data_source"] for r in rows],
+            "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
+            "reward_style": [r["reward_model"]["style"] for r in rows],
+            "extra_info": [r["extra_info"] for r in rows],
+            "uid": [f"e{epoch}-r{i}" for i in indices],
+        }, meta={"epoch": epoch, "step": step})
+
+    def iterate(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:
+        """Batches for steps start_step, start_step+1, ... (forever when num_steps is None)."""
+        step = start_step
+        while num_steps is None or step < start_step + num_steps:
+            yield self.batch_at(step)
+            step += 1
+
+    def epoch(self, epoch: int = 0) -> Iterator[Batch]:
+        """The batches of one epoch (e.g. a validation pass)."""
+        return self.iterate(epoch * self.steps_per_epoch, self.steps_per_epoch)
+
+
+def build_datasets(data_cfg, tokenizer, work_dir: str | Path) -> tuple[RLDataset, RLDataset | None]:
+    """Train and val datasets from a DataConfig; procedural tasks are written under work_dir.
+
+    val is generated (seed + 1) when val_files is null and num_val > 0, else None.
+    """
+    work = Path(work_dir)
+    train_path = data_cfg.train_files
+    if train_path is None:
+        train_path = write_task(data_cfg.task, data_cfg.num_train, data_cfg.seed,
+                                work / f"{data_cfg.task}_train.parquet")
+    val_path = data_cfg.val_files
+    if val_path is None and data_cfg.num_val > 0:
+        val_path = write_task(data_cfg.task, data_cfg.num_val, data_cfg.seed + 1,
+                              work / f"{data_cfg.task}_val.parquet")
+    args = (tokenizer, data_cfg.max_prompt_length, data_cfg.prompt_key)
+    train = RLDataset.from_file(train_path, *args)
+    val = RLDataset.from_file(val_path, *args) if val_path is not None else None
+    return train, val

@@ -1,0 +1,146 @@
+"""MegatronActor: one SPMD rank of the policy, with its reference policy colocated.
+
+The actor and reference engines share the rank's Megatron mesh; the reference is forward-only
+and never updated (verl's ActorRolloutRef arrangement, minus the rollout, which lives in HTTP
+servers). Every method is called on all ranks by the worker group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megarl.algo.kl import kl_penalty
+from megarl.algo.losses import agg_loss, masked_mean, policy_loss
+from megarl.controller.decorator import register
+from megarl.controller.dispatch import Dispatch, MeshCoord
+from megarl.controller.worker import Worker
+from megarl.data.batch import Batch
+from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
+
+
+@dataclass
+class ActorLossSpec:
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    loss_agg_mode: str = "token-mean"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+
+
+def actor_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
+    """(loss summed over units, units, metrics) for one micro-batch; see engine.LossFn.
+
+    Units are tokens for token-mean and sequences otherwise; Megatron divides the summed
+    gradient by the units of the whole mini-batch (all micro-batches, all data-parallel ranks).
+    """
+    mask = mb["response_mask"].to(log_prob.dtype)
+    units = mask.sum() if spec.loss_agg_mode == "token-mean" else torch.tensor(float(len(mb)))
+    pg, pg_metrics = policy_loss(
+        log_prob, mb["old_log_probs"], mb["advantages"], mask,
+        clip_ratio_low=spec.clip_ratio_low, clip_ratio_high=spec.clip_ratio_high,
+        loss_agg_mode=spec.loss_agg_mode, global_denominator=1.0)
+    loss = pg
+    metrics = {
+        "actor/pg_clipfrac": float(pg_metrics["pg_clipfrac"]),
+        "actor/ppo_kl": float(pg_metrics["ppo_kl"]),
+        "actor/entropy": float(masked_mean(entropy.detach(), mask)),
+    }
+    if spec.entropy_coeff:
+        loss = loss - spec.entropy_coeff * agg_loss(entropy, mask, spec.loss_agg_mode, 1.0)
+    if spec.use_kl_loss:
+        kl = kl_penalty(log_prob, mb["ref_log_probs"], spec.kl_loss_type)
+        loss = loss + spec.kl_loss_coef * agg_loss(kl, mask, spec.loss_agg_mode, 1.0)
+        metrics["actor/kl_loss"] = float(masked_mean(kl.detach(), mask))
+    metrics["actor/pg_loss"] = float(pg.detach()) / max(float(units), 1.0)
+    return loss, units, metrics
+
+
+class MegatronActor(Worker):
+    def __init__(self, engine_spec: EngineSpec, loss_spec: ActorLossSpec, with_ref: bool = False,
+                 **dist):
+        super().__init__(**dist)
+        self.engine_spec = engine_spec
+        self.loss_spec = loss_spec
+        self.with_ref = with_ref
+        self.actor = None
+        self.ref = None
+
+    def init_distributed(self) -> None:
+        super().init_distributed()
+        self.actor = MegatronEngine(self.engine_spec)
+        self.actor.initialize()
+        if self.with_ref:
+            ref_spec = dataclasses.replace(self.engine_spec, optim=None)
+            self.ref = MegatronEngine(ref_spec)
+            self.ref.initialize()
+
+    def get_mesh_coord(self) -> MeshCoord:
+        return MeshCoord(**self.actor.mesh_coord())
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
+        """`old_log_probs` and `entropy` of the responses under the current policy."""
+        out = self.actor.compute_log_prob(batch, temperature)
+        if out is None:
+            return None
+        return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
+        if self.ref is None:
+            raise RuntimeError("compute_ref_log_prob: this actor group was built without a "
+                               "reference policy (ref.enabled=false)")
+        out = self.ref.compute_log_prob(batch, temperature)
+        return None if out is None else Batch({"ref_log_probs": out["log_probs"]})
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def update_actor(self, batch: Batch, mini_batch_size: int, epochs: int = 1,
+                     temperature: float = 1.0, seed: int = 0) -> dict:
+        """PPO-style update: `epochs` passes over this rank's rows in shuffled mini-batches.
+
+        `mini_batch_size` counts rows of the global batch; each data-parallel rank takes its
+        share. Returns metrics averaged over mini-batches (from the dp-owner ranks).
+        """
+        dp = self.get_mesh_coord().dp_size
+        local_mini = max(1, mini_batch_size // dp)
+        n_mini = max(1, math.ceil(len(batch) / local_mini))
+        gen = torch.Generator().manual_seed(seed)
+        start = time.perf_counter()
+        collected: list[dict] = []
+        for _ in range(epochs):
+            order = torch.randperm(len(batch), generator=gen)
+            shuffled = batch[order]
+            for mini in shuffled.chunk(n_mini):
+                collected.append(self.actor.train_mini_batch(
+                    mini, lambda lp, ent, mb: actor_loss(self.loss_spec, lp, ent, mb), temperature))
+        metrics = {k: sum(d[k] for d in collected if k in d) / sum(k in d for d in collected)
+                   for k in {k for d in collected for k in d}}
+        metrics["actor/num_updates"] = float(len(collected))
+        metrics["perf/update_s"] = time.perf_counter() - start
+        return metrics
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def sync_weights(self, bridge_spec: dict, weight_version: str) -> dict:
+        """Stream the current weights to the rollout servers (all ranks gather, rank 0 sends)."""
+        from megarl.bridge import make_weight_sender
+
+        sender = make_weight_sender(bridge_spec) if self.rank == 0 else None
+        return _send_all(self.actor.export_weights(), sender, weight_version)
+
+
+def _send_all(named_tensors, sender, weight_version: str) -> dict:
+    start = time.perf_counter()
+    if sender is None:
+        for _ in named_tensors:  # take part in the collectives, keep nothing
+            pass
+        return {}
+    stats = sender.send(named_tensors, weight_version)
+    stats["perf/weight_sync_s"] = time.perf_counter() - start
+    return stats

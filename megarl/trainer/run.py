@@ -1,0 +1,38 @@
+"""`megarl train`: validate, bring the runtime up, run the loop, summarise, tear down."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from megarl.config.loader import dump
+from megarl.config.schema import RunConfig
+
+
+def train(cfg: RunConfig, stream=sys.stdout) -> dict:
+    """Run `cfg` (already validated) to completion; returns the reward-curve summary."""
+    from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.runtime import run_dir_of, start_runtime
+    from megarl.trainer.sync_trainer import SyncTrainer
+
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump(cfg))
+    tb_dir = run_dir / "tensorboard" if cfg.trainer.tensorboard else None
+    logger = MetricsLogger(tb_dir, cfg.trainer.total_steps, cfg.trainer.log_every, stream)
+    try:
+        with start_runtime(cfg) as runtime:
+            stream.write(f"megarl: run dir {run_dir}; rollout servers {runtime.server_urls}; "
+                         f"actor mesh {runtime.actor.mesh[0].describe()} x{len(runtime.actor.mesh)}\n")
+            SyncTrainer(runtime, logger).fit()
+    finally:
+        logger.close()
+    summary = logger.curve_summary("reward/mean", window=10)
+    summary["tensorboard_dir"] = str(tb_dir) if tb_dir else None
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if summary.get("steps"):
+        stream.write(
+            f"reward curve: first {summary['window']} steps mean {summary['first_mean']:.3f} -> "
+            f"last {summary['window']} steps mean {summary['last_mean']:.3f} "
+            f"(x{summary['ratio']:.1f}, max {summary['max']:.3f}) over {summary['steps']} steps\n")
+    return summary

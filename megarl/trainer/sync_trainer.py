@@ -1,0 +1,164 @@
+"""The synchronous GRPO loop: one controller, every heavy step an RPC to a worker group.
+
+    for step in steps:
+        rows = rollout.generate(prompts)          # SGLang-API servers
+        rows = reward(rows)                       # rule verifiers by data_source
+        rows |= actor.compute_log_prob(rows)      # Megatron, DP_COMPUTE
+        rows |= actor.compute_ref_log_prob(rows)  # colocated reference (when KL is on)
+        rows["advantages"] = grpo_advantages(...)
+        actor.update_actor(rows)                  # Megatron TP/PP/EP + distributed optimizer
+        actor.sync_weights(servers)               # bucketed weight stream -> rollout servers
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from megarl.algo.advantages import grpo_advantages
+from megarl.algo.losses import masked_mean
+from megarl.data.batch import Batch
+from megarl.reward import make_reward_function, score_rows
+from megarl.rollout.manager import SamplingSpec
+from megarl.trainer.metrics import MetricsLogger
+
+
+class ParityError(RuntimeError):
+    """The rollout server and the trainer disagree on the log-probs of the same tokens."""
+
+
+class SyncTrainer:
+    def __init__(self, runtime, logger: MetricsLogger):
+        self.rt = runtime
+        self.cfg = runtime.cfg
+        self.logger = logger
+        self.reward_fn = make_reward_function(self.cfg.reward.custom_function)
+        self.dp_size = runtime.actor.mesh[0].dp_size
+        self.weight_version = 0
+
+    # ---------------------------------------------------------------- steps
+    def fit(self) -> None:
+        from megarl.data.dataset import PromptBatches
+
+        d = self.cfg.data
+        batches = PromptBatches(self.rt.train_data, d.train_batch_size, d.shuffle, d.seed)
+        for step, prompts in enumerate(batches.iterate(0, self.cfg.trainer.total_steps), start=1):
+            metrics = self.train_step(step, prompts)
+            val_every = self.cfg.trainer.val_every
+            if self.rt.val_data is not None and val_every and (
+                    step % val_every == 0 or step == self.cfg.trainer.total_steps):
+                metrics.update(self.validate())
+            self.logger.log(step, metrics)
+
+    def train_step(self, step: int, prompts: Batch) -> dict:
+        cfg, timing = self.cfg, {}
+        t_step = time.perf_counter()
+        with _timer(timing, "gen"):
+            rows = self.rt.rollout.generate(prompts, self._sampling(train=True))
+        with _timer(timing, "reward"):
+            rows["scores"] = self._score(rows)
+        with _timer(timing, "old_log_prob"):
+            rows = rows.union(self.rt.actor.compute_log_prob(self._trainer_view(rows),
+                                                             cfg.rollout.temperature))
+        parity = self._check_parity(rows, step)
+        if cfg.ref.enabled:
+            with _timer(timing, "ref"):
+                rows = rows.union(self.rt.actor.compute_ref_log_prob(
+                    self._trainer_view(rows), cfg.rollout.temperature))
+        with _timer(timing, "adv"):
+            rows["advantages"] = grpo_advantages(
+                rows["scores"], rows["response_mask"], rows["uid"],
+                norm_by_std=cfg.algorithm.norm_adv_by_std, eps=cfg.algorithm.epsilon)
+        with _timer(timing, "update"):
+            keys = ["old_log_probs", "advantages"] + (["ref_log_probs"] if cfg.ref.enabled else [])
+            per_rank = self.rt.actor.update_actor(
+                self._trainer_view(rows, *keys), cfg.actor.ppo_mini_batch_size,
+                cfg.actor.ppo_epochs, cfg.rollout.temperature, cfg.trainer.seed + step)
+        with _timer(timing, "sync"):
+            self.weight_version += 1
+            self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version))
+        timing["perf/step_s"] = time.perf_counter() - t_step
+        return {**self._rollout_metrics(rows), **parity, **_average(per_rank), **timing}
+
+    def validate(self) -> dict:
+        from megarl.data.dataset import PromptBatches
+
+        val = PromptBatches(self.rt.val_data, len(self.rt.val_data), shuffle=False)
+        rows = self.rt.rollout.generate(val.batch_at(0), self._sampling(train=False))
+        return {"val/reward_mean": float(self._score(rows).mean())}
+
+    # ---------------------------------------------------------------- pieces
+    def _sampling(self, train: bool) -> SamplingSpec:
+        r = self.cfg.rollout
+        return SamplingSpec(n=r.n if train else 1,
+                            temperature=r.temperature if train else r.val_temperature,
+                            top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+
+    def _score(self, rows: Batch) -> torch.Tensor:
+        scores = score_rows(self.reward_fn, rows["data_source"], rows["response_text"],
+                            rows["ground_truth"], rows["extra_info"])
+        return torch.as_tensor(np.asarray(scores, dtype=np.float32))
+
+    def _trainer_view(self, rows: Batch, *extra: str) -> Batch:
+        """Only the tensors the engine reads travel to the workers."""
+        keys = ["input_ids", "prompt_lengths", "responses", "response_mask", *extra]
+        view = Batch({k: rows[k] for k in keys})
+        if len(view) % self.dp_size:
+            raise ValueError(f"{len(view)} rows do not split over {self.dp_size} data-parallel "
+                             "ranks; make data.train_batch_size * rollout.n divisible by dp")
+        return view
+
+    def _check_parity(self, rows: Batch, step: int) -> dict:
+        """The server sampled with the weights the trainer just scored with: their log-probs
+        of the same tokens must agree, or the weight sync is broken."""
+        mask = rows["response_mask"].bool()
+        diff = (rows["old_log_probs"] - rows["rollout_log_probs"]).abs()[mask]
+        worst = float(diff.max()) if diff.numel() else 0.0
+        if self.cfg.bridge.check_parity and worst > self.cfg.bridge.parity_atol:
+            raise ParityError(
+                f"step {step}: rollout server and trainer log-probs differ by up to {worst:.2e} "
+                f"(bridge.parity_atol={self.cfg.bridge.parity_atol}) for weight version "
+                f"{self.weight_version}; the weight sync did not reproduce the trainer's weights")
+        return {"rollout/logprob_diff_max": worst,
+                "rollout/logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0}
+
+    def _rollout_metrics(self, rows: Batch) -> dict:
+        mask = rows["response_mask"]
+        lengths = mask.sum(-1)
+        out = {
+            "reward/mean": float(rows["scores"].mean()),
+            "reward/max": float(rows["scores"].max()),
+            "reward/min": float(rows["scores"].min()),
+            "response/length_mean": float(lengths.mean()),
+            "response/clip_ratio": float(np.mean(rows["finish_reason"] == "length")),
+            "rollout/entropy": float(masked_mean(rows["entropy"], mask)),
+        }
+        if "ref_log_probs" in rows:
+            out["actor/kl"] = float(masked_mean(rows["old_log_probs"] - rows["ref_log_probs"], mask))
+        return out
+
+    def _bridge_spec(self) -> dict:
+        b = self.cfg.bridge
+        return {"transport": b.transport, "server_urls": self.rt.server_urls,
+                "bucket_bytes": int(b.bucket_size_mb * 2**20),
+                "disk_dir": str(self.rt.run_dir / "weights"),
+                "timeout_s": self.cfg.rollout.request_timeout_s}
+
+
+class _timer:
+    def __init__(self, out: dict, name: str):
+        self.out, self.name = out, name
+
+    def __enter__(self):
+        self.t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.out[f"perf/{self.name}_s"] = time.perf_counter() - self.t
+
+
+def _average(dicts: list[dict]) -> dict:
+    dicts = [d for d in dicts if d]
+    keys = {k for d in dicts for k in d}
+    return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
