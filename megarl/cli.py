@@ -36,6 +36,15 @@ def _split(args) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
+def _preset_model_config(cfg) -> dict | None:
+    """The architecture a preset will have, so parallel sizes are checked against it too."""
+    if cfg.model.path is not None:
+        return None  # validate reads the checkpoint's config.json
+    from megarl.models.tiny import PRESETS
+
+    return PRESETS[cfg.model.preset]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from megarl.config.loader import ConfigError, dump, load_config
@@ -44,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config_path, overrides = _split(args)
     try:
-        cfg = validate(load_config(config_path, overrides))
+        cfg = load_config(config_path, overrides)
+        cfg = validate(cfg, _preset_model_config(cfg))
     except (ConfigError, FileNotFoundError) as err:
         print(f"megarl: config error: {err}", file=sys.stderr)
         return 2

@@ -46,6 +46,14 @@ def test_overrides_are_typed(tmp_path):
     assert cfg.bridge.bucket_size_mb == 16.0 and isinstance(cfg.bridge.bucket_size_mb, float)
 
 
+def test_section_overrides_merge_and_empty_sections_default(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("actor:\n  parallel: {tp: 2, ep: 1}\nref:\n")
+    cfg = load_config(path, ["actor.parallel={pp: 2}"])
+    assert (cfg.actor.parallel.tp, cfg.actor.parallel.ep, cfg.actor.parallel.pp) == (2, 1, 2)
+    assert cfg.ref.enabled is None
+
+
 def test_dump_roundtrip(tmp_path):
     cfg = load_config(QUICKSTART, ["actor.optim.lr=0.005"])
     path = tmp_path / "dumped.yaml"

@@ -1,16 +1,18 @@
 """Procedural task generation, dataset validation/tokenization, deterministic batching."""
 
 import json
+import typing
 
 import numpy as np
 import pytest
 import torch
 
-from megarl.config import load_config
+from megarl.config import DataConfig, load_config
+from megarl.config.loader import field_types
 from megarl.data.batch import Batch
 from megarl.data.dataset import (DatasetError, PromptBatches, RLDataset, build_datasets,
                                  read_rows, validate_row)
-from megarl.data.tasks import (DIGITS_DATA_SOURCE, digits_answer, generate_task,
+from megarl.data.tasks import (DIGITS_DATA_SOURCE, TASKS, digits_answer, generate_task,
                                make_digits_rows, write_rows, write_task)
 from megarl.models.tiny import build_tokenizer
 from megarl.reward import score
@@ -51,6 +53,11 @@ def test_digits_answers_score_through_the_reward_registry():
     wrong = str((int(truth) + 1) % 10)
     assert score(row["data_source"], truth, truth) == 1.0
     assert score(row["data_source"], wrong, truth) == 0.0
+
+
+def test_config_task_choices_match_the_task_registry():
+    choices = typing.get_args(field_types(DataConfig)["task"])
+    assert set(choices) == set(TASKS)
 
 
 def test_unknown_task_is_named():

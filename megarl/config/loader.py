@@ -93,6 +93,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        if value is None:  # an empty YAML section ("ref:") means all defaults
+            return tp()
         if not isinstance(value, dict):
             raise ConfigError(key, f"{key} is a section; give a mapping, not {value!r}")
         return from_dict(tp, value, key + ".")
@@ -185,7 +187,18 @@ def apply_override(data: dict, path: list[str], value: Any) -> None:
             dotted = ".".join(path[: i + 1])
             raise ConfigError(dotted, f"{dotted} is a section, but the file sets it to {child!r}")
         node = child
-    node[path[-1]] = value
+    if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
+        _deep_merge(node[path[-1]], value)  # section=value overrides only the keys it names
+    else:
+        node[path[-1]] = value
+
+
+def _deep_merge(into: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def read_yaml(path: str | Path) -> dict:

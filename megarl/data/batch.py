@@ -5,7 +5,9 @@ columns (1-D numpy object arrays, one Python object per row), plus `meta`, a dic
 batch-level values (temperature, step, metrics) that row operations carry along unchanged.
 
 Every operation returns a new Batch and never mutates its inputs, except `b[key] = value`
-and `pop`, which say so in their names. Pickling goes through torch's storage-based tensor
+and `pop`, which say so in their names. Like tensor views, derived batches share the objects
+inside non-tensor columns (repeat_interleave repeats references): replace them, never
+mutate a row's list in place. Pickling goes through torch's storage-based tensor
 reduction; views are compacted first so that a slice of a large batch ships only its own rows.
 """
 

@@ -54,6 +54,8 @@ TINY_QWEN3_MOE = dict(
     pad_token_id=0,
 )
 
+PRESETS = {"tiny-qwen3-moe": TINY_QWEN3_MOE}
+
 
 def build_tokenizer():
     """Character-level tokenizer with a chat template; ids 0..len(vocab)-1 (51 < vocab_size)."""

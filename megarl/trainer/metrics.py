@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -22,8 +23,9 @@ CONSOLE_KEYS = [
 
 class MetricsLogger:
     def __init__(self, log_dir: str | Path | None, total_steps: int, log_every: int = 1,
-                 stream=sys.stdout):
+                 stream=sys.stdout, jsonl_path: str | Path | None = None):
         self.writer = None
+        self.jsonl = open(jsonl_path, "a") if jsonl_path is not None else None
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -40,6 +42,9 @@ class MetricsLogger:
             self.history.setdefault(key, []).append((step, value))
             if self.writer is not None:
                 self.writer.add_scalar(key, value, step)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+            self.jsonl.flush()
         if step % self.log_every == 0 or step == self.total_steps:
             self.stream.write(self.format_line(step, metrics) + "\n")
             self.stream.flush()
@@ -69,3 +74,5 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

@@ -19,7 +19,8 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump(cfg))
     tb_dir = run_dir / "tensorboard" if cfg.trainer.tensorboard else None
-    logger = MetricsLogger(tb_dir, cfg.trainer.total_steps, cfg.trainer.log_every, stream)
+    logger = MetricsLogger(tb_dir, cfg.trainer.total_steps, cfg.trainer.log_every, stream,
+                           jsonl_path=run_dir / "metrics.jsonl")
     try:
         with start_runtime(cfg) as runtime:
             stream.write(f"megarl: run dir {run_dir}; rollout servers {runtime.server_urls}; "

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# README command 2 (= .ci/run): set up .venv (idempotent) and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+exec .venv/bin/python -m pytest -q tests "$@"
