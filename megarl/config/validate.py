@@ -177,8 +177,14 @@ def check_paths(cfg: RunConfig) -> None:
                  f"model.path={cfg.model.path!r} is not a Hugging Face checkpoint directory "
                  "(no config.json); set it to null to build model.preset")
     fn = cfg.reward.custom_function
-    _require(fn is None or bool(_FUNCTION_REF.match(fn)), "reward.custom_function",
-             f"reward.custom_function={fn!r} must look like 'package.module:function'")
+    if fn is not None and ".py:" in fn:
+        path = fn.rpartition(":")[0]
+        _require(Path(path).is_file(), "reward.custom_function",
+                 f"reward.custom_function={fn!r}: file {path} does not exist")
+    else:
+        _require(fn is None or bool(_FUNCTION_REF.match(fn)), "reward.custom_function",
+                 f"reward.custom_function={fn!r} must look like 'package.module:function' "
+                 "or 'path/to/file.py:function'")
 
 
 def check_algorithm(cfg: RunConfig) -> None:

@@ -1,0 +1,211 @@
+"""Generation throughput of the embedded rollout server against plain Hugging Face `generate`.
+
+    .venv/bin/python benchmarks/bench_rollout.py [--prompts 64] [--n 8] [--max-new-tokens 16]
+
+Workload: --prompts chat prompts ("what is 12+7?" style, different lengths), --n samples each,
+temperature 1, top_p 1, no top_k, exactly --max-new-tokens new tokens per sample (ignore_eos on
+the server, min_new_tokens on the peer), so both sides produce the same number of tokens.
+
+Four measurements per model, each the median of --repeats, all with one torch thread:
+  megarl client : the production path, RolloutClient.generate (one /generate per prompt, all
+                  concurrent, return_logprob=True as RolloutManager asks) against
+                  `python -m megarl.rollout.server --torch-threads 1 --max-batch-size B`;
+  megarl 1 req  : the same server, one batched /generate carrying every prompt (isolates the HTTP
+                  and scheduling overhead of the per-prompt path);
+  engine        : megarl's GenerationEngine in this process, no HTTP (diagnostic: engine vs serving);
+  HF peer       : `model.generate(do_sample=True, num_return_sequences=n, use_cache=True)` on the
+                  whole left-padded batch in this process, torch.set_num_threads(1).
+Models: the tiny asset (hidden 64, 2 layers) and one ~9.5x its parameter count (hidden 128, 5 layers).
+ratio = peer tokens/s / megarl tokens/s (1.0 = as fast as the peer; higher = megarl is slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+MODELS = {
+    "tiny": {},
+    "tiny-x10": dict(hidden_size=128, head_dim=32, intermediate_size=256, moe_intermediate_size=128,
+                     num_hidden_layers=5),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--models", default="tiny,tiny-x10", help=f"comma-separated subset of {list(MODELS)}")
+    p.add_argument("--max-batch-size", type=int, default=512,
+                   help="server --max-batch-size (default: the whole prompts*n batch fits in one)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
+    return p.parse_args(argv)
+
+
+def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        a, b = rng.randint(0, 10 ** rng.randint(1, 4)), rng.randint(0, 999)
+        text = f"what is {a}{rng.choice('+-*')}{b}?" + " please" * rng.randint(0, 2)
+        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                     add_generation_prompt=True, tokenize=True))
+    return [list(map(int, p)) for p in prompts]
+
+
+def sampling(args) -> dict:
+    return {"n": args.n, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens,
+            "ignore_eos": True}
+
+
+# ---- the three measurements -------------------------------------------------------------------
+def run_client(url: str, prompts, args) -> tuple[float, int, float | None]:
+    from megarl.rollout.client import RolloutClient
+
+    with RolloutClient(url) as client:
+        start = time.perf_counter()
+        outputs = client.generate(prompts, sampling(args), return_logprob=True)
+        elapsed = time.perf_counter() - start
+    return elapsed, _count_tokens([o.output_ids for o in outputs], len(prompts) * args.n), None
+
+
+def run_one_request(url: str, prompts, args) -> tuple[float, int, float]:
+    """Also returns the server's own view: the longest e2e_latency (request parsed -> result ready)."""
+    body = {"input_ids": prompts, "sampling_params": sampling(args), "return_logprob": True}
+    start = time.perf_counter()
+    response = httpx.post(f"{url}/generate", json=body, timeout=600)
+    elapsed = time.perf_counter() - start
+    response.raise_for_status()
+    items = response.json()
+    engine_s = max(item["meta_info"]["e2e_latency"] for item in items)
+    return elapsed, _count_tokens([item["output_ids"] for item in items], len(prompts) * args.n), engine_s
+
+
+def run_engine_in_process(engine, prompts, args) -> tuple[float, int, None]:
+    """The server's GenerationEngine without HTTP: separates engine cost from serving cost."""
+    from megarl.rollout.engine import GenerationRequest, SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True)
+    requests = [GenerationRequest(rid=f"{i}-{j}-{time.monotonic_ns()}", input_ids=p, params=params,
+                                  return_logprob=True) for i, p in enumerate(prompts) for j in range(args.n)]
+    start = time.perf_counter()
+    results = [f.result() for f in engine.submit(requests)]
+    elapsed = time.perf_counter() - start
+    return elapsed, _count_tokens([r.output_ids for r in results], len(prompts) * args.n), None
+
+
+@torch.inference_mode()
+def run_hf_peer(model, prompts, args) -> tuple[float, int, None]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+                         top_k=0, num_return_sequences=args.n, max_new_tokens=args.max_new_tokens,
+                         min_new_tokens=args.max_new_tokens, use_cache=True, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    return elapsed, _count_tokens(out[:, width:].tolist(), len(prompts) * args.n), None
+
+
+def _count_tokens(outputs: list[list[int]], expected_rows: int) -> int:
+    if len(outputs) != expected_rows:
+        raise RuntimeError(f"got {len(outputs)} outputs, expected {expected_rows} (prompts * n)")
+    return sum(len(o) for o in outputs)
+
+
+def median_rate(fn, repeats: int) -> dict:
+    runs = [fn() for _ in range(repeats)]
+    tokens = {t for _, t, _ in runs}
+    if len(tokens) != 1:
+        raise RuntimeError(f"token counts differ between repeats: {sorted(tokens)}")
+    in_engine = [e for _, _, e in runs if e is not None]
+    return {"s": statistics.median(s for s, _, _ in runs), "tokens": tokens.pop(), "runs": [s for s, _, _ in runs],
+            "engine_s": statistics.median(in_engine) if in_engine else None}
+
+
+def engine_stats(url: str) -> dict:
+    return httpx.get(f"{url}/get_server_info", timeout=10).json()["engine_stats"]
+
+
+def bench_model(name: str, model_dir: Path, args) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.rollout.engine import GenerationEngine
+    from megarl.rollout.launcher import RolloutServerProcess
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = make_prompts(tokenizer, args.prompts)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    params = sum(p.numel() for p in model.parameters())
+    small = type(args)(**{**vars(args), "n": 1})
+    run_hf_peer(model, prompts[:2], small)  # warm-up: first-call allocations and lazy imports
+    rows = [{"model": name, "params": params, "path": "HF generate (peer)",
+             **median_rate(lambda: run_hf_peer(model, prompts, args), args.repeats)}]
+    del model
+    engine = GenerationEngine(str(model_dir), max_batch_size=args.max_batch_size, seed=0)
+    run_engine_in_process(engine, prompts[:2], small)
+    rows.append({"model": name, "params": params, "path": "megarl GenerationEngine in-process (no HTTP)",
+                 **median_rate(lambda: run_engine_in_process(engine, prompts, args), args.repeats)})
+    engine.close()
+    with RolloutServerProcess(model_dir, torch_threads=1, max_batch_size=args.max_batch_size) as server:
+        run_one_request(server.url, prompts[:2], small)
+        before = engine_stats(server.url)
+        rows.append({"model": name, "params": params, "path": "megarl server, RolloutClient",
+                     **median_rate(lambda: run_client(server.url, prompts, args), args.repeats)})
+        rows[-1]["engine"] = _stats_delta(before, engine_stats(server.url), args.repeats)
+        before = engine_stats(server.url)
+        rows.append({"model": name, "params": params, "path": "megarl server, 1 batched request",
+                     **median_rate(lambda: run_one_request(server.url, prompts, args), args.repeats)})
+        rows[-1]["engine"] = _stats_delta(before, engine_stats(server.url), args.repeats)
+        rows[-1]["engine"] += f"; in the engine {rows[-1]['engine_s']:.2f} s (longest e2e_latency)"
+    return rows
+
+
+def _stats_delta(before: dict, after: dict, repeats: int) -> str:
+    batches = (after.get("batches", 0) - before.get("batches", 0)) / repeats
+    steps = (after.get("forward_steps", 0) - before.get("forward_steps", 0)) / repeats
+    return f"{batches:.0f} batches, {steps:.0f} forward steps per run"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    from megarl.models.tiny import build_tiny_checkpoint
+
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; choose from {list(MODELS)}")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="megarl-bench-rollout-"))
+    load_before = os.getloadavg()
+    rows = []
+    for name in args.models.split(","):
+        model_dir = build_tiny_checkpoint(workdir / name, seed=0, **MODELS[name])
+        rows += bench_model(name, model_dir, args)
+    print_table(rows, args, load_before, os.getloadavg())
+
+
+def print_table(rows, args, load_before, load_after) -> None:
+    print(f"\n{args.prompts} prompts x n={args.n}, {args.max_new_tokens} new tokens each, 1 torch thread, "
+          f"median of {args.repeats}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    print("\n| model (params) | path | tokens | seconds (median) | runs | tokens/s | ratio peer/this | engine |")
+    print("|---|---|---|---|---|---|---|---|")
+    peers = {r["model"]: r["tokens"] / r["s"] for r in rows if r["path"].startswith("HF")}
+    for r in rows:
+        rate = r["tokens"] / r["s"]
+        runs = ", ".join(f"{s:.2f}" for s in r["runs"])
+        print(f"| {r['model']} ({r['params'] / 1e6:.2f} M) | {r['path']} | {r['tokens']} | {r['s']:.2f} | {runs} | "
+              f"{rate:.0f} | {peers[r['model']] / rate:.2f}x | {r.get('engine', '')} |")
+
+
+if __name__ == "__main__":
+    main()

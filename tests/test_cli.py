@@ -1,0 +1,136 @@
+"""The `megarl` command as a user runs it: errors, exit codes, and no process left behind.
+
+Every process a run starts (Ray's raylet, GCS and workers, the rollout server, Megatron ranks)
+inherits the environment, so a unique marker variable finds them all, also orphans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "MEGARL_TEST_RUN_ID"
+
+
+def _marked(run_id: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(MARKER) == run_id:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _start(args: list[str], run_id: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, MARKER: run_id, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _assert_nothing_left(run_id: str, within_s: float = 30.0) -> None:
+    deadline = time.time() + within_s
+    while time.time() < deadline and _marked(run_id):
+        time.sleep(0.5)
+    left = _marked(run_id)
+    for proc in left:  # clean up before failing, so one failure does not poison later tests
+        proc.kill()
+    assert not left, f"processes left running: {[(p.pid, p.name()) for p in left]}"
+
+
+def _wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float) -> str:
+    seen, deadline = [], time.time() + timeout_s
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    proc.kill()
+    raise AssertionError(f"never saw {text!r}; output:\n{''.join(seen)[-3000:]}")
+
+
+SMALL_RUN = ["trainer.total_steps=1000", "data.num_train=64", "rollout.n=4",
+             "actor.ppo_mini_batch_size=64", "trainer.val_every=0", "trainer.tensorboard=false"]
+
+
+@pytest.mark.parametrize("override,key", [
+    ("actor.parallel.tp=3", "actor.parallel"),
+    ("actor.optim.lr=-1", "actor.optim.lr"),
+    ("rollout.top_p=2", "rollout.top_p"),
+    ("actor.parallel.ep=3", "actor.parallel.ep"),
+    ("trainer.no_such_key=1", "trainer.no_such_key"),
+])
+def test_bad_config_exits_2_with_one_line_naming_the_key(override, key):
+    run_id = uuid.uuid4().hex
+    start = time.time()
+    proc = _start(["train", "configs/quickstart.yaml", override], run_id)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    lines = [x for x in out.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and key in lines[0], out
+    assert time.time() - start < 30  # rejected up front: no Ray, no server was started
+    _assert_nothing_left(run_id, within_s=1)
+
+
+def test_dataset_row_missing_a_field_is_reported_with_row_and_field(tmp_path):
+    from megarl.data.tasks import make_digits_rows, write_rows
+
+    rows = make_digits_rows(40, seed=0)
+    del rows[17]["reward_model"]["ground_truth"]
+    path = write_rows(rows, tmp_path / "bad.parquet")
+    run_id = uuid.uuid4().hex
+    proc = _start(["train", "configs/quickstart.yaml", f"data.train_files={path}",
+                   f"trainer.output_dir={tmp_path}/out"], run_id)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert "row 17" in out and "ground_truth" in out, out
+    _assert_nothing_left(run_id)
+
+
+def test_ctrl_c_mid_run_stops_every_process(tmp_path):
+    run_id = uuid.uuid4().hex
+    proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}",
+                   *SMALL_RUN], run_id, start_new_session=True)
+    _wait_for_line(proc, "step 2/", timeout_s=240)
+    assert len(_marked(run_id)) > 3  # Ray, the server and Megatron ranks are really up
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted" in out
+    _assert_nothing_left(run_id)
+
+
+def test_error_mid_run_stops_every_process_and_reports_it(tmp_path):
+    # A reward function that raises on its second call: the loop fails inside step 2.
+    module = tmp_path / "flaky_reward.py"
+    state = tmp_path / "calls.json"
+    module.write_text(
+        "import json, pathlib\n"
+        f"STATE = pathlib.Path({str(state)!r})\n"
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    n = json.loads(STATE.read_text()) if STATE.exists() else 0\n"
+        "    STATE.write_text(json.dumps(n + 1))\n"
+        "    if n >= 16 * 4:\n"
+        "        raise RuntimeError('flaky reward failed on purpose')\n"
+        "    return 0.0\n")
+    run_id = uuid.uuid4().hex
+    proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}/out",
+                   f"reward.custom_function={module}:score", *SMALL_RUN], run_id)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out[-3000:]
+    assert "flaky reward failed on purpose" in out
+    assert json.loads(state.read_text()) > 16 * 4
+    _assert_nothing_left(run_id)
