@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megarl.models.tiny import build_tiny_checkpoint
-from megarl.rollout.engine import GenerationEngine, sample_next_tokens
+from megarl.rollout.engine import GenerationEngine
+from megarl.rollout.protocol import sample_next_tokens
 from megarl.rollout.server import create_app
 from megarl.rollout.weights_codec import serialize_flattened_bucket, serialize_named_tensors
 

@@ -29,8 +29,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from megarl.rollout import weights_codec
-from megarl.rollout.engine import (GenerationEngine, GenerationRequest, GenerationResult, InvalidRequest,
-                                   SamplingParams, WeightsUnavailable)
+from megarl.rollout.engine import GenerationEngine
+from megarl.rollout.protocol import (GenerationRequest, GenerationResult, InvalidRequest, SamplingParams,
+                                     WeightsUnavailable)
 
 log = logging.getLogger(__name__)
 
