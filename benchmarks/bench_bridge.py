@@ -21,6 +21,7 @@ raw copy; higher is slower). `--breakdown` also times the tensor path's stages f
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -51,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the tensor path's stages (cat / share+pickle / server request)")
     p.add_argument("--breakdown-bucket-mb", type=int, default=64)
+    p.add_argument("--experiment-reused-shm", action="store_true",
+                   help="also measure ReusedShmSender (a candidate fix, not megarl code) at each bucket size")
     return p.parse_args(argv)
 
 
@@ -150,7 +153,8 @@ def peer_safetensors(weights: dict, directory: Path) -> float:
     save_file(weights, str(path), metadata={"format": "pt"})
     loaded = load_file(str(path))
     elapsed = time.perf_counter() - start
-    assert len(loaded) == len(weights)
+    if len(loaded) != len(weights):
+        raise RuntimeError(f"safetensors round trip lost tensors: {len(loaded)} of {len(weights)}")
     path.unlink()
     return elapsed
 
@@ -184,6 +188,44 @@ def breakdown_tensor(url: str, weights: dict, bucket_bytes: int) -> dict[str, fl
     client.close()
     stages["client close"] = time.perf_counter() - t0
     return stages
+
+
+class ReusedShmSender:
+    """EXPERIMENT, not megarl's code path: what TensorWeightSender would cost if it copied each
+    bucket straight into one /dev/shm buffer that lives across buckets and syncs, instead of
+    torch.cat into fresh memory that the codec then moves into a new /dev/shm file (two copies,
+    both into never-touched pages). Same payload format, same server endpoint."""
+
+    def __init__(self, url: str, bucket_bytes: int):
+        from megarl.rollout.client import RolloutClient
+
+        self.client, self.bucket_bytes = RolloutClient(url), bucket_bytes
+        self.buffer = self._shared_buffer(bucket_bytes)
+
+    @staticmethod
+    def _shared_buffer(nbytes: int) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer.untyped_storage()._share_filename_cpu_()  # into /dev/shm once; later pickles reuse the file
+        return buffer
+
+    def send(self, weights: dict, version: str) -> float:
+        from megarl.bridge.buckets import iter_buckets, with_last_flag
+        from megarl.rollout import weights_codec
+
+        start = time.perf_counter()
+        for bucket, last in with_last_flag(iter_buckets(weights.items(), self.bucket_bytes)):
+            total = sum(t.numel() * t.element_size() for _, t in bucket)
+            if total > self.buffer.numel():  # a single tensor larger than the bucket
+                self.buffer = self._shared_buffer(total)
+            offset = 0
+            for _, t in bucket:
+                n = t.numel() * t.element_size()
+                self.buffer[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
+                offset += n
+            payload = weights_codec.serialize({"flattened_tensor": self.buffer[:total], "metadata": _metadata(bucket)})
+            self.client.update_weights_from_tensor([payload], load_format="flattened_bucket", flush_cache=last,
+                                                   weight_version=version if last else None)
+        return time.perf_counter() - start
 
 
 def _metadata(bucket):
@@ -233,7 +275,7 @@ def main(argv=None) -> None:
     dest = {n: torch.empty_like(t) for n, t in weights.items()}
     disk_dir = workdir / "sync"
     disk_dir.mkdir(exist_ok=True)
-    state, rows = {"step": 0}, []
+    state, rows, load_before = {"step": 0}, [], os.getloadavg()
     with RolloutServerProcess(model_dir, torch_threads=1, max_batch_size=8) as server:
         url = server.url
         for transport in args.transports.split(","):
@@ -249,7 +291,16 @@ def main(argv=None) -> None:
                                     model, url, args.atol, state))
             else:
                 raise SystemExit(f"--transports: unknown transport {transport!r}; use tensor and/or disk")
+        if args.experiment_reused_shm:
+            for mb in [int(x) for x in args.bucket_mb.split(",")]:
+                sender = ReusedShmSender(url, mb * MB)
+                rows.append(measure(
+                    f"EXPERIMENT reused shm buffer, bucket {mb} MB", lambda v, s=sender: s.send(weights, v),
+                    lambda b=mb * MB: peer_memcpy(weights, dest, b), args.repeats, weights, model, url,
+                    args.atol, state))
+                sender.client.close()
         stages = breakdown_tensor(url, weights, args.breakdown_bucket_mb * MB) if args.breakdown else None
+    print(f"\nload average (1 min) before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print_table(rows, total, args.repeats)
     if stages:
         print(f"\ntensor transport stages, bucket {args.breakdown_bucket_mb} MB (one sync, seconds):")
@@ -261,11 +312,12 @@ def main(argv=None) -> None:
 
 def print_table(rows, total_bytes, repeats) -> None:
     gb = total_bytes / 1e9
-    print(f"\n| transport | bridge s (median of {repeats}) | bridge GB/s | peer s | peer GB/s | "
+    print(f"\n| transport | bridge s (median of {repeats}) | bridge runs | bridge GB/s | peer s | peer GB/s | "
           f"ratio bridge/peer | max log-prob err |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['label']} | {r['bridge_s']:.3f} | {gb / r['bridge_s']:.2f} | {r['peer_s']:.3f} | "
+        runs = ", ".join(f"{s:.3f}" for s in r["runs"])
+        print(f"| {r['label']} | {r['bridge_s']:.3f} | {runs} | {gb / r['bridge_s']:.2f} | {r['peer_s']:.3f} | "
               f"{gb / r['peer_s']:.2f} | {r['bridge_s'] / r['peer_s']:.2f}x | {r['max_err']:.1e} |")
 
 

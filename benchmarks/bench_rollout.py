@@ -93,7 +93,7 @@ def run_one_request(url: str, prompts, args) -> tuple[float, int, float]:
 
 def run_engine_in_process(engine, prompts, args) -> tuple[float, int, None]:
     """The server's GenerationEngine without HTTP: separates engine cost from serving cost."""
-    from megarl.rollout.engine import GenerationRequest, SamplingParams
+    from megarl.rollout.protocol import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True)
     requests = [GenerationRequest(rid=f"{i}-{j}-{time.monotonic_ns()}", input_ids=p, params=params,
