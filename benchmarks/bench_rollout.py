@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -137,37 +138,57 @@ def engine_stats(url: str) -> dict:
     return httpx.get(f"{url}/get_server_info", timeout=10).json()["engine_stats"]
 
 
-def bench_model(name: str, model_dir: Path, args) -> list[dict]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def measure_hf_peer(model_dir: Path, prompts, args) -> dict:
+    from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    run_hf_peer(model, prompts[:2], warmup_args(args))  # first-call allocations and lazy imports
+    row = {"path": "HF generate (peer)", "params": sum(p.numel() for p in model.parameters()),
+           **median_rate(lambda: run_hf_peer(model, prompts, args), args.repeats)}
+    return row
+
+
+def measure_engine(model_dir: Path, prompts, args) -> dict:
     from megarl.rollout.engine import GenerationEngine
+
+    engine = GenerationEngine(str(model_dir), max_batch_size=args.max_batch_size, seed=0)
+    try:
+        run_engine_in_process(engine, prompts[:2], warmup_args(args))
+        return {"path": "megarl GenerationEngine in-process (no HTTP)",
+                **median_rate(lambda: run_engine_in_process(engine, prompts, args), args.repeats)}
+    finally:
+        engine.close()
+
+
+def measure_server(model_dir: Path, prompts, args) -> list[dict]:
     from megarl.rollout.launcher import RolloutServerProcess
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = make_prompts(tokenizer, args.prompts)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    params = sum(p.numel() for p in model.parameters())
-    small = type(args)(**{**vars(args), "n": 1})
-    run_hf_peer(model, prompts[:2], small)  # warm-up: first-call allocations and lazy imports
-    rows = [{"model": name, "params": params, "path": "HF generate (peer)",
-             **median_rate(lambda: run_hf_peer(model, prompts, args), args.repeats)}]
-    del model
-    engine = GenerationEngine(str(model_dir), max_batch_size=args.max_batch_size, seed=0)
-    run_engine_in_process(engine, prompts[:2], small)
-    rows.append({"model": name, "params": params, "path": "megarl GenerationEngine in-process (no HTTP)",
-                 **median_rate(lambda: run_engine_in_process(engine, prompts, args), args.repeats)})
-    engine.close()
+    rows = []
     with RolloutServerProcess(model_dir, torch_threads=1, max_batch_size=args.max_batch_size) as server:
-        run_one_request(server.url, prompts[:2], small)
-        before = engine_stats(server.url)
-        rows.append({"model": name, "params": params, "path": "megarl server, RolloutClient",
-                     **median_rate(lambda: run_client(server.url, prompts, args), args.repeats)})
-        rows[-1]["engine"] = _stats_delta(before, engine_stats(server.url), args.repeats)
-        before = engine_stats(server.url)
-        rows.append({"model": name, "params": params, "path": "megarl server, 1 batched request",
-                     **median_rate(lambda: run_one_request(server.url, prompts, args), args.repeats)})
-        rows[-1]["engine"] = _stats_delta(before, engine_stats(server.url), args.repeats)
-        rows[-1]["engine"] += f"; in the engine {rows[-1]['engine_s']:.2f} s (longest e2e_latency)"
+        run_one_request(server.url, prompts[:2], warmup_args(args))
+        for path, fn in (("megarl server, RolloutClient", run_client),
+                         ("megarl server, 1 batched request", run_one_request)):
+            before = engine_stats(server.url)
+            row = {"path": path, **median_rate(lambda: fn(server.url, prompts, args), args.repeats)}
+            row["engine"] = _stats_delta(before, engine_stats(server.url), args.repeats)
+            if row["engine_s"] is not None:
+                row["engine"] += f"; in the engine {row['engine_s']:.2f} s (longest e2e_latency)"
+            rows.append(row)
+    return rows
+
+
+def warmup_args(args) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "n": 1})
+
+
+def bench_model(name: str, model_dir: Path, args) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.prompts)
+    rows = [measure_hf_peer(model_dir, prompts, args), measure_engine(model_dir, prompts, args),
+            *measure_server(model_dir, prompts, args)]
+    for row in rows:
+        row.update(model=name, params=rows[0]["params"])
     return rows
 
 
@@ -186,17 +207,21 @@ def main(argv=None) -> None:
     if unknown:
         raise SystemExit(f"--models: unknown {unknown}; choose from {list(MODELS)}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="megarl-bench-rollout-"))
-    load_before = os.getloadavg()
-    rows = []
-    for name in args.models.split(","):
-        model_dir = build_tiny_checkpoint(workdir / name, seed=0, **MODELS[name])
-        rows += bench_model(name, model_dir, args)
+    load_before, rows = os.getloadavg(), []
+    try:
+        for name in args.models.split(","):
+            model_dir = build_tiny_checkpoint(workdir / name, seed=0, **MODELS[name])
+            rows += bench_model(name, model_dir, args)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     print_table(rows, args, load_before, os.getloadavg())
 
 
 def print_table(rows, args, load_before, load_after) -> None:
     print(f"\n{args.prompts} prompts x n={args.n}, {args.max_new_tokens} new tokens each, 1 torch thread, "
-          f"median of {args.repeats}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+          f"median of {args.repeats}; load average (1 min) before {load_before[0]:.2f}, after "
+          f"{load_after[0]:.2f} on {os.cpu_count()} cores (other users of the cores add noise)")
     print("\n| model (params) | path | tokens | seconds (median) | runs | tokens/s | ratio peer/this | engine |")
     print("|---|---|---|---|---|---|---|---|")
     peers = {r["model"]: r["tokens"] / r["s"] for r in rows if r["path"].startswith("HF")}

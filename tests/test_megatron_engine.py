@@ -56,12 +56,13 @@ def hf_reference(model_path):
 
 
 def _engine(model_path, tp, ep, train=False):
-    from megarl.engine.megatron.engine import EngineSpec, MegatronEngine, OptimSpec, ParallelSpec
+    from megarl.config.schema import OptimConfig, ParallelConfig
+    from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
     spec = EngineSpec(
         model_path=str(model_path),
-        parallel=ParallelSpec(tp=tp, ep=ep, sequence_parallel=tp > 1),
-        optim=OptimSpec(lr=1e-3, adam_eps=1e-2, clip_grad=0.0) if train else None,
+        parallel=ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1),
+        optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0) if train else None,
         micro_batch_size=2,
         seed=1,
     )
@@ -139,6 +140,17 @@ def test_mbridge_model_matches_hugging_face(forward_results, tiny_model_path):
         assert got.shape == ref.shape
         torch.testing.assert_close(got * mask, ref * mask, atol=1e-5, rtol=0)
     assert ref.abs().sum() > 0  # the comparison is not vacuous
+
+
+def test_mbridge_logits_equal_hugging_face_logits(forward_results, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    ids = make_rows()["input_ids"]
+    with torch.no_grad():
+        ref = model(ids).logits  # causal: right padding does not touch the real positions
+    for name in ("tp1", "tp2"):
+        torch.testing.assert_close(forward_results[name]["logits"], ref, atol=1e-5, rtol=0)
 
 
 def test_train_step_tp2_and_ep2_match_tp1(tiny_model_path):

@@ -126,9 +126,8 @@ def get_node_ip() -> str:
     except ImportError:
         pass
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it only picks a route
-            return probe.getsockname()[0]
+        # The address this host's name resolves to; no packet is sent to find it.
+        return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
 

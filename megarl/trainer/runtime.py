@@ -13,7 +13,7 @@ from pathlib import Path
 
 from megarl.config.schema import RunConfig
 from megarl.engine.megatron.actor import ActorLossSpec, MegatronActor
-from megarl.engine.megatron.engine import EngineSpec, OptimSpec, ParallelSpec
+from megarl.engine.megatron.engine import EngineSpec
 
 
 @dataclass
@@ -45,17 +45,8 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
 
 
 def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
-    p, o = cfg.actor.parallel, cfg.actor.optim
-    return EngineSpec(
-        model_path=model_path,
-        parallel=ParallelSpec(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, cp=p.cp,
-                              sequence_parallel=bool(p.sequence_parallel)),
-        optim=OptimSpec(lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-                        use_distributed_optimizer=o.use_distributed_optimizer),
-        micro_batch_size=cfg.actor.micro_batch_size,
-        seed=cfg.actor.seed,
-    )
+    return EngineSpec(model_path=model_path, parallel=cfg.actor.parallel, optim=cfg.actor.optim,
+                      micro_batch_size=cfg.actor.micro_batch_size, seed=cfg.actor.seed)
 
 
 def loss_spec(cfg: RunConfig) -> ActorLossSpec:

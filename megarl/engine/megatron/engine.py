@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megarl.config.schema import OptimConfig, ParallelConfig
 from megarl.data.batch import Batch
 from megarl.engine.megatron import cpu_compat
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
@@ -26,31 +27,10 @@ from megarl.engine.megatron.weights import export_hf_weights, load_hf_weights
 
 
 @dataclass
-class ParallelSpec:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int = 1
-    cp: int = 1
-    sequence_parallel: bool = False
-
-
-@dataclass
-class OptimSpec:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = True
-
-
-@dataclass
 class EngineSpec:
     model_path: str
-    parallel: ParallelSpec = field(default_factory=ParallelSpec)
-    optim: OptimSpec | None = None  # None: forward-only (reference policy)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # validated (SP resolved)
+    optim: OptimConfig | None = None  # None: forward-only (reference policy)
     micro_batch_size: int = 8
     seed: int = 0
 
@@ -91,7 +71,7 @@ class MegatronEngine:
         training = self.spec.optim is not None
         self.bridge = make_bridge(
             hf_config,
-            sequence_parallel=p.sequence_parallel,
+            sequence_parallel=bool(p.sequence_parallel),
             calculate_per_token_loss=True,
             expert_tensor_parallel_size=p.etp,
         )
