@@ -15,9 +15,8 @@ Peers, measured in the same run on the same bytes:
           destination tensors (the two copies any handle-based transport cannot avoid);
   disk:   safetensors `save_file` + `load_file` of the same tensors in the same directory.
 Each cell is the median of --repeats runs; GB/s = 1e9 bytes/s; bucket sizes are MiB. ratio =
-bridge time / peer time (1.0 = as fast as a raw copy; higher is slower). `--breakdown` also times
-the tensor path's stages for one bucket size; `--experiment-reused-shm` measures a candidate fix
-(ReusedShmSender below), clearly labelled in the table, not megarl's code path.
+bridge time / peer time (1.0 = as fast as a raw copy; higher is slower). Senders live across
+syncs as in training (one untimed warm-up sync each).
 """
 
 from __future__ import annotations
@@ -51,11 +50,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--atol", type=float, default=1e-4, help="log-prob tolerance of the correctness check")
     p.add_argument("--workdir", default=None, help="checkpoint + disk-transport directory (default: a temp dir "
                                                    "under /tmp, removed at the end)")
-    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the tensor path's stages (cat / share+pickle / server request)")
-    p.add_argument("--breakdown-bucket-mb", type=int, default=64)
-    p.add_argument("--experiment-reused-shm", action="store_true",
-                   help="also measure ReusedShmSender (a candidate fix, not megarl code) at each bucket size")
     args = p.parse_args(argv)
     unknown = set(args.transports.split(",")) - {"tensor", "disk"}
     if unknown:
@@ -119,22 +113,11 @@ def max_logprob_error(model, answers) -> float:
 
 
 # ---- one timed sync per transport, and its peer ---------------------------------------------------
-def sync_tensor(url: str, weights: dict, bucket_bytes: int, version: str) -> float:
-    from megarl.bridge import TensorWeightSender
-
+def timed_send(sender, weights: dict, version: str) -> float:
+    """One complete sync through a sender that lives for the whole run, as in training."""
     start = time.perf_counter()
-    TensorWeightSender([url], bucket_bytes).send(list(weights.items()), version)
+    sender.send(list(weights.items()), version)
     return time.perf_counter() - start
-
-
-def sync_disk(url: str, weights: dict, directory: Path, version: str) -> float:
-    from megarl.bridge import DiskWeightSender
-
-    start = time.perf_counter()
-    DiskWeightSender([url], str(directory)).send(list(weights.items()), version)
-    elapsed = time.perf_counter() - start
-    shutil.rmtree(directory / f"weights_{version}")  # outside the timing: keep the disk small
-    return elapsed
 
 
 def peer_memcpy(weights: dict, dest: dict, bucket_bytes: int) -> float:
@@ -165,89 +148,6 @@ def peer_safetensors(weights: dict, directory: Path) -> float:
     return elapsed
 
 
-def breakdown_tensor(url: str, weights: dict, bucket_bytes: int) -> dict[str, float]:
-    """TensorWeightSender's loop, stage by stage: serialize_flattened_bucket is split into its
-    torch.cat and its codec.serialize (which moves the buffer into a new /dev/shm file). The buffers
-    stay referenced until the end, so freeing them is not timed here (it is in the real send)."""
-    from megarl.bridge.buckets import iter_buckets, with_last_flag
-    from megarl.rollout import weights_codec
-    from megarl.rollout.client import RolloutClient
-
-    stages = dict.fromkeys(["client open", "torch.cat", "share to /dev/shm + pickle", "server request",
-                            "client close"], 0.0)
-    t0 = time.perf_counter()
-    client = RolloutClient(url)
-    stages["client open"] = time.perf_counter() - t0
-    keep = []
-    for bucket, last in with_last_flag(iter_buckets(weights.items(), bucket_bytes)):
-        t0 = time.perf_counter()
-        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
-        t1 = time.perf_counter()
-        payload = weights_codec.serialize(
-            {"flattened_tensor": flat, "metadata": _metadata(bucket)})
-        t2 = time.perf_counter()
-        client.update_weights_from_tensor([payload], load_format="flattened_bucket", flush_cache=last)
-        t3 = time.perf_counter()
-        keep.append(flat)
-        stages["torch.cat"] += t1 - t0
-        stages["share to /dev/shm + pickle"] += t2 - t1
-        stages["server request"] += t3 - t2
-    t0 = time.perf_counter()
-    client.close()
-    stages["client close"] = time.perf_counter() - t0
-    return stages
-
-
-class ReusedShmSender:
-    """EXPERIMENT, not megarl's code path: what TensorWeightSender would cost if it copied each
-    bucket straight into one /dev/shm buffer that lives across buckets and syncs, instead of
-    torch.cat into fresh memory that the codec then moves into a new /dev/shm file (two copies,
-    both into never-touched pages). Same payload format, same server endpoint."""
-
-    def __init__(self, url: str, bucket_bytes: int):
-        from megarl.rollout.client import RolloutClient
-
-        self.client, self.bucket_bytes = RolloutClient(url), bucket_bytes
-        self.buffer = self._shared_buffer(bucket_bytes)
-
-    @staticmethod
-    def _shared_buffer(nbytes: int) -> torch.Tensor:
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        buffer.untyped_storage()._share_filename_cpu_()  # into /dev/shm once; later pickles reuse the file
-        return buffer
-
-    def send(self, weights: dict, version: str) -> float:
-        from megarl.bridge.buckets import iter_buckets, with_last_flag
-        from megarl.rollout import weights_codec
-
-        start = time.perf_counter()
-        for bucket, last in with_last_flag(iter_buckets(weights.items(), self.bucket_bytes)):
-            total = sum(t.numel() * t.element_size() for _, t in bucket)
-            if total > self.buffer.numel():  # a single tensor larger than the bucket
-                self.buffer = self._shared_buffer(total)
-            offset = 0
-            for _, t in bucket:
-                n = t.numel() * t.element_size()
-                self.buffer[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
-                offset += n
-            payload = weights_codec.serialize({"flattened_tensor": self.buffer[:total], "metadata": _metadata(bucket)})
-            self.client.update_weights_from_tensor([payload], load_format="flattened_bucket", flush_cache=last,
-                                                   weight_version=version if last else None)
-        return time.perf_counter() - start
-
-
-def _metadata(bucket):
-    from types import SimpleNamespace
-
-    out, offset = [], 0
-    for name, t in bucket:
-        n = t.numel() * t.element_size()
-        out.append(SimpleNamespace(name=name, shape=tuple(t.shape), dtype=t.dtype,
-                                   start_idx=offset, end_idx=offset + n, numel=n))
-        offset += n
-    return out
-
-
 # ---- the run --------------------------------------------------------------------------------------
 def measure(label, sync, peer, *, repeats, weights, model, url, atol, state) -> dict:
     """Per repeat: new weight version, timed bridge sync, correctness check, timed peer."""
@@ -272,30 +172,29 @@ def measure(label, sync, peer, *, repeats, weights, model, url, atol, state) -> 
 
 
 def run_all(args, url, weights, model, dest, disk_dir) -> tuple[list[dict], dict]:
+    from megarl.bridge import DiskWeightSender, TensorWeightSender
+
     state, rows = {"step": 0}, []
     common = dict(repeats=args.repeats, weights=weights, model=model, url=url, atol=args.atol, state=state)
     buckets_mb = [int(x) for x in args.bucket_mb.split(",")]
-    # one untimed sync per transport: first-call imports and the server's first request are not bandwidth
-    sync_tensor(url, weights, max(buckets_mb) * MB, "warmup")
-    sync_disk(url, weights, disk_dir, "warmup")
     for transport in args.transports.split(","):
         if transport == "tensor":
             for mb in buckets_mb:
-                rows.append(measure(f"tensor, bucket {mb} MiB",
-                                    lambda v, b=mb * MB: sync_tensor(url, weights, b, v),
-                                    lambda b=mb * MB: peer_memcpy(weights, dest, b), **common))
+                sender = TensorWeightSender([url], mb * MB)
+                try:
+                    # one untimed sync: the shared buffer's first touch and first-call imports
+                    # are start-up, not bandwidth (training keeps one sender for the whole run)
+                    timed_send(sender, weights, f"warmup-{mb}")
+                    rows.append(measure(f"tensor, bucket {mb} MiB",
+                                        lambda v, s=sender: timed_send(s, weights, v),
+                                        lambda b=mb * MB: peer_memcpy(weights, dest, b), **common))
+                finally:
+                    sender.close()
         elif transport == "disk":
-            rows.append(measure("disk", lambda v: sync_disk(url, weights, disk_dir, v),
+            sender = DiskWeightSender([url], str(disk_dir))
+            timed_send(sender, weights, "warmup-disk")
+            rows.append(measure("disk", lambda v: timed_send(sender, weights, v),
                                 lambda: peer_safetensors(weights, disk_dir), **common))
-    if args.experiment_reused_shm:
-        for mb in buckets_mb:
-            sender = ReusedShmSender(url, mb * MB)
-            try:
-                rows.append(measure(f"EXPERIMENT reused shm buffer, bucket {mb} MiB",
-                                    lambda v, s=sender: s.send(weights, v),
-                                    lambda b=mb * MB: peer_memcpy(weights, dest, b), **common))
-            finally:
-                sender.client.close()
     return rows, state
 
 
@@ -319,7 +218,6 @@ def main(argv=None) -> None:
         load_before = os.getloadavg()
         with RolloutServerProcess(model_dir, torch_threads=1, max_batch_size=8) as server:
             rows, run_state = run_all(args, server.url, weights, model, dest, disk_dir)
-            stages = breakdown_tensor(server.url, weights, args.breakdown_bucket_mb * MB) if args.breakdown else None
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -328,10 +226,6 @@ def main(argv=None) -> None:
     print(f"check: before the first sync the (stale) server's log-probs differed by {run_state['stale_err']:.2e}; "
           f"every sync must bring that under --atol {args.atol:.0e}")
     print_table(rows, total, args.repeats)
-    if stages:
-        print(f"\ntensor transport stages, bucket {args.breakdown_bucket_mb} MiB (one sync, seconds):")
-        for name, seconds in stages.items():
-            print(f"  {name:28s} {seconds:.3f}")
 
 
 def print_table(rows, total_bytes, repeats) -> None:

@@ -53,21 +53,28 @@ def server_response_logprobs(url: str) -> torch.Tensor:
 
 
 def _train_then_sync(rank, model_path, url, transport, tp, ep, tmp_dir):
+    """Two (update, sync) rounds with one sender: the second proves it can be reused."""
     from megarl.bridge import make_weight_sender
     from tests.test_megatron_engine import _engine
 
     engine = _engine(model_path, tp, ep, train=True)
     rows = make_rows()
-    # one real optimizer step so the trainer's weights differ from the server's
-    engine.train_mini_batch(rows, lambda lp, ent, mb: ((lp * mb["advantages"]).sum(),
-                                                       mb["response_mask"].sum(), {}))
-    before = engine.compute_log_prob(rows)
     spec = {"transport": transport, "server_urls": [url], "bucket_bytes": 64 * 1024,
             "disk_dir": str(tmp_dir)}
     sender = make_weight_sender(spec) if rank == 0 else None
-    stats = sender.send(engine.export_weights(), "v1") if sender else \
-        [None for _ in engine.export_weights()] and {}
-    return {"log_probs": before["log_probs"], "stats": stats}
+    stats = {}
+    for version in ("v1", "v2"):
+        # a real optimizer step so the trainer's weights differ from the server's
+        engine.train_mini_batch(rows, lambda lp, ent, mb: ((lp * mb["advantages"]).sum(),
+                                                           mb["response_mask"].sum(), {}))
+        if sender is not None:
+            stats = sender.send(engine.export_weights(), version)
+        else:
+            for _ in engine.export_weights():  # take part in the gathers
+                pass
+    if sender is not None:
+        sender.close()
+    return {"log_probs": engine.compute_log_prob(rows)["log_probs"], "stats": stats}
 
 
 @pytest.mark.parametrize("transport,tp,ep", [("tensor", 2, 1), ("tensor", 1, 2), ("disk", 2, 1)])
@@ -84,6 +91,19 @@ def test_server_matches_trainer_after_sync(tiny_model_path, tmp_path, transport,
     trainer = results[0]["log_probs"]
     assert (trainer - initial)[mask].abs().max() > 1e-3, "the update did not change the weights"
     torch.testing.assert_close(synced[mask], trainer[mask], atol=1e-4, rtol=0)
-    assert version == "v1"
+    assert version == "v2"
     if transport == "tensor":
         assert results[0]["stats"]["bridge/buckets"] > 1  # 64 KiB buckets: several per sync
+    else:  # the superseded checkpoint is gone, the live one stays
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["weights_v2"]
+
+
+def test_flattened_bucket_aligns_mixed_dtypes():
+    from megarl.rollout.weights_codec import deserialize_flattened_bucket, serialize_flattened_bucket
+
+    # a 6-byte bf16 tensor before a float32 one: unaligned packing cannot view the second
+    named = [("a", torch.randn(3).bfloat16()), ("b", torch.randn(4)), ("c", torch.arange(5))]
+    out = deserialize_flattened_bucket(serialize_flattened_bucket(named))
+    assert [n for n, _ in out] == ["a", "b", "c"]
+    for (_, got), (_, want) in zip(out, named):
+        assert got.dtype == want.dtype and torch.equal(got, want)

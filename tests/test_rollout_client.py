@@ -1,11 +1,12 @@
-"""RolloutClient against a fake SGLang-shaped app (retries, errors, ordering), and end to end against
-a real embedded server subprocess started by the launcher (batching, log-probs, weight updates
-sent from another process, clean shutdown)."""
+"""RolloutClient against a fake SGLang-shaped app (batched and per-prompt modes: request counts, retries,
+errors, ordering), and end to end against a real embedded server subprocess started by the launcher
+(batching, log-probs, weight updates sent from another process, clean shutdown)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import httpx
 import pytest
@@ -31,25 +33,32 @@ LOGPROB_TOL = 1e-4
 
 # ---- a fake SGLang worker in a thread --------------------------------------------------------------
 def fake_worker_app(mode: str) -> FastAPI:
-    """mode: ok | fail_once (500 on each prompt's first try) | always_503 | reject (400)."""
+    """mode: ok | fail_once (500 the first time a request carries its first prompt) | always_503 |
+    reject (400) | short (a batched answer one output short). Answers SGLang's single and batched
+    /generate forms; records every request body and, per prompt, how many requests carried it."""
     app = FastAPI()
-    app.state.calls = collections.Counter()
+    app.state.calls, app.state.bodies = collections.Counter(), []
 
     @app.post("/generate")
     async def generate(request: Request):
         body = await request.json()
-        key = tuple(body["input_ids"])
-        app.state.calls[key] += 1
-        if mode == "always_503" or (mode == "fail_once" and app.state.calls[key] == 1):
+        app.state.bodies.append(body)
+        batched = isinstance(body["input_ids"][0], list)
+        prompts = body["input_ids"] if batched else [body["input_ids"]]
+        app.state.calls.update(tuple(p) for p in prompts)
+        if mode == "always_503" or (mode == "fail_once" and app.state.calls[tuple(prompts[0])] == 1):
             return JSONResponse({"error": {"message": "worker hiccup"}}, status_code=503 if mode == "always_503" else 500)
         if mode == "reject":
             return JSONResponse({"error": {"message": "sampling_params.top_p=2 must be in (0, 1]"}}, status_code=400)
-        n = body["sampling_params"].get("n", 1)
-        items = [{"text": "", "output_ids": [body["input_ids"][0], j],
-                  "meta_info": {"id": f"{key}-{j}", "finish_reason": {"type": "length", "length": 2},
-                                "output_token_logprobs": [[-0.5, body["input_ids"][0], None], [-0.25, j, None]]}}
-                 for j in range(n)]
-        return items if n > 1 else items[0]
+        params = body["sampling_params"]
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        items = [{"text": "", "output_ids": [prompt[0], j],
+                  "meta_info": {"id": f"{prompt}-{j}", "finish_reason": {"type": "length", "length": 2},
+                                "output_token_logprobs": [[-0.5, prompt[0], None], [-0.25, j, None]]}}
+                 for prompt, p in zip(prompts, params) for j in range(p.get("n", 1))]
+        if mode == "short":
+            items = items[:-1]
+        return items if batched or len(items) > 1 else items[0]
 
     return app
 
@@ -79,32 +88,103 @@ class ThreadedServer:
         self.thread.join(timeout=10)
 
 
-def test_generate_retries_a_failing_request_and_keeps_prompt_major_order():
+def test_per_prompt_mode_retries_each_failing_request_and_keeps_prompt_major_order():
     with ThreadedServer(fake_worker_app("fail_once")) as worker, \
-            RolloutClient(worker.url, max_retries=2, backoff_s=0.01) as client:
+            RolloutClient(worker.url, batched=False, max_retries=2, backoff_s=0.01) as client:
         outputs = client.generate([[7, 1], [8, 1], [9, 1]], {"n": 2}, return_logprob=True)
         assert [o.output_ids for o in outputs] == [[7, 0], [7, 1], [8, 0], [8, 1], [9, 0], [9, 1]]
         assert outputs[1].output_logprobs == [-0.5, -0.25] and outputs[0].finish_reason["type"] == "length"
         assert dict(worker.server.config.app.state.calls) == {(7, 1): 2, (8, 1): 2, (9, 1): 2}
+        assert all(body["input_ids"] in ([7, 1], [8, 1], [9, 1]) for body in worker.server.config.app.state.bodies)
         awaited = asyncio.run(client.agenerate([[3, 3]], [{"n": 1}]))  # from inside another event loop
         assert [o.output_ids for o in awaited] == [[3, 0]]
 
 
-def test_generate_gives_up_after_max_retries_naming_server_and_request():
-    with ThreadedServer(fake_worker_app("always_503")) as worker, \
+def test_batched_mode_sends_one_request_and_retries_the_whole_batch_after_a_500():
+    prompts = [[7, 1], [8, 1], [9, 1]]
+    with ThreadedServer(fake_worker_app("fail_once")) as worker, \
             RolloutClient(worker.url, max_retries=2, backoff_s=0.01) as client:
+        outputs = client.generate(prompts, {"n": 2, "max_new_tokens": 2}, return_logprob=True, rids=["a", "b", "c"])
+        assert [o.output_ids for o in outputs] == [[7, 0], [7, 1], [8, 0], [8, 1], [9, 0], [9, 1]]
+        assert outputs[5].output_logprobs == [-0.5, -0.25]
+        bodies = worker.server.config.app.state.bodies
+        assert len(bodies) == 2, "one batched request, sent again once after the 500"
+        assert all(b["input_ids"] == prompts and b["sampling_params"] == {"n": 2, "max_new_tokens": 2}
+                   and b["rid"] == ["a", "b", "c"] and b["return_logprob"] is True for b in bodies)
+        assert dict(worker.server.config.app.state.calls) == {(7, 1): 2, (8, 1): 2, (9, 1): 2}
+        # one prompt is still sent in the batched form (the answer is a list)
+        assert [o.output_ids for o in client.generate([[4, 4]])] == [[4, 0]]
+        assert bodies[-1]["input_ids"] == [[4, 4]]
+
+
+def test_batched_mode_splits_large_calls_into_concurrent_chunks_in_order():
+    prompts = [[10 + i] for i in range(5)]
+    params = [{"n": 2, "temperature": 0.1 * i} for i in range(5)]
+    with ThreadedServer(fake_worker_app("ok")) as worker, \
+            RolloutClient(worker.url, max_batch_prompts=2) as client:
+        outputs = client.generate(prompts, params)
+        assert [o.output_ids for o in outputs] == [[p[0], j] for p in prompts for j in range(2)]
+        bodies = sorted(worker.server.config.app.state.bodies, key=lambda b: b["input_ids"][0])
+        assert [b["input_ids"] for b in bodies] == [prompts[0:2], prompts[2:4], prompts[4:5]]
+        assert [b["sampling_params"] for b in bodies] == [params[0:2], params[2:4], params[4:5]]
+        with pytest.raises(ValueError, match=r"different n per prompt \(\[1, 2\]\).*batched=False"):
+            client.generate([[1], [2]], [{"n": 1}, {"n": 2}])
+        assert len(worker.server.config.app.state.bodies) == 3, "a call with mixed n must not be sent"
+        assert client.generate([], {"n": 2}) == [] and len(worker.server.config.app.state.bodies) == 3
+
+
+def test_batched_mode_rejects_an_answer_with_the_wrong_number_of_outputs():
+    with ThreadedServer(fake_worker_app("short")) as worker, RolloutClient(worker.url) as client:
         with pytest.raises(RolloutRequestError) as err:
-            client.generate([[5, 6, 7]], {"max_new_tokens": 3})
-        assert worker.url in str(err.value) and "3 tokens" in str(err.value) and "HTTP 503" in str(err.value)
+            client.generate([[7], [8], [9]], {"n": 2})
+        message = str(err.value)
+        assert "answered 5 outputs" in message and "expected 6 (3 prompts x n=2)" in message
+        assert worker.url in message and "batched=False" in message
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_generate_gives_up_after_max_retries_naming_server_and_request(batched):
+    with ThreadedServer(fake_worker_app("always_503")) as worker, \
+            RolloutClient(worker.url, batched=batched, max_retries=2, backoff_s=0.01) as client:
+        with pytest.raises(RolloutRequestError) as err:
+            client.generate([[5, 6, 7], [8]], {"max_new_tokens": 3})
+        message = str(err.value)
+        assert worker.url in message and "failed 3 times" in message and "HTTP 503" in message
+        assert "'max_new_tokens': 3" in message
+        assert ("a batch of 2 prompts (4 tokens" if batched else "3 tokens") in message
         assert worker.server.config.app.state.calls[(5, 6, 7)] == 3
+        assert len(worker.server.config.app.state.bodies) == (3 if batched else 6)
 
 
-def test_a_rejected_request_is_not_retried_and_the_server_message_is_kept():
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_rejected_request_is_not_retried_and_the_server_message_is_kept(batched):
     with ThreadedServer(fake_worker_app("reject")) as worker, \
-            RolloutClient(worker.url, max_retries=3, backoff_s=0.01) as client:
-        with pytest.raises(RolloutRequestError, match="top_p=2 must be in"):
+            RolloutClient(worker.url, batched=batched, max_retries=3, backoff_s=0.01) as client:
+        with pytest.raises(RolloutRequestError, match="HTTP 400: sampling_params.top_p=2 must be in"):
             client.generate([[5]], {"top_p": 2})
         assert worker.server.config.app.state.calls[(5,)] == 1
+
+
+def test_plain_http_clients_skip_tls_setup_and_https_clients_keep_verification(monkeypatch):
+    seen = []
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kwargs: seen.append(kwargs["verify"]) or real(**kwargs))
+    RolloutClient("http://127.0.0.1:1").close()
+    RolloutClient("https://rollout.example:443").close()
+    assert seen == [False, True]
+
+
+def test_a_closed_client_says_so_and_leaves_no_unawaited_coroutine():
+    client = RolloutClient("http://127.0.0.1:1")
+    client.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="127.0.0.1:1 is closed"):
+            client.generate([[1]])
+        with pytest.raises(RuntimeError, match="is closed"):
+            asyncio.run(client.agenerate([[1]]))
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]
 
 
 def test_connection_errors_are_retried_until_the_server_comes_up():
@@ -153,11 +233,12 @@ def hf_logprobs(model_dir, prompt, output, temperature):
     return torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
-def test_e2e_concurrent_requests_are_batched_with_exact_logprobs(client, checkpoints):
+def test_e2e_concurrent_requests_are_batched_with_exact_logprobs(client, server, checkpoints):
     before = client.get_server_info()["engine_stats"].get("batches", 0)
     prompts = [[2] + [10 + i, 11 + i, 12 + (i % 3)] * (1 + i % 3) + [3] for i in range(8)]
-    outputs = client.generate(prompts, {"max_new_tokens": 16, "temperature": 0.8, "ignore_eos": True},
-                              return_logprob=True)
+    with RolloutClient(server.url, batched=False) as per_prompt:  # 8 concurrent requests, as behind a router
+        outputs = per_prompt.generate(prompts, {"max_new_tokens": 16, "temperature": 0.8, "ignore_eos": True},
+                                      return_logprob=True)
     batches = client.get_server_info()["engine_stats"]["batches"] - before
     assert len(outputs) == 8 and 1 <= batches < 8, f"8 concurrent requests ran in {batches} batches"
     for prompt, out in zip(prompts[:3], outputs[:3]):

@@ -7,16 +7,20 @@ import shutil
 import time
 from typing import Iterable
 
+import torch
+
 from megarl.bridge.buckets import NamedTensor, iter_buckets, tensor_bytes, with_last_flag
 from megarl.rollout.client import RolloutClient
 
 
 class TensorWeightSender:
-    """Colocated transport: each bucket becomes one flattened buffer whose shared-memory handle
-    (CUDA IPC on GPU) goes to /update_weights_from_tensor; the bytes never cross HTTP.
+    """Colocated transport: each bucket is packed into one flattened buffer whose shared-memory
+    handle (CUDA IPC on GPU) goes to /update_weights_from_tensor; the bytes never cross HTTP.
 
-    The buffer is a fresh copy, so later in-place optimizer updates cannot race the server's
-    read, and it stays referenced here until every server has answered.
+    The buffer is allocated in shared memory once and reused for every bucket of every sync: the
+    server copies a bucket into its parameters before it replies, so the next bucket may
+    overwrite it. Packing copies, so later in-place optimizer updates cannot race the read.
+    Keep one sender for the whole run (clients and buffer are reused); close() at the end.
     """
 
     def __init__(self, server_urls: list[str], bucket_bytes: int, timeout_s: float = 600.0):
@@ -24,39 +28,56 @@ class TensorWeightSender:
             raise ValueError("bridge: no rollout server URLs to send weights to")
         self.clients = [RolloutClient(url, timeout_s=timeout_s) for url in server_urls]
         self.bucket_bytes = bucket_bytes
+        self._buffer: torch.Tensor | None = None
+
+    def _shared_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffer
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            # the bucket size, or one oversized tensor's size when that is larger
+            buf = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=device)
+            if device.type == "cpu":
+                buf.share_memory_()
+            self._buffer = buf
+        return buf
 
     def send(self, named: Iterable[NamedTensor], weight_version: str) -> dict:
-        from megarl.rollout.weights_codec import serialize_flattened_bucket
+        from megarl.rollout.weights_codec import flattened_bucket_nbytes, serialize_flattened_bucket
 
         n_tensors = n_bytes = n_buckets = 0
-        try:
-            for bucket, last in with_last_flag(iter_buckets(named, self.bucket_bytes)):
-                payload = serialize_flattened_bucket(bucket)
-                for client in self.clients:
-                    client.update_weights_from_tensor(
-                        [payload], load_format="flattened_bucket", flush_cache=last,
-                        weight_version=weight_version if last else None)
-                n_buckets += 1
-                n_tensors += len(bucket)
-                n_bytes += sum(tensor_bytes(t) for _, t in bucket)
-        finally:
+        for bucket, last in with_last_flag(iter_buckets(named, self.bucket_bytes)):
+            buf = self._shared_buffer(flattened_bucket_nbytes(bucket), bucket[0][1].device)
+            payload = serialize_flattened_bucket(bucket, out=buf)
             for client in self.clients:
-                client.close()
+                client.update_weights_from_tensor(
+                    [payload], load_format="flattened_bucket", flush_cache=last,
+                    weight_version=weight_version if last else None)
+            n_buckets += 1
+            n_tensors += len(bucket)
+            n_bytes += sum(tensor_bytes(t) for _, t in bucket)
         return {"bridge/buckets": n_buckets, "bridge/tensors": n_tensors, "bridge/bytes": n_bytes}
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        self._buffer = None
 
 
 class DiskWeightSender:
-    """Disk transport: write an HF safetensors checkpoint (atomically: temp dir, then rename)
-    and ask every server to reload it with /update_weights_from_disk."""
+    """Disk transport: write an HF safetensors checkpoint (atomically: temp dir, then rename),
+    ask every server to reload it with /update_weights_from_disk, then delete the version it
+    replaced (only once every server has moved off it)."""
 
     def __init__(self, server_urls: list[str], directory: str, timeout_s: float = 600.0):
         self.server_urls = list(server_urls)
         self.directory = directory
         self.timeout_s = timeout_s
+        self._current: str | None = None
 
     def send(self, named: Iterable[NamedTensor], weight_version: str) -> dict:
         from safetensors.torch import save_file
 
+        # clone: exported tensors can be views sharing storage (split QKV), which safetensors
+        # refuses to save
         tensors = {name: t.detach().contiguous().clone() for name, t in named}
         final = os.path.join(self.directory, f"weights_{weight_version}")
         tmp = f"{final}.tmp{os.getpid()}"
@@ -69,9 +90,15 @@ class DiskWeightSender:
         for url in self.server_urls:
             with RolloutClient(url, timeout_s=self.timeout_s) as client:
                 client.update_weights_from_disk(final, weight_version=weight_version)
+        if self._current is not None and self._current != final:
+            shutil.rmtree(self._current, ignore_errors=True)
+        self._current = final
         return {"bridge/tensors": len(tensors),
                 "bridge/bytes": sum(tensor_bytes(t) for t in tensors.values()),
                 "bridge/disk_load_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        pass
 
 
 def make_weight_sender(spec: dict):

@@ -1,8 +1,12 @@
 """RolloutManager: turn a batch of prompts into a batch of (prompt, response) rows.
 
 Talks to one or more SGLang-API servers (embedded or real SGLang, directly or via
-sglang-router) through RolloutClient, spreading prompts round-robin. Every request is
-answered or raises (the client retries transient failures): no row is silently dropped.
+sglang-router) through RolloutClient, spreading prompts round-robin over the URLs. By default
+(batched=True) each server gets its share in one batched /generate (or chunks of
+`max_batch_prompts`): one HTTP round trip per server instead of one per prompt. Pass
+batched=False when a URL is an sglang-router: it balances individual requests over its workers
+but sends a batched request to a single one. Every request is answered or raises (the client
+retries transient failures): no row is silently dropped.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ class SamplingSpec:
 
 
 class RolloutManager:
-    def __init__(self, server_urls: list[str], timeout_s: float = 600.0, max_retries: int = 3):
+    def __init__(self, server_urls: list[str], timeout_s: float = 600.0, max_retries: int = 3, *,
+                 batched: bool = True, max_batch_prompts: int | None = None):
         if not server_urls:
             raise ValueError("rollout: no server URLs")
-        self.clients = [RolloutClient(u, timeout_s=timeout_s, max_retries=max_retries)
+        self.clients = [RolloutClient(u, batched=batched, max_batch_prompts=max_batch_prompts,
+                                      timeout_s=timeout_s, max_retries=max_retries)
                         for u in server_urls]
 
     def close(self) -> None:

@@ -113,28 +113,56 @@ def deserialize_named_tensors(payload: str | bytes) -> NamedTensors:
     return [(name, tensor) for name, tensor in obj]
 
 
-def serialize_flattened_bucket(named_tensors: NamedTensors) -> str:
-    """SGLang's load_format="flattened_bucket": one uint8 buffer plus per-tensor byte ranges.
+FLAT_ALIGN = 16  # bytes; every tensor starts aligned so the receiver can view it in its dtype
 
-    One shared-memory file per bucket instead of one per tensor. The metadata are SimpleNamespace
-    objects with SGLang's FlattenedTensorMetadata attributes, so a real SGLang server (which reads
-    them by attribute) accepts the payload without megarl installed.
-    """
+
+def flattened_bucket_nbytes(named_tensors: NamedTensors) -> int:
+    """Bytes a flattened bucket of these tensors needs (with alignment padding)."""
+    total = 0
+    for _, tensor in named_tensors:
+        total = _aligned(total) + tensor.numel() * tensor.element_size()
+    return total
+
+
+def pack_flattened_bucket(named_tensors: NamedTensors, out: torch.Tensor | None = None):
+    """Copy tensors into one uint8 buffer (`out`, reused by callers that send often, or a new
+    one) at FLAT_ALIGN-aligned offsets. Returns (buffer view, SGLang metadata list)."""
     _check_named_tensors(named_tensors)
     if not named_tensors:
         raise ValueError("cannot build a flattened bucket from zero tensors")
-    parts, metadata, offset = [], [], 0
+    need = flattened_bucket_nbytes(named_tensors)
+    device = named_tensors[0][1].device
+    if out is None:
+        out = torch.empty(need, dtype=torch.uint8, device=device)
+    elif out.numel() < need or out.dtype != torch.uint8:
+        raise ValueError(f"flattened bucket needs a uint8 buffer of >= {need} bytes, got "
+                         f"{out.numel()} {out.dtype}")
+    metadata, offset = [], 0
     for name, tensor in named_tensors:
+        offset = _aligned(offset)
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        metadata.append(
-            SimpleNamespace(
-                name=name, shape=tuple(tensor.shape), dtype=tensor.dtype,
-                start_idx=offset, end_idx=offset + flat.numel(), numel=flat.numel(),
-            )
-        )
-        parts.append(flat)
+        out[offset:offset + flat.numel()].copy_(flat)
+        metadata.append(SimpleNamespace(
+            name=name, shape=tuple(tensor.shape), dtype=tensor.dtype,
+            start_idx=offset, end_idx=offset + flat.numel(), numel=flat.numel()))
         offset += flat.numel()
-    return serialize({"flattened_tensor": torch.cat(parts), "metadata": metadata})
+    return out[:offset], metadata
+
+
+def serialize_flattened_bucket(named_tensors: NamedTensors, out: torch.Tensor | None = None) -> str:
+    """SGLang's load_format="flattened_bucket": one uint8 buffer plus per-tensor byte ranges.
+
+    One shared-memory file per bucket instead of one per tensor; with `out` (a buffer already in
+    shared memory) none at all, and no copy beyond packing. The metadata are SimpleNamespace
+    objects with SGLang's FlattenedTensorMetadata attributes, so a real SGLang server (which reads
+    them by attribute) accepts the payload without megarl installed.
+    """
+    flat, metadata = pack_flattened_bucket(named_tensors, out)
+    return serialize({"flattened_tensor": flat, "metadata": metadata})
+
+
+def _aligned(offset: int) -> int:
+    return (offset + FLAT_ALIGN - 1) // FLAT_ALIGN * FLAT_ALIGN
 
 
 def deserialize_flattened_bucket(payload: str | bytes) -> NamedTensors:

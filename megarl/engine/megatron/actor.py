@@ -71,6 +71,8 @@ class MegatronActor(Worker):
         self.with_ref = with_ref
         self.actor = None
         self.ref = None
+        self._sender = None  # rank 0's weight sender, kept across syncs (buffer, connections)
+        self._sender_spec: dict | None = None
 
     def init_distributed(self) -> None:
         super().init_distributed()
@@ -131,8 +133,11 @@ class MegatronActor(Worker):
         """Stream the current weights to the rollout servers (all ranks gather, rank 0 sends)."""
         from megarl.bridge import make_weight_sender
 
-        sender = make_weight_sender(bridge_spec) if self.rank == 0 else None
-        return _send_all(self.actor.export_weights(), sender, weight_version)
+        if self.rank == 0 and self._sender_spec != bridge_spec:
+            if self._sender is not None:
+                self._sender.close()
+            self._sender, self._sender_spec = make_weight_sender(bridge_spec), dict(bridge_spec)
+        return _send_all(self.actor.export_weights(), self._sender, weight_version)
 
 
 def _send_all(named_tensors, sender, weight_version: str) -> dict:
