@@ -89,9 +89,9 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, **overrides
     tmp.mkdir(parents=True, exist_ok=True)
     config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures",)})
     config.architectures = cfg_dict["architectures"]
-    gen = torch.manual_seed(seed)
-    del gen
-    model = Qwen3MoeForCausalLM(config).float().eval()
+    with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG stream
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config).float().eval()
     model.save_pretrained(tmp, safe_serialization=True)
     build_tokenizer().save_pretrained(tmp)
     (tmp / "megarl_tiny.json").write_text(json.dumps({"seed": seed, "config": cfg_dict}))

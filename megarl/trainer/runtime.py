@@ -57,10 +57,9 @@ def loss_spec(cfg: RunConfig) -> ActorLossSpec:
                          entropy_coeff=a.entropy_coeff)
 
 
-def _cpus_per_rank(cfg: RunConfig) -> float:
-    # Ray's CPU count is a scheduling budget, not a pin: leave room for the rollout server and
-    # the driver on a laptop by asking for a fraction of a CPU per Megatron rank.
-    return 0.5
+# Ray's CPU count is a scheduling budget, not a pin: a fraction of a CPU per Megatron rank leaves
+# room for the rollout server and the driver on a laptop.
+CPUS_PER_RANK = 0.5
 
 
 @contextlib.contextmanager
@@ -104,7 +103,7 @@ def start_runtime(cfg: RunConfig):
         actor = RayWorkerGroup(
             MegatronActor, cfg.cluster.num_actor_ranks,
             init_args=(engine_spec(cfg, model_path), loss_spec(cfg), with_ref),
-            num_cpus_per_worker=_cpus_per_rank(cfg),
+            num_cpus_per_worker=CPUS_PER_RANK,
             env_vars={"MEGARL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                       "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")},
             name_prefix="actor",

@@ -20,7 +20,7 @@ from megarl.controller.decorator import register
 from megarl.controller.dispatch import Dispatch, MeshCoord
 from megarl.controller.worker import Worker
 from megarl.data.batch import Batch
-from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
+from megarl.engine.megatron.engine import EngineSpec, MegatronEngine, mean_metrics
 
 
 @dataclass
@@ -122,8 +122,7 @@ class MegatronActor(Worker):
             for mini in shuffled.chunk(n_mini):
                 collected.append(self.actor.train_mini_batch(
                     mini, lambda lp, ent, mb: actor_loss(self.loss_spec, lp, ent, mb), temperature))
-        metrics = {k: sum(d[k] for d in collected if k in d) / sum(k in d for d in collected)
-                   for k in {k for d in collected for k in d}}
+        metrics = mean_metrics(collected)
         metrics["actor/num_updates"] = float(len(collected))
         metrics["perf/update_s"] = time.perf_counter() - start
         return metrics

@@ -180,8 +180,6 @@ def _patch_rng():
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom.initialize_rng_tracker = lambda *a, **k: None
     mrandom.get_cuda_rng_tracker = lambda *a, **k: mrandom._CUDA_RNG_STATE_TRACKER
-    _orig_manual_seed = torch.cuda.manual_seed
-    del _orig_manual_seed
     torch.cuda.manual_seed = torch.manual_seed
 
 

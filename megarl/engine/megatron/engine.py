@@ -219,7 +219,7 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         results = self._run(batch, loss_fn, temperature, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
-        metrics = _mean_metrics([r[2] for r in results])
+        metrics = mean_metrics([r[2] for r in results])
         metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["actor/update_skipped"] = float(not ok)
         return metrics
@@ -244,10 +244,7 @@ def _response_slice(values: torch.Tensor, mb: Batch) -> torch.Tensor:
     return values.gather(1, index) * mb["response_mask"].to(values.dtype)
 
 
-def _mean_metrics(dicts: list[dict]) -> dict:
+def mean_metrics(dicts: list[dict]) -> dict:
+    """Per key, the mean over the dicts that have it."""
     keys = {k for d in dicts for k in d}
-    out = {}
-    for k in keys:
-        vals = [float(d[k]) for d in dicts if k in d]
-        out[k] = sum(vals) / len(vals)
-    return out
+    return {k: sum(float(d[k]) for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
