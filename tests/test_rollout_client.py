@@ -34,7 +34,8 @@ LOGPROB_TOL = 1e-4
 # ---- a fake SGLang worker in a thread --------------------------------------------------------------
 def fake_worker_app(mode: str) -> FastAPI:
     """mode: ok | fail_once (500 the first time a request carries its first prompt) | always_503 |
-    reject (400) | short (a batched answer one output short). Answers SGLang's single and batched
+    reject (400) | reject_0_hang_others (400 for prompt [0], 2 s for any other) | short (a batched
+    answer one output short). Answers SGLang's single and batched
     /generate forms; records every request body and, per prompt, how many requests carried it."""
     app = FastAPI()
     app.state.calls, app.state.bodies = collections.Counter(), []
@@ -48,7 +49,9 @@ def fake_worker_app(mode: str) -> FastAPI:
         app.state.calls.update(tuple(p) for p in prompts)
         if mode == "always_503" or (mode == "fail_once" and app.state.calls[tuple(prompts[0])] == 1):
             return JSONResponse({"error": {"message": "worker hiccup"}}, status_code=503 if mode == "always_503" else 500)
-        if mode == "reject":
+        if mode == "reject_0_hang_others" and prompts[0] != [0]:
+            await asyncio.sleep(2)
+        if mode == "reject" or mode == "reject_0_hang_others":
             return JSONResponse({"error": {"message": "sampling_params.top_p=2 must be in (0, 1]"}}, status_code=400)
         params = body["sampling_params"]
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -147,13 +150,13 @@ def test_generate_gives_up_after_max_retries_naming_server_and_request(batched):
     with ThreadedServer(fake_worker_app("always_503")) as worker, \
             RolloutClient(worker.url, batched=batched, max_retries=2, backoff_s=0.01) as client:
         with pytest.raises(RolloutRequestError) as err:
-            client.generate([[5, 6, 7], [8]], {"max_new_tokens": 3})
+            client.generate([[5, 6, 7], [8]] if batched else [[5, 6, 7]], {"max_new_tokens": 3})
         message = str(err.value)
         assert worker.url in message and "failed 3 times" in message and "HTTP 503" in message
         assert "'max_new_tokens': 3" in message
-        assert ("a batch of 2 prompts (4 tokens" if batched else "3 tokens") in message
+        assert ("a batch of 2 prompts (4 tokens" if batched else "prompt 0 (3 tokens") in message
         assert worker.server.config.app.state.calls[(5, 6, 7)] == 3
-        assert len(worker.server.config.app.state.bodies) == (3 if batched else 6)
+        assert len(worker.server.config.app.state.bodies) == 3
 
 
 @pytest.mark.parametrize("batched", [True, False])
@@ -163,6 +166,20 @@ def test_a_rejected_request_is_not_retried_and_the_server_message_is_kept(batche
         with pytest.raises(RolloutRequestError, match="HTTP 400: sampling_params.top_p=2 must be in"):
             client.generate([[5]], {"top_p": 2})
         assert worker.server.config.app.state.calls[(5,)] == 1
+
+
+def test_a_failed_prompt_cancels_the_other_requests_of_the_call():
+    with ThreadedServer(fake_worker_app("reject_0_hang_others")) as worker, \
+            RolloutClient(worker.url, batched=False, backoff_s=0.01) as client:
+        start = time.monotonic()
+        with pytest.raises(RolloutRequestError, match="prompt 2 .*HTTP 400"):
+            client.generate([[5], [6], [0], [7]])
+        assert time.monotonic() - start < 1.5, "the rejection must not wait for the slow requests"
+
+        async def requests_still_running():
+            return len(asyncio.all_tasks()) - 1  # minus this one
+
+        assert asyncio.run_coroutine_threadsafe(requests_still_running(), client._loop).result() == 0
 
 
 def test_plain_http_clients_skip_tls_setup_and_https_clients_keep_verification(monkeypatch):

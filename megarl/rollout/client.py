@@ -164,9 +164,9 @@ class RolloutClient:
             return []
         if self.batched:
             return await self._generate_batched(input_ids, sampling_params, params, return_logprob, rids)
-        tasks = [self._generate_one(i, ids, p, return_logprob, None if rids is None else rids[i])
-                 for i, (ids, p) in enumerate(zip(input_ids, params))]
-        per_prompt = await asyncio.gather(*tasks)
+        per_prompt = await _gather_or_cancel([
+            self._generate_one(i, ids, p, return_logprob, None if rids is None else rids[i])
+            for i, (ids, p) in enumerate(zip(input_ids, params))])
         return [out for outputs in per_prompt for out in outputs]
 
     async def _generate_one(self, index, ids, params, return_logprob, rid) -> list[GenerateOutput]:
@@ -197,7 +197,7 @@ class RolloutClient:
             what = _describe_batch(input_ids[start:end], chunk_params, start, len(input_ids))
             tasks.append(self._generate_chunk(input_ids[start:end], chunk_params, counts[0], return_logprob,
                                               None if rids is None else rids[start:end], what))
-        per_chunk = await asyncio.gather(*tasks)
+        per_chunk = await _gather_or_cancel(tasks)
         return [out for outputs in per_chunk for out in outputs]
 
     async def _generate_chunk(self, prompts, params, n, return_logprob, rids, what) -> list[GenerateOutput]:
@@ -271,6 +271,19 @@ class RolloutClient:
 
     def continue_generation(self) -> dict:
         return self._run(self._json("POST", "/continue_generation", {}))
+
+
+async def _gather_or_cancel(coros: list) -> list:
+    """asyncio.gather, but the first failure cancels the other requests: the call fails anyway, and
+    a cancelled request disconnects, which tells the server to stop generating for it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _samples_per_prompt(params: dict) -> int:
