@@ -72,6 +72,7 @@ SMALL_RUN = ["trainer.total_steps=1000", "data.num_train=64", "rollout.n=4",
     ("rollout.top_p=2", "rollout.top_p"),
     ("actor.parallel.ep=3", "actor.parallel.ep"),
     ("trainer.no_such_key=1", "trainer.no_such_key"),
+    ("rollout.backend=sglang", "rollout.backend"),
 ])
 def test_bad_config_exits_2_with_one_line_naming_the_key(override, key):
     run_id = uuid.uuid4().hex

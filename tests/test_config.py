@@ -138,6 +138,11 @@ BAD_CONFIGS = [
     (["data.max_prompt_length=300"], "data.max_prompt_length", "exceeds model.max_position_embeddings=256"),
     (["data.num_train=4"], "data.num_train", "smaller than data.train_batch_size"),
     (["cluster.num_cpus=0"], "cluster.num_cpus", "must be >= 1 or null"),
+    (["actor.parallel.cp=2", "cluster.num_actor_ranks=2", "actor.parallel.ep=1"],
+     "actor.parallel.cp", "context parallelism is not supported yet"),
+    (["rollout.backend=sglang"], "rollout.backend", "not implemented yet"),
+    (["reward.custom_function=/nonexistent/reward.py:score"], "reward.custom_function",
+     "does not exist"),
     (["trainer.output_dir=' '"], "trainer.output_dir", "must not be empty"),
 ]
 
