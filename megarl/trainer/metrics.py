@@ -25,7 +25,8 @@ class MetricsLogger:
     def __init__(self, log_dir: str | Path | None, total_steps: int, log_every: int = 1,
                  stream=sys.stdout, jsonl_path: str | Path | None = None):
         self.writer = None
-        self.jsonl = open(jsonl_path, "a") if jsonl_path is not None else None
+        # this run's steps only: without resume, a re-run must not interleave with an old file
+        self.jsonl = open(jsonl_path, "w") if jsonl_path is not None else None
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
