@@ -17,6 +17,14 @@ Four measurements per model, each the median of --repeats, all with one torch th
                   whole left-padded batch in this process, torch.set_num_threads(1).
 Models: the tiny asset (hidden 64, 2 layers) and one ~9.5x its parameter count (hidden 128, 5 layers).
 ratio = peer tokens/s / megarl tokens/s (1.0 = as fast as the peer; higher = megarl is slower).
+
+    .venv/bin/python benchmarks/bench_rollout.py --mesh [--models tiny-x10]
+
+--mesh measures the cost of the rollout mesh instead, same prompts, one run, one path for all
+(RolloutClient with one /generate per prompt carrying its n samples, all concurrent, as the
+manager sends them through a router): one tp=1 engine, one tp=2 engine (2 processes, gloo), and
+two tp=1 engines behind sglang-router; plus the HF peer. On 2 cores the point is to know the
+cost of the mesh, not to win.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="server --max-batch-size (default: the whole prompts*n batch fits in one)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--mesh", action="store_true", help="tp=1 vs tp=2 vs 2 engines behind sglang-router")
     return p.parse_args(argv)
 
 
@@ -70,10 +79,10 @@ def sampling(args) -> dict:
 
 
 # ---- the three measurements -------------------------------------------------------------------
-def run_client(url: str, prompts, args) -> tuple[float, int, float | None]:
+def run_client(url: str, prompts, args, batched: bool = True) -> tuple[float, int, float | None]:
     from megarl.rollout.client import RolloutClient
 
-    with RolloutClient(url) as client:
+    with RolloutClient(url, batched=batched) as client:
         start = time.perf_counter()
         outputs = client.generate(prompts, sampling(args), return_logprob=True)
         elapsed = time.perf_counter() - start
@@ -177,6 +186,37 @@ def measure_server(model_dir: Path, prompts, args) -> list[dict]:
     return rows
 
 
+def measure_mesh(model_dir: Path, prompts, args) -> list[dict]:
+    """One tp=1 engine, one tp=2 engine, two tp=1 engines behind sglang-router: per-prompt requests."""
+    import contextlib
+
+    from megarl.rollout.launcher import RolloutServerProcess
+    from megarl.rollout.router import RouterProcess
+
+    def server(*extra):
+        return RolloutServerProcess(model_dir, torch_threads=1, max_batch_size=args.max_batch_size,
+                                    extra_args=extra)
+
+    def per_prompt(url):
+        return lambda: run_client(url, prompts, args, batched=False)
+
+    rows = []
+    for label, extra in (("1 engine, tp=1", ()), ("1 engine, tp=2 (2 processes)", ("--tp", "2"))):
+        with server(*extra) as engine:
+            run_client(engine.url, prompts[:2], warmup_args(args), batched=False)
+            rows.append({"path": label, **median_rate(per_prompt(engine.url), args.repeats)})
+    with contextlib.ExitStack() as stack:
+        engines = [stack.enter_context(server()) for _ in range(2)]
+        router = stack.enter_context(RouterProcess([e.url for e in engines], policy="cache_aware"))
+        run_client(router.url, prompts[:2], warmup_args(args), batched=False)
+        before = [engine_stats(e.url).get("requests_finished", 0) for e in engines]
+        row = {"path": "2 engines tp=1 behind sglang-router", **median_rate(per_prompt(router.url), args.repeats)}
+        shares = [engine_stats(e.url).get("requests_finished", 0) - b for e, b in zip(engines, before)]
+        row["engine"] = f"requests per engine {shares}"
+        rows.append(row)
+    return rows
+
+
 def warmup_args(args) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "n": 1})
 
@@ -185,8 +225,11 @@ def bench_model(name: str, model_dir: Path, args) -> list[dict]:
     from transformers import AutoTokenizer
 
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.prompts)
-    rows = [measure_hf_peer(model_dir, prompts, args), measure_engine(model_dir, prompts, args),
-            *measure_server(model_dir, prompts, args)]
+    if args.mesh:
+        rows = [measure_hf_peer(model_dir, prompts, args), *measure_mesh(model_dir, prompts, args)]
+    else:
+        rows = [measure_hf_peer(model_dir, prompts, args), measure_engine(model_dir, prompts, args),
+                *measure_server(model_dir, prompts, args)]
     for row in rows:
         row.update(model=name, params=rows[0]["params"])
     return rows

@@ -45,6 +45,15 @@ def _preset_model_config(cfg) -> dict | None:
     return PRESETS[cfg.model.preset]
 
 
+def _backend_unavailable(cfg) -> str | None:
+    """Real SGLang needs CUDA and the sglang package on this machine (checked before starting)."""
+    if cfg.rollout.backend != "sglang":
+        return None
+    from megarl.rollout.sglang_launch import sglang_unavailable_reason
+
+    return sglang_unavailable_reason()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from megarl.config.loader import ConfigError, dump, load_config
@@ -61,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "show-config":
         print(dump(cfg), end="")
         return 0
+    reason = _backend_unavailable(cfg)
+    if reason:
+        print(f"megarl: config error: {reason}", file=sys.stderr)
+        return 2
     from megarl.trainer.run import train
 
     try:

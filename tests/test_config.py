@@ -140,7 +140,23 @@ BAD_CONFIGS = [
     (["cluster.num_cpus=0"], "cluster.num_cpus", "must be >= 1 or null"),
     (["actor.parallel.cp=2", "cluster.num_actor_ranks=2", "actor.parallel.ep=1"],
      "actor.parallel.cp", "context parallelism is not supported yet"),
-    (["rollout.backend=sglang"], "rollout.backend", "not implemented yet"),
+    # placement: rollout layouts that do not fit their pool, or the model
+    (["rollout.tp=2", "rollout.num_servers=2"], "rollout.num_servers",
+     "2*2=4 devices do not fit the colocated pool of cluster.num_actor_ranks=2"),
+    (["rollout.num_servers=3"], "rollout.num_servers", "3*1=3 devices do not fit"),
+    (["cluster.placement=disaggregated", "rollout.tp=2", "cluster.num_rollout_devices=1"],
+     "cluster.num_rollout_devices", "2 devices do not fit the rollout pool of cluster.num_rollout_devices=1"),
+    (["cluster.num_rollout_devices=2"], "cluster.num_rollout_devices", "is for cluster.placement=disaggregated"),
+    (["rollout.tp=2", "rollout.nnodes=4"], "rollout.nnodes", "does not divide rollout.tp=2"),
+    (["cluster.placement=disaggregated", "rollout.tp=2", "cluster.devices_per_node=1"], "rollout.nnodes",
+     "set rollout.nnodes=2"),
+    (["cluster.placement=disaggregated", "rollout.tp=4"], "rollout.tp", "does not divide model.num_key_value_heads=2"),
+    (["rollout.ep=2"], "rollout.ep", "the embedded engine shards experts by tensor parallel"),
+    (["rollout.backend=sglang", "rollout.tp=2", "rollout.ep=4", "cluster.placement=disaggregated"],
+     "rollout.ep", "must divide rollout.tp=2"),
+    (["cluster.placement=disaggregated", "rollout.release_memory=true"], "rollout.release_memory",
+     "is for colocated engines"),
+    (["rollout.tp=0"], "rollout.tp", "must be > 0"),
     (["reward.custom_function=/nonexistent/reward.py:score"], "reward.custom_function",
      "does not exist"),
     (["trainer.output_dir=' '"], "trainer.output_dir", "must not be empty"),
@@ -191,3 +207,15 @@ def test_config_built_in_code_is_type_checked():
     cfg = RunConfig()
     cfg.actor.optim.lr = 1  # an int where a float is expected is fine
     validate(cfg, TINY)
+
+
+def test_rollout_layout_auto_fields():
+    colocated = validate(load_config(QUICKSTART, []), TINY)
+    assert colocated.rollout.router is False and colocated.rollout.release_memory is True
+    assert colocated.cluster.num_rollout_devices is None
+    disagg = validate(load_config(QUICKSTART, ["cluster.placement=disaggregated", "rollout.num_servers=2"]), TINY)
+    assert disagg.rollout.router is True and disagg.rollout.release_memory is False
+    assert disagg.cluster.num_rollout_devices == 2
+    multi_node = load_config(QUICKSTART, ["cluster.placement=disaggregated", "rollout.tp=2", "rollout.nnodes=2",
+                                          "cluster.devices_per_node=1"])
+    assert validate(multi_node, TINY).rollout.nnodes == 2  # one rank per node fits nodes of one device

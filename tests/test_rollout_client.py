@@ -24,7 +24,9 @@ from fastapi.responses import JSONResponse
 
 from megarl.models.tiny import build_tiny_checkpoint
 from megarl.rollout.client import RolloutClient, RolloutRequestError
+from megarl.rollout.engine import GenerationEngine
 from megarl.rollout.launcher import RolloutServerProcess, free_port
+from megarl.rollout.server import create_app
 from megarl.rollout.weights_codec import serialize_named_tensors
 
 torch.set_num_threads(1)
@@ -248,6 +250,30 @@ def hf_logprobs(model_dir, prompt, output, temperature):
     with torch.no_grad():
         logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
     return torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def test_api_key_is_sent_on_every_request_and_load_and_version_helpers(checkpoints, monkeypatch):
+    monkeypatch.delenv("MEGARL_ROLLOUT_API_KEY", raising=False)
+    key = "s3cret-rollout-key"
+    engine = GenerationEngine(str(checkpoints[0]), max_batch_size=4, seed=0)
+    try:
+        with ThreadedServer(create_app(engine, api_key=key)) as worker:
+            with RolloutClient(worker.url, max_retries=0) as anonymous:
+                assert anonymous.health()  # /health* needs no key, as in SGLang
+                with pytest.raises(RolloutRequestError, match="HTTP 401") as err:
+                    anonymous.generate([[2, 5, 6]], {"max_new_tokens": 2})
+                assert key not in str(err.value)
+            with RolloutClient(worker.url, api_key=key) as keyed:
+                assert keyed.generate([[2, 5, 6]], {"max_new_tokens": 2, "ignore_eos": True})[0].output_ids
+                assert keyed.get_weight_version() == "default" and keyed.flush_cache()
+                assert keyed.get_load() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+                keyed.update_weights_from_disk(str(checkpoints[0]), weight_version="v2")
+                assert keyed.get_weight_version() == "v2"
+            monkeypatch.setenv("MEGARL_ROLLOUT_API_KEY", key)  # the run-wide variable the server reads too
+            with RolloutClient(worker.url) as from_env:
+                assert from_env.get_server_info()["api_key"] == "<set>"
+    finally:
+        engine.close()
 
 
 def test_e2e_concurrent_requests_are_batched_with_exact_logprobs(client, server, checkpoints):

@@ -311,12 +311,12 @@ def test_abort_queued_and_running_requests(fresh):
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 2}}, "top_p"),
     ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens"),
-    ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+    ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 2.5}}, "frequency_penalty"),
     ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
     ({"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 2}, {"n": 1}]}, "sampling_params.n"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 300}}, "context length"),
     ({"sampling_params": {}}, "input_ids"),
-    ({"input_ids": [1, 2], "stream": True}, "stream"),
+    ({"input_ids": [1, 2], "stream": "yes"}, "stream"),
     ({"input_ids": []}, "input_ids"),
 ])
 def test_malformed_requests_get_400_naming_the_field_and_the_server_keeps_serving(served, body, field):

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ["reward/mean", "response/length_mean", "actor/kl", "actor/kl_loss", "actor/entropy",
             "actor/grad_norm", "actor/pg_loss", "rollout/logprob_diff_max", "perf/gen_s",
             "perf/reward_s", "perf/old_log_prob_s", "perf/ref_s", "perf/update_s", "perf/sync_s",
-            "perf/step_s"]
+            "perf/step_s", "perf/release_s", "perf/resume_s", "rollout/retries", "rollout/engine_restarts"]
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,30 @@ def test_console_progress_tensorboard_and_summary(three_steps):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
     assert summary["steps"] == 3
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tmp_path_factory):
+    """configs/disaggregated.yaml with two tp=1 engines behind sglang-router on their own pool."""
+    from megarl.trainer.run import train
+
+    out = tmp_path_factory.mktemp("disagg")
+    cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", [
+        f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.val_every=0", "data.num_train=64",
+        "rollout.tp=1", "rollout.num_servers=2", "rollout.n=4", "actor.ppo_mini_batch_size=32",
+        "actor.micro_batch_size=16", "trainer.tensorboard=false"]))
+    stream = io.StringIO()
+    train(cfg, stream=stream)
+    lines = (out / "disaggregated" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines], stream.getvalue()
+
+
+def test_disaggregated_engines_behind_the_router_stay_in_parity(disaggregated):
+    steps, console = disaggregated
+    assert "disaggregated; actor: 2 devices" in console and "rollout: 2 devices" in console
+    assert "behind router http://" in console
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["rollout/logprob_diff_max"] < 1e-4  # both engines got every sync
+        assert m["rollout/retries"] == 0 and m["rollout/engine_restarts"] == 0
+        assert "perf/release_s" not in m  # disaggregated engines keep their memory

@@ -94,12 +94,23 @@ class RolloutConfig:
     top_k: int = -1                       # -1 = off
     max_new_tokens: int = 2
     val_temperature: float = 0.0          # validation decodes greedily by default
-    host: str = "127.0.0.1"
-    port: int = 0                         # 0 = pick a free port
-    num_servers: int = 1
+    host: str = "127.0.0.1"               # engines bind here; anything beyond loopback needs the
+                                          # per-run API key the launcher generates
+    port: int = 0                         # 0 = pick a free port (engine i uses port + i otherwise)
+    num_servers: int = 1                  # engines; more than one go behind sglang-router
+    tp: int = 1                           # tensor-parallel ranks (devices) of one engine
+    nnodes: int = 1                       # nodes one engine spans (tp / nnodes ranks per node)
+    ep: int = 1                           # expert parallel inside an engine (backend=sglang only)
+    dp: int = 1                           # attention data parallel inside an engine (sglang only)
+    router: bool | None = None            # None: sglang-router in front exactly when num_servers > 1
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"
+    release_memory: bool | None = None    # None: colocated engines release weights + KV cache
+                                          # while the trainer runs (SGLang's memory saver)
     max_batch_size: int = 256             # sequences one server decodes at once
     request_timeout_s: float = 60.0
-    max_retries: int = 3
+    max_retries: int = 3                  # HTTP retries per request (each counted in rollout/retries)
+    max_engine_restarts: int = 3          # restarts of dead engines per run before the run fails
+    startup_timeout_s: float = 300.0      # one engine's start, all its nodes
 
 
 @dataclass
@@ -128,9 +139,20 @@ class TrainerConfig:
 
 @dataclass
 class ClusterConfig:
+    """Resource pools. A device is a GPU, or on a machine without CUDA a Ray custom resource
+    (`megarl_device`) that a local cluster declares, so placement works the same way on a laptop.
+
+    colocated: one pool of num_actor_ranks devices; the actor ranks and the rollout engines share
+    it (engines release memory while the trainer runs). disaggregated: the actor pool plus a
+    rollout pool of num_rollout_devices devices. Each pool is one placement group per node.
+    """
+
     address: str | None = None            # None: start a local Ray cluster; "auto"/address: join
     num_cpus: int | None = None           # CPUs for a local cluster; None = Ray's default
-    num_actor_ranks: int = 2              # Megatron world size of the actor
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    num_actor_ranks: int = 2              # devices of the actor pool = Megatron world size
+    num_rollout_devices: int | None = None  # disaggregated rollout pool; None = num_servers * tp
+    devices_per_node: int | None = None   # None: every pool fits on one node (a laptop)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any
 
 from megarl.config.loader import ConfigError, check_types
 from megarl.config.schema import RunConfig
+from megarl.config.validate_rollout import check_rollout, resolve_rollout
 
 _POSITIVE = [
     "data.num_train", "data.max_prompt_length", "data.train_batch_size",
@@ -193,9 +194,6 @@ def check_supported(cfg: RunConfig) -> None:
     _require(cfg.actor.parallel.cp == 1, "actor.parallel.cp",
              f"actor.parallel.cp={cfg.actor.parallel.cp}: context parallelism is not supported "
              "yet; use 1")
-    _require(cfg.rollout.backend == "embedded", "rollout.backend",
-             "rollout.backend=sglang: launching SGLang servers is not implemented yet; use "
-             "embedded")
 
 
 def check_algorithm(cfg: RunConfig) -> None:
@@ -219,6 +217,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
         p.sequence_parallel = p.tp > 1
     if out.ref.enabled is None:
         out.ref.enabled = out.actor.use_kl_loss
+    resolve_rollout(out)
     return out
 
 
@@ -234,6 +233,7 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
         model_config = read_model_config(cfg)
     check_parallel(cfg, model_config)
     check_batch_sizes(cfg)
+    check_rollout(cfg, model_config)
     check_supported(cfg)
     check_algorithm(cfg)
     return resolve(cfg)

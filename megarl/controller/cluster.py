@@ -35,21 +35,24 @@ class RayCluster:
         num_cpus: int | None = None,
         num_gpus: int | None = None,
         object_store_memory: int | None = None,
+        resources: dict[str, float] | None = None,
         log_to_driver: bool = True,
         runtime_env: dict[str, Any] | None = None,
         namespace: str | None = None,
         handle_signals: bool = True,
         shutdown_grace_s: float = 10.0,
     ) -> None:
-        if address is not None and (num_cpus is not None or num_gpus is not None or object_store_memory is not None):
+        if address is not None and (num_cpus is not None or num_gpus is not None or object_store_memory is not None
+                                    or resources):
             raise ValueError(
                 f"RayCluster(address={address!r}) joins an existing cluster whose resources are fixed; "
-                "num_cpus/num_gpus/object_store_memory only apply when starting a local cluster (address=None)"
+                "num_cpus/num_gpus/object_store_memory/resources only apply when starting a local cluster (address=None)"
             )
         self.address = address
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.object_store_memory = object_store_memory
+        self.resources = dict(resources or {})
         self.log_to_driver = log_to_driver
         self.runtime_env = _with_repo_on_pythonpath(runtime_env)
         self.namespace = namespace
@@ -99,6 +102,7 @@ class RayCluster:
                 num_cpus=self.num_cpus,
                 num_gpus=self.num_gpus,
                 object_store_memory=self.object_store_memory,
+                resources=self.resources or None,
                 include_dashboard=False,
                 **common,
             )

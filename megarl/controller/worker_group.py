@@ -61,6 +61,8 @@ class RayWorkerGroup:
         num_gpus_per_worker: float = 0.0,
         placement_group: PlacementGroup | None = None,
         bundle_offset: int = 0,
+        bundles: Sequence[tuple[PlacementGroup, int]] | None = None,
+        resources_per_worker: dict[str, float] | None = None,
         env_vars: dict[str, str] | None = None,
         name_prefix: str | None = None,
         placement_timeout_s: float = 60.0,
@@ -72,6 +74,8 @@ class RayWorkerGroup:
         placement_group None: the group creates its own (one bundle per rank, PACK) and removes it
         on shutdown. Given: ranks use bundles [bundle_offset, bundle_offset + num_workers), which
         lets several groups share (colocate on) the same bundles with fractional resources.
+        bundles: an explicit (placement group, bundle index) per rank (a multi-node resource pool);
+        resources_per_worker: custom Ray resources each rank takes from its bundle (devices).
         """
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"worker_cls must be a subclass of megarl.controller.Worker, got {worker_cls!r}")
@@ -82,7 +86,11 @@ class RayWorkerGroup:
         self.name = name_prefix or f"{worker_cls.__name__}_{uuid.uuid4().hex[:6]}"
         self.actors: list[ray.actor.ActorHandle] = []
         self.mesh: list[MeshCoord] = []
-        self._owns_placement_group = placement_group is None
+        if bundles is not None and len(bundles) != num_workers:
+            raise ValueError(f"{self.name}: {len(bundles)} bundles given for {num_workers} ranks")
+        self._bundles = list(bundles) if bundles is not None else None
+        self._resources = dict(resources_per_worker or {})
+        self._owns_placement_group = placement_group is None and bundles is None
         self._alive = True
         self.placement_group = placement_group
         registered = _registered_methods(worker_cls)
@@ -92,7 +100,7 @@ class RayWorkerGroup:
                 f"placement group has {placement_group.bundle_count} bundles"
             )
         try:
-            if placement_group is None:
+            if placement_group is None and bundles is None:
                 self._create_placement_group(num_cpus_per_worker, num_gpus_per_worker, placement_timeout_s)
             self._start_actors(
                 init_args, init_kwargs or {}, num_cpus_per_worker, num_gpus_per_worker, bundle_offset, env_vars or {}
@@ -136,12 +144,14 @@ class RayWorkerGroup:
         actor_cls = ray.remote(self.worker_cls)
 
         def start(rank: int, master_addr: str | None, master_port: int | None) -> ray.actor.ActorHandle:
+            pg, bundle = self._bundles[rank] if self._bundles else (self.placement_group, bundle_offset + rank)
             return actor_cls.options(
                 name=f"{self.name}_rank{rank}",
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
+                resources=self._resources or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_group, placement_group_bundle_index=bundle_offset + rank
+                    placement_group=pg, placement_group_bundle_index=bundle
                 ),
                 runtime_env={"env_vars": env},
             ).remote(

@@ -22,12 +22,17 @@ raises too. No request is ever dropped silently.
 The public methods are synchronous (the controller is plain Python); they run on a private event
 loop thread, so they also work when called from inside another event loop. `agenerate` is the
 awaitable form for async callers (the agent loop).
+
+`api_key` (default: the MEGARL_ROLLOUT_API_KEY environment variable, the one the embedded server
+reads, so a run sets it once for every process) is sent as `Authorization: Bearer KEY` on every
+request; SGLang and sglang-router take the same header for their --api-key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +41,8 @@ from urllib.parse import urlsplit
 import httpx
 
 __all__ = ["GenerateOutput", "RolloutClient", "RolloutRequestError"]
+
+API_KEY_ENV = "MEGARL_ROLLOUT_API_KEY"  # the embedded server's variable (megarl.rollout.auth)
 
 
 class RolloutRequestError(RuntimeError):
@@ -62,11 +69,11 @@ class GenerateOutput:
 class RolloutClient:
     """`batched`: one /generate per call (servers) or one per prompt (routers); see the module doc.
     `max_batch_prompts`: in batched mode, split calls with more prompts into chunks of at most this
-    many, sent concurrently (None: never split)."""
+    many, sent concurrently (None: never split). `api_key`: see the module doc."""
 
     def __init__(self, base_url: str, *, batched: bool = True, max_batch_prompts: int | None = None,
                  timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 max_backoff_s: float = 10.0, max_concurrency: int = 256):
+                 max_backoff_s: float = 10.0, max_concurrency: int = 256, api_key: str | None = None):
         if max_batch_prompts is not None and max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts={max_batch_prompts} must be >= 1 (or None: never split)")
         self.base_url = base_url.rstrip("/")
@@ -74,6 +81,9 @@ class RolloutClient:
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self._timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
         self._max_concurrency = max_concurrency
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.retries = 0  # HTTP requests re-sent after a transport error or a 5xx
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
         self._thread.start()
@@ -84,7 +94,7 @@ class RolloutClient:
         limits = httpx.Limits(max_connections=self._max_concurrency, max_keepalive_connections=64)
         # Building an SSL context loads the CA bundle (~20-40 ms per client); plain http never uses it.
         verify = urlsplit(self.base_url).scheme != "http"
-        return httpx.AsyncClient(timeout=self._timeout, limits=limits, verify=verify)
+        return httpx.AsyncClient(timeout=self._timeout, limits=limits, verify=verify, headers=self._headers)
 
     def _submit(self, coro) -> concurrent.futures.Future:
         if not self._thread.is_alive():
@@ -121,6 +131,7 @@ class RolloutClient:
             except httpx.TransportError as exc:  # connect/read/write errors and timeouts
                 last_error = f"{type(exc).__name__}: {exc or 'no detail'}"
             if attempt < self.max_retries:
+                self.retries += 1  # every re-send is counted (the trainer logs rollout/retries)
                 await asyncio.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s))
         raise RolloutRequestError(
             f"{method} {url} failed {self.max_retries + 1} times for {what}; last error: {last_error}. "
@@ -262,6 +273,15 @@ class RolloutClient:
 
     def get_server_info(self) -> dict:
         return self._run(self._json("GET", "/get_server_info"))
+
+    def get_weight_version(self) -> str | None:
+        return self._run(self._json("GET", "/get_weight_version"))["weight_version"]
+
+    def get_load(self) -> list[dict]:
+        """SGLang's /get_load: per data-parallel rank, num_reqs (running + queued),
+        num_waiting_reqs and num_tokens; a server answering one dict gets it wrapped in a list."""
+        load = self._run(self._json("GET", "/get_load"))
+        return load if isinstance(load, list) else [load]
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         self._run(self._json("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}))

@@ -8,7 +8,8 @@ dropped from the batch and their callers answered at once.
 Weights change only between forward steps (`_model_lock`), so a running batch may continue with
 new weights, as SGLang's in-place pause does. Log-probs follow megarl's contract:
 log_softmax(logits / temperature) over the full vocabulary; temperature 0 is greedy with log-probs
-of the raw logits.
+of the raw logits. A request's penalties, logit_bias and min_new_tokens change the logits first
+(logit_processing.py says how); its log-probs are then those of the changed logits, as in SGLang.
 """
 
 from __future__ import annotations
@@ -17,29 +18,17 @@ import collections
 import concurrent.futures
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megarl.rollout.protocol import (GenerationRequest, GenerationResult, InvalidRequest,
-                                     WeightsUnavailable, sample_next_tokens)
+from megarl.rollout.logit_processing import process_logits, token_steps
+from megarl.rollout.protocol import GenerationRequest, InvalidRequest, WeightsUnavailable, sample_next_tokens
+from megarl.rollout.rows import Row as _Row
+from megarl.rollout.rows import fill_input_logprobs, finished_result, stop_reason
 
 log = logging.getLogger(__name__)
-
-
-class _Row:
-    """One request while it is in a batch."""
-
-    def __init__(self, req: GenerationRequest, default_generator: torch.Generator):
-        self.req = req
-        self.output_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.input_logprobs: list[float | None] | None = None
-        self.finish: dict | None = None
-        seed = req.params.sampling_seed
-        self.generator = default_generator if seed is None else torch.Generator().manual_seed(seed)
 
 
 @dataclass
@@ -101,9 +90,11 @@ class GenerationEngine:
         with self._tokenizer_lock:
             return self.tokenizer.encode(text)  # special tokens added as SGLang does
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        with self._tokenizer_lock:  # the spaces flag matters to slow tokenizers; fast ones ignore it
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                         spaces_between_special_tokens=spaces_between_special_tokens)
 
     def validate(self, req: GenerationRequest, where: str = "input_ids") -> None:
         ids = req.input_ids
@@ -116,6 +107,22 @@ class GenerationEngine:
             raise InvalidRequest(
                 f"{where} has {len(ids)} tokens and max_new_tokens={req.params.max_new_tokens}; together "
                 f"they exceed the model's context length {self.context_length}")
+        self._validate_token_ids("sampling_params.logit_bias", [t for t, _ in req.params.logit_bias])
+        self._validate_token_ids("token_ids_logprob", req.token_ids_logprob or ())
+
+    def _validate_token_ids(self, where: str, ids) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"{where} names token ids {bad[:5]} outside the model's vocabulary "
+                                 f"[0, {self.vocab_size})")
+
+    def load(self) -> dict:
+        """Queued and running requests and their prompt tokens (SGLang's /get_load counts KV tokens;
+        this engine holds KV only inside a batch, so the prompts are the lasting measure)."""
+        with self._cond:
+            queued, running = list(self._queue), list(self._running)
+        tokens = sum(len(r.input_ids) for r in queued + running)
+        return {"num_reqs": len(queued) + len(running), "num_waiting_reqs": len(queued), "num_tokens": tokens}
 
     def submit(self, requests: list[GenerationRequest]) -> list[concurrent.futures.Future]:
         """Queue requests (validated first, all or none); they are taken in order, together if they fit."""
@@ -347,43 +354,23 @@ class GenerationEngine:
         return ids.to(self.device), mask.to(self.device)
 
     def _fill_input_logprobs(self, rows: list[_Row], logits: torch.Tensor, ids: torch.Tensor) -> None:
-        width = ids.shape[1]
-        for b, row in enumerate(rows):
-            start, prompt = row.req.logprob_start_len, row.req.input_ids
-            if not (row.req.return_logprob and start >= 0):
-                continue
-            pad, temperature = width - len(prompt), row.req.params.temperature
-            # logits at padded position pad+j-1 predict prompt token j
-            scaled = logits[b, pad:width - 1].float() / (temperature if temperature > 0 else 1.0)
-            lp = torch.log_softmax(scaled, dim=-1).gather(-1, ids[b, pad + 1:, None])[:, 0].tolist()
-            row.input_logprobs = ([None] + lp)[start:]
+        fill_input_logprobs(rows, logits, ids)
 
     def _sample_into_rows(self, rows: list[_Row], indices: list[int], logits: torch.Tensor) -> None:
-        params = [rows[i].req.params for i in indices]
+        requests = [rows[i].req for i in indices]
+        params = [r.params for r in requests]
+        logits = process_logits(logits.float(), params, [rows[i].output_ids for i in indices], self.eos_token_ids)
         tokens, logprobs = sample_next_tokens(
-            logits.float(), [p.temperature for p in params], [p.top_p for p in params],
-            [p.top_k for p in params], [rows[i].generator for i in indices])
-        for i, token, lp in zip(indices, tokens.tolist(), logprobs.tolist()):
-            row = rows[i]
-            row.output_ids.append(token)
-            row.logprobs.append(lp)
-            finish = self._stop_reason(row)
+            logits, [p.temperature for p in params], [p.top_p for p in params],
+            [p.top_k for p in params], [rows[i].generator for i in indices], min_ps=[p.min_p for p in params])
+        for i, step in zip(indices, token_steps(logits, requests, tokens.tolist(), logprobs.tolist())):
+            rows[i].record(step)
+            finish = self._stop_reason(rows[i])
             if finish is not None:
-                self._resolve(row, finish)
+                self._resolve(rows[i], finish)
 
     def _stop_reason(self, row: _Row) -> dict | None:
-        """SGLang's order: length, then stop tokens (all skipped by ignore_eos), then stop strings."""
-        p, token = row.req.params, row.output_ids[-1]
-        if len(row.output_ids) >= p.max_new_tokens:
-            return {"type": "length", "length": p.max_new_tokens}
-        if not p.ignore_eos and (token in p.stop_token_ids or token in self.eos_token_ids):
-            return {"type": "stop", "matched": token}
-        if p.stop:
-            text = self.decode(row.output_ids, p.skip_special_tokens)
-            for s in p.stop:
-                if s in text:
-                    return {"type": "stop", "matched": s}
-        return None
+        return stop_reason(row, self.eos_token_ids, self.decode)
 
     def _finish_aborted(self, rows: list[_Row], active: list[int]) -> None:
         with self._cond:
@@ -405,19 +392,7 @@ class GenerationEngine:
                 self._cond.wait()
 
     def _resolve(self, row: _Row, finish: dict) -> None:
-        row.finish, req, p = finish, row.req, row.req.params
-        text_ids = row.output_ids
-        if finish["type"] == "stop" and isinstance(finish.get("matched"), int) and not p.no_stop_trim:
-            text_ids = text_ids[:-1]  # the matched stop token is not part of the text
-        text = self.decode(text_ids, p.skip_special_tokens)
-        if finish["type"] == "stop" and isinstance(finish.get("matched"), str) and not p.no_stop_trim:
-            text = text[: text.find(finish["matched"])]
-        result = GenerationResult(
-            rid=req.rid, text=text, input_ids=req.input_ids, output_ids=list(row.output_ids),
-            output_logprobs=list(row.logprobs) if req.return_logprob else None,
-            input_logprobs=row.input_logprobs if req.return_logprob else None,
-            finish_reason=finish, prompt_tokens=len(req.input_ids),
-            weight_version=self.weight_version, e2e_latency=time.time() - req.created)
+        req, result = row.req, finished_result(row, finish, self.decode, self.weight_version)
         self.stats["requests_finished"] += 1
         if not req.future.done():
             req.future.set_result(result)

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 import megarl
+from megarl.rollout.procs import ManagedProcess, PortTaken, new_log_file
 
 _PACKAGE_ROOT = str(Path(megarl.__file__).resolve().parent.parent)
 
@@ -36,7 +35,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class RolloutServerProcess:
+class RolloutServerProcess(ManagedProcess):
     def __init__(self, model_path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 0,
                  max_batch_size: int = 32, seed: int | None = None, device: str = "cpu",
                  dtype: str = "float32", torch_threads: int | None = None, extra_args: tuple[str, ...] = (),
@@ -48,7 +47,7 @@ class RolloutServerProcess:
                         "--dtype": dtype, "--torch-threads": torch_threads}
         self.extra_args, self.python, self.startup_timeout_s = list(extra_args), python, startup_timeout_s
         self.env = env
-        self.log_path = Path(log_path) if log_path else _new_log_file()
+        self.log_path = Path(log_path) if log_path else new_log_file("megarl-rollout-server-")
         self.process: subprocess.Popen | None = None
 
     @property
@@ -75,7 +74,7 @@ class RolloutServerProcess:
             try:
                 self._wait_until_healthy()
                 return self
-            except _PortTaken:
+            except PortTaken:
                 if attempt == attempts - 1:
                     raise RuntimeError(f"could not bind a free port after {attempts} tries; log tail:\n"
                                        f"{self.log_tail()}") from None
@@ -97,7 +96,7 @@ class RolloutServerProcess:
                 tail = self.log_tail()
                 self.stop()
                 if "address already in use" in tail.lower():
-                    raise _PortTaken()
+                    raise PortTaken()
                 raise RuntimeError(f"rollout server exited with code {code} during startup "
                                    f"(command: {' '.join(self.command(self.port))}); last log lines "
                                    f"from {self.log_path}:\n{tail}")
@@ -110,49 +109,3 @@ class RolloutServerProcess:
         self.stop()
         raise TimeoutError(f"rollout server at {self.url} was not healthy within {self.startup_timeout_s:.0f}s; "
                            f"last log lines from {self.log_path}:\n{self.log_tail()}")
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after `grace_s`; safe to call twice."""
-        atexit.unregister(self.stop)
-        process, self.process = self.process, None
-        if process is None:
-            return
-        _signal_group(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        _signal_group(process.pid, signal.SIGKILL)  # also whatever the server left in its group
-        process.wait()
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError as exc:
-            return f"(log {self.log_path} unreadable: {exc})"
-
-    def __enter__(self) -> "RolloutServerProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def _new_log_file() -> Path:
-    fd, path = tempfile.mkstemp(prefix="megarl-rollout-server-", suffix=".log")
-    os.close(fd)
-    return Path(path)
-
-
-class _PortTaken(Exception):
-    pass
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:  # the group is already gone
-        pass

@@ -1,12 +1,19 @@
 """RolloutManager: turn a batch of prompts into a batch of (prompt, response) rows.
 
-Talks to one or more SGLang-API servers (embedded or real SGLang, directly or via
-sglang-router) through RolloutClient, spreading prompts round-robin over the URLs. By default
-(batched=True) each server gets its share in one batched /generate (or chunks of
-`max_batch_prompts`): one HTTP round trip per server instead of one per prompt. Pass
-batched=False when a URL is an sglang-router: it balances individual requests over its workers
-but sends a batched request to a single one. Every request is answered or raises (the client
-retries transient failures): no row is silently dropped.
+Talks to SGLang-API servers (embedded or real SGLang) through RolloutClient. Three routes:
+
+- a router (sglang-router, `RolloutFleet.router_url`): one /generate per prompt carrying all n
+  samples, so the router sends them whole to one engine (prefix reuse) and balances prompts;
+- engines directly (batched=True, the default): prompts spread round-robin over the engines,
+  each engine's share in one batched /generate (or chunks of `max_batch_prompts`);
+- batched=False without a router: one /generate per prompt, round-robin over the engines.
+
+Nothing is dropped. The client retries transport errors and 5xx per request; a prompt whose
+request still fails is re-sent in a new round after the fleet (when there is one) has taken
+dead engines out of service and started their restart: to the engines still alive, or to the
+restarted engine once it has the current weights. Every re-send is counted: `last_stats` has
+`rollout/retries` and `rollout/engine_restarts` for the last call. Without a fleet, or when no
+engine is found dead, the failure is raised with the server's message.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import numpy as np
 import torch
 
 from megarl.data.batch import Batch
-from megarl.rollout.client import GenerateOutput, RolloutClient
+from megarl.rollout.client import GenerateOutput, RolloutClient, RolloutRequestError
 
 
 @dataclass
@@ -38,17 +45,28 @@ class SamplingSpec:
 
 
 class RolloutManager:
-    def __init__(self, server_urls: list[str], timeout_s: float = 600.0, max_retries: int = 3, *,
-                 batched: bool = True, max_batch_prompts: int | None = None):
-        if not server_urls:
-            raise ValueError("rollout: no server URLs")
-        self.clients = [RolloutClient(u, batched=batched, max_batch_prompts=max_batch_prompts,
-                                      timeout_s=timeout_s, max_retries=max_retries)
-                        for u in server_urls]
+    def __init__(self, server_urls: list[str] | None = None, timeout_s: float = 600.0, max_retries: int = 3, *,
+                 batched: bool = True, max_batch_prompts: int | None = None, api_key: str | None = None,
+                 fleet=None, max_rounds: int = 4):
+        """server_urls: fixed engines; or `fleet` (a RolloutFleet), whose router / live engines are
+        asked on every call, and which restarts engines that die."""
+        if not server_urls and fleet is None:
+            raise ValueError("rollout: no server URLs and no fleet")
+        self._fixed_urls, self.fleet = list(server_urls or []), fleet
+        self._client_options = dict(timeout_s=timeout_s, max_retries=max_retries,
+                                    max_batch_prompts=max_batch_prompts, api_key=api_key)
+        self.batched, self.max_rounds = batched, max_rounds
+        self._clients: dict[tuple[str, bool], RolloutClient] = {}
+        self.last_stats: dict[str, float] = {}
+
+    @property
+    def clients(self) -> list[RolloutClient]:
+        return [self._client(url, self.batched) for url in self._engine_urls()]
 
     def close(self) -> None:
-        for c in self.clients:
-            c.close()
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
 
     def generate(self, prompts: Batch, sampling: SamplingSpec) -> Batch:
         """rows = len(prompts) * n, prompt-major (the n samples of a prompt are adjacent).
@@ -57,23 +75,79 @@ class RolloutManager:
         `prompts` is repeated onto its rows.
         """
         prompt_ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
-        shards = [list(range(i, len(prompt_ids), len(self.clients))) for i in range(len(self.clients))]
-        work = [(c, idx) for c, idx in zip(self.clients, shards) if idx]
-
-        async def all_servers():
-            return await asyncio.gather(*[
-                c.agenerate([prompt_ids[i] for i in idx], sampling.to_sglang(), return_logprob=True)
-                for c, idx in work])
-
         outputs: list[list[GenerateOutput] | None] = [None] * len(prompt_ids)
-        for (_, idx), flat in zip(work, asyncio.run(all_servers())):
-            for k, i in enumerate(idx):
-                outputs[i] = flat[k * sampling.n:(k + 1) * sampling.n]
+        retries_before, restarts_before = self._client_retries(), self._restarts()
+        pending, resent = list(range(len(prompt_ids))), 0
+        for round_index in range(self.max_rounds):
+            failures = asyncio.run(self._round(pending, prompt_ids, sampling, outputs))
+            if not failures:
+                break
+            dead = self.fleet.recover() if self.fleet is not None else []
+            if not dead and round_index > 0 or self.fleet is None or round_index == self.max_rounds - 1:
+                raise _failed(failures, round_index + 1)
+            pending, resent = sorted(failures), resent + len(failures)
+        retried = self._client_retries() - retries_before + resent
+        if self.fleet is not None:
+            if retried:  # requests were re-sent (the router may have carried them elsewhere):
+                self.fleet.recover()  # an engine that failed them must not stay dead unnoticed
+            self.fleet.finish_recovery()
+        self.last_stats = {"rollout/retries": float(retried),
+                           "rollout/engine_restarts": float(self._restarts() - restarts_before)}
         rows = [(prompt_ids[i], out) for i, outs in enumerate(outputs) for out in outs]
         _check_finished(rows)
         batch = rows_to_batch(rows)
         repeated = prompts.select(*[k for k in prompts.non_tensors]).repeat_interleave(sampling.n)
         return repeated.union(batch)
+
+    # ---- one round over the current targets ------------------------------------------------------
+    async def _round(self, pending: list[int], prompt_ids, sampling: SamplingSpec, outputs) -> dict[int, Exception]:
+        """Send every pending prompt once; fill `outputs`; return the failures by prompt index."""
+        params = sampling.to_sglang()
+        router = self.fleet.router_url if self.fleet is not None else None
+        if router is not None or not self.batched:
+            urls = [router] if router is not None else self._engine_urls()
+            work = [(self._client(urls[k % len(urls)], False), [i]) for k, i in enumerate(pending)]
+        else:
+            urls = self._engine_urls()
+            shards = [pending[k::len(urls)] for k in range(len(urls))]
+            work = [(self._client(url, True), idx) for url, idx in zip(urls, shards) if idx]
+        results = await asyncio.gather(*[
+            client.agenerate([prompt_ids[i] for i in idx], params, return_logprob=True) for client, idx in work],
+            return_exceptions=True)
+        failures: dict[int, Exception] = {}
+        for (_, idx), result in zip(work, results):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result
+                failures.update(dict.fromkeys(idx, result))
+                continue
+            for k, i in enumerate(idx):
+                outputs[i] = result[k * sampling.n:(k + 1) * sampling.n]
+        return failures
+
+    def _engine_urls(self) -> list[str]:
+        urls = self.fleet.live_urls() if self.fleet is not None else self._fixed_urls
+        if not urls:
+            raise RolloutRequestError("rollout: no live engine to send requests to")
+        return urls
+
+    def _client(self, url: str, batched: bool) -> RolloutClient:
+        key = (url, batched)
+        if key not in self._clients:
+            self._clients[key] = RolloutClient(url, batched=batched, **self._client_options)
+        return self._clients[key]
+
+    def _client_retries(self) -> int:
+        return sum(c.retries for c in self._clients.values())
+
+    def _restarts(self) -> int:
+        return self.fleet.restarts if self.fleet is not None else 0
+
+
+def _failed(failures: dict[int, Exception], rounds: int) -> RolloutRequestError:
+    first = next(iter(failures.values()))
+    return RolloutRequestError(f"rollout: {len(failures)} prompts still failed after {rounds} round(s) "
+                               f"(prompts {sorted(failures)[:8]}...); first error: {first}")
 
 
 def _check_finished(rows) -> None:

@@ -2,17 +2,18 @@
 
     python -m megarl.rollout.server --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-batch-size 32] [--seed S] [--device cpu] [--dtype float32] [--torch-threads N]
+        [--api-key KEY]   (or MEGARL_ROLLOUT_API_KEY; required unless --host is a loopback address)
 
 Request and response shapes are SGLang 0.5's (see shared/reference/sglang-http-api.md), so the
-same client, router and tests work against both servers. Batched /generate with n>1 answers a
-flat list of len(prompts) * n outputs in prompt-major order ([p0s0, p0s1, ..., p1s0, ...]): this
-is what SGLang's TokenizerManager._handle_batch_request does (for each prompt, for each of n
-samples), and a single prompt with n>1 becomes a batch of one, so it also answers a list.
+same client, router and tests work against both servers. /generate accepts every field SGLang
+does (sglang_fields.py says which are honoured, which change nothing here, which are refused),
+answers batched input with n>1 as a flat prompt-major list (generate_input.py), and streams
+SGLang's server-sent events with stream=true (streaming.py).
 
 Errors are SGLang's: {"error": {"message": ...}} with 400 for a malformed /generate (the message
-names the field), 503 while weights are released; control endpoints answer
-{"success": false, "message": ...} with 400. `/update_weights_from_tensor` unpickles its payload,
-which can run code: like SGLang, bind only to interfaces that trusted processes can reach.
+names the field), 503 while weights are released, 401 without the API key; control endpoints
+answer {"success": false, "message": ...} with 400. Weight payloads are unpickled with an
+allow-list of torch's rebuild functions (safe_unpickle.py), so a hostile payload runs nothing.
 """
 
 from __future__ import annotations
@@ -22,33 +23,21 @@ import asyncio
 import json
 import logging
 import uuid
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from megarl.rollout import weights_codec
+from megarl.rollout.auth import ApiKeyMiddleware, is_loopback, redacted, resolve_api_key
 from megarl.rollout.engine import GenerationEngine
-from megarl.rollout.protocol import (GenerationRequest, GenerationResult, InvalidRequest, SamplingParams,
-                                     WeightsUnavailable)
+from megarl.rollout.generate_input import GenerateCall, parse_generate
+from megarl.rollout.generate_output import output_item
+from megarl.rollout.protocol import GenerationRequest, InvalidRequest, SamplingParams, WeightsUnavailable
+from megarl.rollout.streaming import GenerationStream
 
 log = logging.getLogger(__name__)
-
-_SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
-                       "ignore_eos", "skip_special_tokens", "no_stop_trim", "sampling_seed", "n"}
-# SGLang parameters this engine does not implement: accepted only at their no-op values.
-_NO_OP_SAMPLING = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                   "repetition_penalty": 1.0, "min_new_tokens": 0, "spaces_between_special_tokens": True,
-                   "json_schema": None, "regex": None, "ebnf": None, "stop_regex": None,
-                   "structural_tag": None, "logit_bias": None, "custom_params": None}
-_NO_OP_GENERATE = {"stream": False, "top_logprobs_num": 0, "token_ids_logprob": None,
-                   "return_hidden_states": False, "return_routed_experts": False, "lora_path": None,
-                   "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
-                   "custom_logit_processor": None, "return_prompt_token_ids": False}
-_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                    "return_text_in_logprobs", "priority", *_NO_OP_GENERATE}
-_GREEDY_BELOW = 1e-6  # temperatures this small are greedy, as in SGLang
+_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class _ApiError(Exception):
@@ -57,149 +46,6 @@ class _ApiError(Exception):
         self.status = status
 
 
-# ---- request parsing ------------------------------------------------------------------------------
-def _integer(value, where: str, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
-        raise InvalidRequest(f"{where}={value!r} must be an integer")
-    if minimum is not None and value < minimum:
-        raise InvalidRequest(f"{where}={value!r} must be >= {minimum}")
-    return int(value)
-
-
-def _number(value, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequest(f"{where}={value!r} must be a number")
-    return float(value)
-
-
-def _flag(value, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{where}={value!r} must be true or false")
-    return value
-
-
-def parse_sampling_params(raw: dict | None, where: str = "sampling_params") -> tuple[SamplingParams, int]:
-    """SGLang sampling_params dict -> (SamplingParams, n); InvalidRequest names the bad key."""
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise InvalidRequest(f"{where} must be an object, got {type(raw).__name__}")
-    for key, value in raw.items():
-        if key in _NO_OP_SAMPLING:
-            if value is not None and value != _NO_OP_SAMPLING[key]:
-                raise InvalidRequest(f"{where}.{key}={value!r} is not supported by the embedded rollout "
-                                     f"server (only {_NO_OP_SAMPLING[key]!r}); supported: {sorted(_SUPPORTED_SAMPLING)}")
-        elif key not in _SUPPORTED_SAMPLING:
-            raise InvalidRequest(f"{where}.{key} is not a sampling parameter; supported: {sorted(_SUPPORTED_SAMPLING)}")
-    get = lambda key, default: default if raw.get(key) is None else raw[key]  # noqa: E731
-    temperature = _number(get("temperature", 1.0), f"{where}.temperature")
-    top_p = _number(get("top_p", 1.0), f"{where}.top_p")
-    top_k = _integer(get("top_k", -1), f"{where}.top_k", minimum=-1)
-    if temperature < 0:
-        raise InvalidRequest(f"{where}.temperature={temperature} must be >= 0 (0 is greedy)")
-    if not 0 < top_p <= 1:
-        raise InvalidRequest(f"{where}.top_p={top_p} must be in (0, 1]")
-    stop = get("stop", [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise InvalidRequest(f"{where}.stop={raw.get('stop')!r} must be a non-empty string or a list of them")
-    stop_ids = get("stop_token_ids", [])
-    if not isinstance(stop_ids, list):
-        raise InvalidRequest(f"{where}.stop_token_ids={stop_ids!r} must be a list of token ids")
-    seed = raw.get("sampling_seed")
-    params = SamplingParams(
-        max_new_tokens=_integer(get("max_new_tokens", 128), f"{where}.max_new_tokens", minimum=0),
-        temperature=0.0 if temperature < _GREEDY_BELOW else temperature, top_p=top_p, top_k=top_k,
-        stop=tuple(stop),
-        stop_token_ids=frozenset(_integer(t, f"{where}.stop_token_ids[]", minimum=0) for t in stop_ids),
-        ignore_eos=_flag(get("ignore_eos", False), f"{where}.ignore_eos"),
-        skip_special_tokens=_flag(get("skip_special_tokens", True), f"{where}.skip_special_tokens"),
-        no_stop_trim=_flag(get("no_stop_trim", False), f"{where}.no_stop_trim"),
-        sampling_seed=None if seed is None else _integer(seed, f"{where}.sampling_seed"))
-    return params, _integer(get("n", 1), f"{where}.n", minimum=1)
-
-
-def _per_prompt(value, count: int, name: str, default) -> list:
-    if value is None:
-        return [default] * count
-    if isinstance(value, list):
-        if len(value) != count:
-            raise InvalidRequest(f"{name} has {len(value)} entries for {count} prompts")
-        return value
-    return [value] * count
-
-
-def _prompts(body: dict, engine: GenerationEngine) -> tuple[list[list[int]], bool]:
-    """-> (token ids per prompt, whether the request was a single prompt)."""
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise InvalidRequest("give exactly one of 'text' or 'input_ids'")
-    if text is not None:
-        texts = [text] if isinstance(text, str) else text
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            raise InvalidRequest("text must be a string or a non-empty list of strings")
-        return [engine.encode(t) for t in texts], isinstance(text, str)
-    if not isinstance(input_ids, list) or not input_ids:
-        raise InvalidRequest("input_ids must be a non-empty list of token ids or a list of such lists")
-    if all(isinstance(p, list) for p in input_ids):
-        return input_ids, False
-    if any(isinstance(p, list) for p in input_ids):
-        raise InvalidRequest("input_ids mixes token ids and lists; give list[int] or list[list[int]]")
-    return [input_ids], True
-
-
-def parse_generate(body: Any, engine: GenerationEngine) -> tuple[list[GenerationRequest], bool, bool]:
-    """SGLang GenerateReqInput -> (engine requests in prompt-major order, single response?, token text?)."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    for key, value in body.items():
-        if key not in _GENERATE_FIELDS:
-            raise InvalidRequest(f"'{key}' is not a /generate field this server knows")
-        if key in _NO_OP_GENERATE and value not in (None, _NO_OP_GENERATE[key]):
-            raise InvalidRequest(f"{key}={value!r} is not supported by the embedded rollout server")
-    prompts, single = _prompts(body, engine)
-    count, raw_params = len(prompts), body.get("sampling_params")
-    if isinstance(raw_params, list) and single:
-        raise InvalidRequest("sampling_params is a list but the request has a single prompt")
-    parsed = [parse_sampling_params(p, f"sampling_params[{i}]" if isinstance(raw_params, list) else "sampling_params")
-              for i, p in enumerate(_per_prompt(raw_params, count, "sampling_params", None))]
-    n = parsed[0][1]
-    if any(k != n for _, k in parsed):
-        raise InvalidRequest("sampling_params.n must be the same for every prompt (as in SGLang)")
-    rids = _per_prompt(body.get("rid"), count, "rid", None)
-    return_lp = _per_prompt(body.get("return_logprob"), count, "return_logprob", False)
-    start = _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len", -1)
-    requests = []
-    for i, (ids, (params, _)) in enumerate(zip(prompts, parsed)):
-        where = "input_ids" if single else f"input_ids[{i}]"
-        base = str(rids[i]) if rids[i] is not None else uuid.uuid4().hex
-        for j in range(n):
-            req = GenerationRequest(
-                rid=base if n == 1 else f"{base}-{j}", input_ids=ids, params=params,
-                return_logprob=_flag(return_lp[i], "return_logprob"),
-                logprob_start_len=_integer(start[i], "logprob_start_len", minimum=-1),
-                group_rid=base if n > 1 else None)
-            engine.validate(req, where)
-            requests.append(req)
-    return requests, single and n == 1, bool(body.get("return_text_in_logprobs", False))
-
-
-def result_to_json(result: GenerationResult, engine: GenerationEngine, token_text: bool) -> dict:
-    meta = {"id": result.rid, "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": len(result.output_ids), "cached_tokens": 0,
-            "weight_version": result.weight_version, "num_retractions": 0, "e2e_latency": result.e2e_latency}
-
-    def triples(logprobs, ids):
-        return [[lp, t, engine.decode([t], False) if token_text else None] for lp, t in zip(logprobs, ids)]
-
-    if result.output_logprobs is not None:
-        meta["output_token_logprobs"] = triples(result.output_logprobs, result.output_ids)
-    if result.input_logprobs is not None:
-        prompt = result.input_ids[len(result.input_ids) - len(result.input_logprobs):]
-        meta["input_token_logprobs"] = triples(result.input_logprobs, prompt)
-    return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
-
-
-# ---- the app ----------------------------------------------------------------------------------------
 async def _body(request: Request) -> dict:
     raw = await request.body()
     if not raw.strip():
@@ -217,9 +63,12 @@ def _control(ok: bool, message: str, **extra) -> JSONResponse:
     return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
 
 
-def create_app(engine: GenerationEngine, server_args: dict | None = None) -> FastAPI:
+def create_app(engine: GenerationEngine, server_args: dict | None = None, api_key: str | None = None) -> FastAPI:
+    """`api_key`: when set, every request except /health* and /metrics* needs the Bearer key."""
     app = FastAPI(title="megarl embedded rollout server")
-    app.state.engine, server_args = engine, dict(server_args or {})
+    app.state.engine, server_args = engine, redacted({**(server_args or {}), "api_key": api_key})
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(_ApiError)
     async def _api_error(_, exc: _ApiError):
@@ -233,20 +82,27 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None) -> Fas
     async def _unavailable(_, exc: WeightsUnavailable):
         return JSONResponse({"error": {"message": str(exc)}}, status_code=503)
 
+    def item_of(call: GenerateCall):
+        return lambda result, req: output_item(result, req, call, lambda t: engine.decode([t], False))
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
-        requests, single, token_text = parse_generate(await _body(request), engine)
-        futures = engine.submit(requests)
+        call = parse_generate(await _body(request), engine)
+        if call.stream:
+            stream = GenerationStream(call, engine, item_of(call))
+            return StreamingResponse(stream.events(request), media_type="text/event-stream")
+        futures = engine.submit(call.requests)
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
-            for req in requests:
+            for req in call.requests:
                 engine.abort(req.rid, message="client disconnected")
             raise
         except RuntimeError as exc:
             return JSONResponse({"error": {"message": str(exc)}}, status_code=500)
-        outputs = [result_to_json(r, engine, token_text) for r in results]
-        return outputs[0] if single else outputs
+        to_item = item_of(call)
+        outputs = [to_item(r, req) for r, req in zip(results, call.requests)]
+        return outputs[0] if call.single else outputs
 
     @app.get("/health")
     async def health():
@@ -275,10 +131,24 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None) -> Fas
                 "has_audio_understanding": False, "model_type": getattr(config, "model_type", None),
                 "architectures": getattr(config, "architectures", None)}
 
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": engine.weight_version}
+
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang 0.5's shape: one entry per data-parallel rank (this server has one)."""
+        return [{"dp_rank": 0, **engine.load()}]
+
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info():
+        # The ServerArgs fields SGLang clients read (slime checks tp/dp/pp/ep sizes and
+        # enable_memory_saver of an external engine) next to this server's own state.
         return {**server_args, "model_path": engine.model_path, "version": "megarl-embedded",
+                "tp_size": getattr(engine, "tp_size", 1), "dp_size": 1, "pp_size": 1, "ep_size": 1,
+                "nnodes": 1, "node_rank": 0, "enable_memory_saver": True, "random_seed": server_args.get("seed"),
+                "context_length": engine.context_length, "max_running_requests": engine.max_batch_size,
                 "weight_version": engine.weight_version, "max_batch_size": engine.max_batch_size,
                 "device": str(engine.device), "dtype": engine.dtype, "paused": engine.paused,
                 "weights_ready": engine.weights_ready, "pending_requests": engine.pending(),
@@ -317,15 +187,12 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None) -> Fas
         if not isinstance(payloads, list) or not payloads or not isinstance(payloads[0], str):
             return _control(False, "serialized_named_tensors must be a non-empty list of base64 strings "
                                    "(one per TP rank; this server has one rank and reads entry 0)")
-        if body.get("abort_all_requests"):
-            engine.abort(abort_all=True, message="aborted for a weight update")
-
-        def load() -> str:  # in a worker thread: waits for the model lock between forward steps
-            named = weights_codec.decode_payload(payloads[0], body.get("load_format"))
-            return engine.update_weights(named, body.get("weight_version"))
-
-        try:
-            return _control(True, await run_in_threadpool(load))
+        try:  # decoded first: a refused payload aborts nothing and writes nothing
+            named = await run_in_threadpool(weights_codec.decode_payload, payloads[0], body.get("load_format"))
+            if body.get("abort_all_requests"):
+                engine.abort(abort_all=True, message="aborted for a weight update")
+            # in a worker thread: waits for the model lock between forward steps
+            return _control(True, await run_in_threadpool(engine.update_weights, named, body.get("weight_version")))
         except (ValueError, WeightsUnavailable, RuntimeError, OSError) as exc:
             return _control(False, f"update_weights_from_tensor failed: {exc}")
 
@@ -351,7 +218,7 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None) -> Fas
         if body.get("abort_all_requests", True):
             engine.abort(abort_all=True, message="aborted by /update_weight_version")
         engine.weight_version = str(body["new_version"])
-        return _control(True, f"weight_version={engine.weight_version}")
+        return _control(True, f"weight_version={engine.weight_version}", new_version=engine.weight_version)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request):
@@ -362,11 +229,11 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None) -> Fas
         return await _memory_occupation(request, release=False)
 
     async def _memory_occupation(request: Request, release: bool):
-        tags = (await _body(request)).get("tags") or ["weights", "kv_cache", "cuda_graph"]
+        tags = (await _body(request)).get("tags") or list(_MEMORY_TAGS)
         tags = [tags] if isinstance(tags, str) else tags
-        unknown = [t for t in tags if t not in ("weights", "kv_cache", "cuda_graph")]
+        unknown = [t for t in tags if t not in _MEMORY_TAGS]
         if unknown:
-            return _control(False, f"tags {unknown} unknown; use a subset of ['weights', 'kv_cache', 'cuda_graph']")
+            return _control(False, f"tags {unknown} unknown; use a subset of {list(_MEMORY_TAGS)}")
         messages = []
         if "weights" in tags:
             action = engine.release_weights if release else engine.resume_weights
@@ -380,7 +247,7 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None) -> Fas
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megarl.rollout.server", description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", required=True, help="Hugging Face model directory")
     parser.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
@@ -391,8 +258,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (prefer the MEGARL_ROLLOUT_API_KEY environment "
+                             "variable: a command line is visible to every user of the machine)")
     parser.add_argument("--log-level", default="info")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
     args = parser.parse_args(argv)
+    args.api_key = resolve_api_key(args.api_key)
+    if not args.api_key and not is_loopback(args.host):
+        # /update_weights_from_tensor maps memory the caller names and /generate spends compute:
+        # a server other machines can reach must not be open to all of them.
+        parser.error(f"--host {args.host} is reachable from other machines; set an API key (--api-key or the "
+                     "MEGARL_ROLLOUT_API_KEY environment variable) or bind a loopback address such as 127.0.0.1")
     import torch
     import uvicorn
 
@@ -401,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = GenerationEngine(args.model_path, args.tokenizer_path, device=args.device, dtype=args.dtype,
                               max_batch_size=args.max_batch_size, seed=args.seed)
-    app = create_app(engine, {k: v for k, v in vars(args).items()})
+    app = create_app(engine, vars(args), api_key=args.api_key)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

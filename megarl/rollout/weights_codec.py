@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import base64
 import io
-import pickle
 from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reducers with ForkingPickler)
 from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing import reductions as _torch_reductions
+
+from megarl.rollout.safe_unpickle import safe_loads
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -85,13 +86,15 @@ def serialize(obj) -> str:
 
 
 def deserialize(payload: str | bytes):
-    """Inverse of `serialize`; maps the sender's shared memory (or CUDA IPC handles) in place."""
+    """Inverse of `serialize`; maps the sender's shared memory (or CUDA IPC handles) in place.
+    Only torch's tensor rebuild functions may run while loading (safe_unpickle.py): a payload
+    naming anything else raises RefusedGlobal (a ValueError) and nothing of it runs."""
     try:
         raw = base64.b64decode(payload, validate=True) if isinstance(payload, str) else payload
     except ValueError as exc:
         raise ValueError(f"serialized tensors are not valid base64: {exc}") from exc
     try:
-        return pickle.loads(raw)
+        return safe_loads(raw)
     except (RuntimeError, OSError) as exc:  # typically: the shared-memory file cannot be opened
         raise ValueError(
             f"could not map the sender's tensors ({exc}). CPU tensors travel as /dev/shm files: sender "
@@ -169,6 +172,9 @@ def deserialize_flattened_bucket(payload: str | bytes) -> NamedTensors:
     obj = deserialize(payload)
     if not (isinstance(obj, dict) and "flattened_tensor" in obj and "metadata" in obj):
         raise ValueError("flattened_bucket payload must be a dict with 'flattened_tensor' and 'metadata'")
+    if not isinstance(obj["flattened_tensor"], torch.Tensor):
+        raise ValueError(f"flattened_bucket 'flattened_tensor' is a {type(obj['flattened_tensor']).__name__}, "
+                         "not a tensor")
     flat = obj["flattened_tensor"].reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)

@@ -26,7 +26,13 @@ class Runtime:
     val_data: object
     actor: object  # RayWorkerGroup of MegatronActor
     rollout: object  # RolloutManager
-    server_urls: list[str]
+    fleet: object  # RolloutFleet: the engines (and router) the rollout talks to
+    placement: object  # PlacementPlan
+
+    @property
+    def server_urls(self) -> list[str]:
+        """Every engine's own URL (weight updates and control calls never go through the router)."""
+        return self.fleet.engine_urls
 
 
 def run_dir_of(cfg: RunConfig) -> Path:
@@ -57,9 +63,49 @@ def loss_spec(cfg: RunConfig) -> ActorLossSpec:
                          entropy_coeff=a.entropy_coeff)
 
 
-# Ray's CPU count is a scheduling budget, not a pin: a fraction of a CPU per Megatron rank leaves
-# room for the rollout server and the driver on a laptop.
-CPUS_PER_RANK = 0.5
+def needs_api_key(cfg: RunConfig) -> bool:
+    """Engines reachable beyond loopback expose weight loading: they get a per-run key."""
+    from megarl.config.validate_rollout import is_loopback
+
+    return not is_loopback(cfg.rollout.host)
+
+
+def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[list]:
+    from megarl.rollout.engine_launcher import EngineNodeSpec
+
+    r = cfg.rollout
+    return [[EngineNodeSpec(
+        backend=r.backend, model_path=model_path, engine=e, node_rank=k, nnodes=r.nnodes, tp=r.tp, ep=r.ep,
+        dp=r.dp, host=r.host, port=r.port + e if r.port else 0, max_batch_size=r.max_batch_size,
+        seed=cfg.trainer.seed + e, colocated=cfg.cluster.placement == "colocated",
+        log_path=str(run_dir / (f"rollout_server_{e}.log" if r.nnodes == 1 else f"rollout_server_{e}_node{k}.log")),
+        startup_timeout_s=r.startup_timeout_s, env={"TOKENIZERS_PARALLELISM": "false"})
+        for k in range(r.nnodes)] for e in range(r.num_servers)]
+
+
+def build_fleet(cfg: RunConfig, plan, pools: dict, model_path: str, run_dir: Path):
+    import secrets
+
+    from megarl.controller.placement import LAUNCHER_DEVICE_SHARE, gpu_ids_of, pool_for_engines, scheduling
+    from megarl.rollout.fleet import RolloutFleet, RouterSpec
+
+    pool = pool_for_engines(pools)
+    share = {"num_gpus": LAUNCHER_DEVICE_SHARE} if pool.resource == "GPU" else {
+        "resources": {pool.resource: LAUNCHER_DEVICE_SHARE}}
+
+    def placement(e: int, k: int) -> dict:
+        return {"scheduling_strategy": scheduling(pool, plan.engines[e][k].slots[0]), **share}
+
+    router = None
+    if cfg.rollout.router:
+        router = RouterSpec(policy=cfg.rollout.router_policy, host=cfg.rollout.host,
+                            log_path=str(run_dir / "router.log"))
+    return RolloutFleet(engine_node_specs(cfg, model_path, run_dir),
+                        api_key=secrets.token_urlsafe(32) if needs_api_key(cfg) else None,
+                        router=router, placement=placement,
+                        gpu_ids=lambda e, k: gpu_ids_of(pool, plan.engines[e][k].slots),
+                        request_timeout_s=cfg.rollout.request_timeout_s,
+                        max_restarts=cfg.rollout.max_engine_restarts)
 
 
 @contextlib.contextmanager
@@ -68,9 +114,10 @@ def start_runtime(cfg: RunConfig):
     from transformers import AutoTokenizer
 
     from megarl.controller.cluster import RayCluster
+    from megarl.controller.placement import (CPU_DEVICE_RESOURCE, RANK_DEVICE_SHARE, ResourcePool,
+                                             device_resource, plan_placement)
     from megarl.controller.worker_group import RayWorkerGroup
     from megarl.data.dataset import build_datasets
-    from megarl.rollout.launcher import RolloutServerProcess
     from megarl.rollout.manager import RolloutManager
 
     run_dir = run_dir_of(cfg)
@@ -78,37 +125,38 @@ def start_runtime(cfg: RunConfig):
     model_path = resolve_model_path(cfg, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_data, val_data = build_datasets(cfg.data, tokenizer, run_dir / "data")
+    plan = plan_placement(cfg)
 
     with contextlib.ExitStack() as stack:
-        servers = []
-        if cfg.rollout.backend != "embedded":
-            raise NotImplementedError("rollout.backend=sglang: launching SGLang servers is not "
-                                      "implemented yet; use rollout.backend=embedded")
-        for i in range(cfg.rollout.num_servers):
-            server = RolloutServerProcess(
-                model_path, host=cfg.rollout.host,
-                port=cfg.rollout.port + i if cfg.rollout.port else 0,
-                max_batch_size=cfg.rollout.max_batch_size, seed=cfg.trainer.seed + i,
-                torch_threads=1, log_path=run_dir / f"rollout_server_{i}.log")
-            stack.enter_context(server)
-            servers.append(server)
-        urls = [s.url for s in servers]
-        rollout = RolloutManager(urls, timeout_s=cfg.rollout.request_timeout_s,
-                                 max_retries=cfg.rollout.max_retries)
-        stack.callback(rollout.close)
-
-        stack.enter_context(RayCluster(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus)
-                            if cfg.cluster.address is None else RayCluster(cfg.cluster.address))
+        if cfg.cluster.address is None:  # a local cluster declares its CPU "devices"
+            devices = {CPU_DEVICE_RESOURCE: float(sum(p.num_devices for p in plan.pools.values()))}
+            stack.enter_context(RayCluster(num_cpus=cfg.cluster.num_cpus, resources=devices))
+        else:
+            stack.enter_context(RayCluster(cfg.cluster.address))
+        resource = device_resource()
+        pools = {}
+        for name, spec in plan.pools.items():
+            pools[name] = ResourcePool(spec, resource)
+            stack.callback(pools[name].remove)
+        fleet = build_fleet(cfg, plan, pools, model_path, run_dir)
+        stack.callback(fleet.close)
+        fleet.launch()  # engines start while the Megatron ranks initialise
         with_ref = bool(cfg.ref.enabled)
+        device_share = ({"num_gpus_per_worker": RANK_DEVICE_SHARE} if resource == "GPU" else
+                        {"resources_per_worker": {resource: RANK_DEVICE_SHARE}})
         actor = RayWorkerGroup(
             MegatronActor, cfg.cluster.num_actor_ranks,
             init_args=(engine_spec(cfg, model_path), loss_spec(cfg), with_ref),
-            num_cpus_per_worker=CPUS_PER_RANK,
+            num_cpus_per_worker=0, bundles=[pools["actor"].bundle_of(s) for s in plan.actor_slots],
             env_vars={"MEGARL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                       "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")},
-            name_prefix="actor",
+            name_prefix="actor", **device_share,
         )
         stack.callback(actor.shutdown)
+        fleet.wait_started()
+        rollout = RolloutManager(fleet=fleet, timeout_s=cfg.rollout.request_timeout_s,
+                                 max_retries=cfg.rollout.max_retries, api_key=fleet.api_key)
+        stack.callback(rollout.close)
         yield Runtime(cfg=cfg, run_dir=run_dir, model_path=model_path, tokenizer=tokenizer,
                       train_data=train_data, val_data=val_data, actor=actor, rollout=rollout,
-                      server_urls=urls)
+                      fleet=fleet, placement=plan)

@@ -1,13 +1,20 @@
 """The synchronous GRPO loop: one controller, every heavy step an RPC to a worker group.
 
     for step in steps:
-        rows = rollout.generate(prompts)          # SGLang-API servers
+        rows = rollout.generate(prompts)          # SGLang-API engines (behind sglang-router)
+        fleet.release_memory()                    # colocated: engines free weights + KV cache
         rows = reward(rows)                       # rule verifiers by data_source
         rows |= actor.compute_log_prob(rows)      # Megatron, DP_COMPUTE
         rows |= actor.compute_ref_log_prob(rows)  # colocated reference (when KL is on)
         rows["advantages"] = grpo_advantages(...)
         actor.update_actor(rows)                  # Megatron TP/PP/EP + distributed optimizer
-        actor.sync_weights(servers)               # bucketed weight stream -> rollout servers
+        fleet.resume_memory(weights)              # colocated: re-allocate before the sync fills them
+        actor.sync_weights(engines)               # bucketed weight stream -> every engine directly
+        fleet.resume_memory(kv_cache)
+
+An engine that dies mid-step is restarted by the fleet, given the current weights through
+`_resync` before it serves again, and its prompts are re-sent (rollout/retries,
+rollout/engine_restarts).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ class SyncTrainer:
         self.reward_fn = make_reward_function(self.cfg.reward.custom_function)
         self.dp_size = runtime.actor.mesh[0].dp_size
         self.weight_version = 0
+        self.release = bool(self.cfg.rollout.release_memory)
+        runtime.fleet.on_restart = self._resync
 
     # ---------------------------------------------------------------- steps
     def fit(self) -> None:
@@ -57,6 +66,10 @@ class SyncTrainer:
         t_step = time.perf_counter()
         with _timer(timing, "gen"):
             rows = self.rt.rollout.generate(prompts, self._sampling(train=True))
+        rollout_stats = dict(self.rt.rollout.last_stats)
+        if self.release:
+            with _timer(timing, "release"):
+                self.rt.fleet.release_memory(["weights", "kv_cache"])
         with _timer(timing, "reward"):
             rows["scores"] = self._score(rows)
         with _timer(timing, "old_log_prob"):
@@ -76,11 +89,21 @@ class SyncTrainer:
             per_rank = self.rt.actor.update_actor(
                 self._trainer_view(rows, *keys), cfg.actor.ppo_mini_batch_size,
                 cfg.actor.ppo_epochs, cfg.rollout.temperature, cfg.trainer.seed + step)
+        if self.release:
+            with _timer(timing, "resume"):
+                self.rt.fleet.resume_memory(["weights"])
         with _timer(timing, "sync"):
             self.weight_version += 1
             self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version))
+        if self.release:
+            with _timer(timing, "resume_kv"):
+                self.rt.fleet.resume_memory(["kv_cache"])
         timing["perf/step_s"] = time.perf_counter() - t_step
-        return {**self._rollout_metrics(rows), **parity, **_average(per_rank), **timing}
+        return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing}
+
+    def _resync(self, urls: list[str]) -> None:
+        """A restarted engine gets the weights the others serve before it takes requests."""
+        self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version), urls)
 
     def validate(self) -> dict:
         from megarl.data.dataset import PromptBatches
@@ -142,7 +165,7 @@ class SyncTrainer:
     def _bridge_spec(self) -> dict:
         b = self.cfg.bridge
         return {"transport": b.transport, "server_urls": self.rt.server_urls,
-                "bucket_bytes": int(b.bucket_size_mb * 2**20),
+                "api_key": self.rt.fleet.api_key, "bucket_bytes": int(b.bucket_size_mb * 2**20),
                 "disk_dir": str(self.rt.run_dir / "weights"),
                 "timeout_s": self.cfg.rollout.request_timeout_s}
 

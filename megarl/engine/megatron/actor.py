@@ -128,23 +128,28 @@ class MegatronActor(Worker):
         return metrics
 
     @register(dispatch=Dispatch.RANK_ZERO)
-    def sync_weights(self, bridge_spec: dict, weight_version: str) -> dict:
-        """Stream the current weights to the rollout servers (all ranks gather, rank 0 sends)."""
+    def sync_weights(self, bridge_spec: dict, weight_version: str, server_urls: list[str] | None = None) -> dict:
+        """Stream the current weights to the rollout servers (all ranks gather, rank 0 sends):
+        to `server_urls` when given (a restarted engine), else to every server of the spec."""
         from megarl.bridge import make_weight_sender
 
-        if self.rank == 0 and self._sender_spec != bridge_spec:
+        # engines come and go (restarts move them to new ports): the sender is kept across URL
+        # changes, so its buffer, connections and the disk version it must clean up survive
+        identity = {k: v for k, v in bridge_spec.items() if k != "server_urls"}
+        if self.rank == 0 and self._sender_spec != identity:
             if self._sender is not None:
                 self._sender.close()
-            self._sender, self._sender_spec = make_weight_sender(bridge_spec), dict(bridge_spec)
-        return _send_all(self.actor.export_weights(), self._sender, weight_version)
+            self._sender, self._sender_spec = make_weight_sender(bridge_spec), identity
+        urls = list(server_urls or bridge_spec["server_urls"])
+        return _send_all(self.actor.export_weights(), self._sender, weight_version, urls)
 
 
-def _send_all(named_tensors, sender, weight_version: str) -> dict:
+def _send_all(named_tensors, sender, weight_version: str, server_urls: list[str] | None = None) -> dict:
     start = time.perf_counter()
     if sender is None:
         for _ in named_tensors:  # take part in the collectives, keep nothing
             pass
         return {}
-    stats = sender.send(named_tensors, weight_version)
+    stats = sender.send(named_tensors, weight_version, server_urls)
     stats["perf/weight_sync_s"] = time.perf_counter() - start
     return stats

@@ -1,0 +1,84 @@
+"""Process-group helpers shared by the server and router launchers (one place for stop semantics).
+
+Servers run in their own session (start_new_session), so stopping one signals its whole group:
+SIGTERM, then SIGKILL after a grace period, which also takes whatever it left behind (TP ranks).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class PortTaken(Exception):
+    """The port picked as free was taken before the process bound it: pick another."""
+
+
+def stop_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM `process`'s group, SIGKILL it after `grace_s` (also anything left in the group)."""
+    signal_group(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    signal_group(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the group is already gone
+        pass
+
+
+def new_log_file(prefix: str) -> Path:
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last lines of a log, colour codes removed; quoted in every startup error."""
+    try:
+        text = _ANSI.sub("", Path(path).read_text(errors="replace"))
+    except OSError as exc:
+        return f"(log {path} unreadable: {exc})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class ManagedProcess:
+    """stop / alive / log_tail / `with` for a launcher that keeps its Popen in `self.process` and
+    its log in `self.log_path`; subclasses implement start()."""
+
+    process: subprocess.Popen | None = None
+    log_path: Path
+
+    def start(self):
+        raise NotImplementedError
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`; safe to call twice."""
+        atexit.unregister(self.stop)
+        process, self.process = self.process, None
+        if process is not None:
+            stop_group(process, grace_s)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

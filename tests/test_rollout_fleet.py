@@ -1,0 +1,156 @@
+"""The rollout side as a mesh on a real local Ray cluster: engines started by launcher actors in
+a resource pool, sglang-router in front, generation with n samples of a prompt on one engine,
+and failover (SIGKILL an engine mid-generation: every row still comes back, the engine is
+restarted, gets the current weights before it rejoins the router, every retry is counted)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+import httpx
+import psutil
+import pytest
+import torch
+
+from megarl.data.batch import Batch
+from megarl.rollout.engine_launcher import EngineNodeSpec
+from megarl.rollout.fleet import RolloutFleet, RouterSpec
+from megarl.rollout.manager import RolloutManager, SamplingSpec
+
+torch.set_num_threads(1)
+PROMPTS = [[2, 10 + i, 11 + i, 3] for i in range(8)]
+MANY_PROMPTS = [[2, 10 + i % 30, 11 + i // 30, 3] for i in range(32)]  # distinct: spread by the router
+
+
+@pytest.fixture(scope="module")
+def ray_pool():
+    from megarl.controller.cluster import RayCluster
+    from megarl.controller.placement import CPU_DEVICE_RESOURCE, PoolSpec, ResourcePool
+
+    with RayCluster(num_cpus=2, resources={CPU_DEVICE_RESOURCE: 2.0}, log_to_driver=False):
+        pool = ResourcePool(PoolSpec("rollout", 2, 2), CPU_DEVICE_RESOURCE)
+        yield pool
+        pool.remove()
+
+
+def make_fleet(pool, model_path, log_dir, num_engines: int, router: bool) -> RolloutFleet:
+    from megarl.controller.placement import LAUNCHER_DEVICE_SHARE, scheduling
+
+    specs = [[EngineNodeSpec(backend="embedded", model_path=str(model_path), engine=e, seed=e, max_batch_size=64,
+                             log_path=str(log_dir / f"engine{e}.log"))] for e in range(num_engines)]
+
+    def placement(e, k):
+        return {"scheduling_strategy": scheduling(pool, pool.spec.slot(e)),
+                "resources": {pool.resource: LAUNCHER_DEVICE_SHARE}}
+
+    return RolloutFleet(specs, router=RouterSpec(policy="cache_aware", log_path=str(log_dir / "router.log"))
+                        if router else None, placement=placement, max_restarts=2, request_timeout_s=60)
+
+
+def prompt_batch(prompts) -> Batch:
+    return Batch(non_tensors={"raw_prompt_ids": [list(p) for p in prompts], "uid": list(range(len(prompts)))})
+
+
+def finished(url: str) -> int:
+    return httpx.get(f"{url}/get_server_info", timeout=10).json()["engine_stats"].get("requests_finished", 0)
+
+
+@pytest.fixture(scope="module")
+def two_engines(ray_pool, tiny_model_path, tmp_path_factory):
+    fleet = make_fleet(ray_pool, tiny_model_path, tmp_path_factory.mktemp("fleet2"), 2, router=True)
+    with contextlib.ExitStack() as stack:
+        stack.callback(fleet.close)
+        fleet.start()
+        manager = RolloutManager(fleet=fleet, max_retries=1, timeout_s=60)
+        stack.callback(manager.close)
+        yield fleet, manager
+
+
+def test_launchers_place_engines_and_the_router_fronts_them(two_engines):
+    fleet, _ = two_engines
+    import ray
+
+    assert len(fleet.engine_urls) == 2 and fleet.router_url not in fleet.engine_urls
+    assert sorted(ray.get(fleet.router.workers.remote())) == sorted(fleet.engine_urls)
+    for pids in fleet.server_pids():  # servers are children of the launcher actors, not of us
+        assert psutil.Process(pids[0]).ppid() != os.getpid()
+
+
+def test_n_samples_of_a_prompt_land_on_one_engine(two_engines):
+    fleet, manager = two_engines
+    before = [finished(u) for u in fleet.engine_urls]
+    rows = manager.generate(prompt_batch(PROMPTS), SamplingSpec(n=4, max_new_tokens=3))
+    served = [finished(u) - b for u, b in zip(fleet.engine_urls, before)]
+    assert len(rows) == len(PROMPTS) * 4 and sum(served) == len(PROMPTS) * 4
+    assert all(count % 4 == 0 for count in served), served  # whole groups of n per engine
+    assert manager.last_stats == {"rollout/retries": 0.0, "rollout/engine_restarts": 0.0}
+
+
+def kill_when_busy(fleet, engine: int, done: threading.Event, killed: list) -> None:
+    """SIGKILL engine `engine`'s server once it is generating (mid-step)."""
+    url, pid = fleet.engine_urls[engine], fleet.server_pids()[engine][0]
+    while not done.is_set():
+        if httpx.get(f"{url}/get_server_info", timeout=10).json()["pending_requests"] > 0:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        done.wait(0.01)
+
+
+def generate_while_killing(fleet, manager, engine: int, prompts, sampling):
+    done, killed = threading.Event(), []
+    killer = threading.Thread(target=kill_when_busy, args=(fleet, engine, done, killed))
+    killer.start()
+    try:
+        rows = manager.generate(prompt_batch(prompts), sampling)
+    finally:
+        done.set()
+        killer.join()
+    assert killed, "the engine was never seen busy: the test did not kill it mid-step"
+    return rows, killed[0]
+
+
+def test_sigkill_one_engine_mid_step_every_row_comes_back_and_it_rejoins_with_weights(two_engines):
+    fleet, manager = two_engines
+    import ray
+
+    resynced = []
+
+    def on_restart(urls):  # the trainer's weight sync; the engine must not be routed to yet
+        routed = ray.get(fleet.router.workers.remote())
+        resynced.append((list(urls), [u for u in urls if u in routed]))
+
+    fleet.on_restart = on_restart
+    try:
+        rows, victim_pid = generate_while_killing(fleet, manager, 1, MANY_PROMPTS, SamplingSpec(n=4, max_new_tokens=64))
+    finally:
+        fleet.on_restart = None
+    assert len(rows) == len(MANY_PROMPTS) * 4
+    assert all(r != "abort" for r in rows["finish_reason"])
+    assert manager.last_stats["rollout/engine_restarts"] == 1.0
+    assert manager.last_stats["rollout/retries"] >= 1.0
+    (urls, routed_before_weights), = resynced
+    assert routed_before_weights == [] and urls == [fleet.engine_urls[1]]
+    assert sorted(ray.get(fleet.router.workers.remote())) == sorted(fleet.engine_urls)
+    assert not psutil.pid_exists(victim_pid) or psutil.Process(victim_pid).status() == psutil.STATUS_ZOMBIE
+    again = manager.generate(prompt_batch(PROMPTS[:2]), SamplingSpec(n=2, max_new_tokens=2))
+    assert len(again) == 4 and manager.last_stats["rollout/engine_restarts"] == 0.0
+
+
+def test_single_engine_killed_mid_step_is_restarted_and_the_step_retried(ray_pool, tiny_model_path, tmp_path):
+    fleet = make_fleet(ray_pool, tiny_model_path, tmp_path, 1, router=False)
+    with contextlib.ExitStack() as stack:
+        stack.callback(fleet.close)
+        fleet.start()
+        manager = RolloutManager(fleet=fleet, max_retries=1, timeout_s=60)
+        stack.callback(manager.close)
+        rows, _ = generate_while_killing(fleet, manager, 0, PROMPTS, SamplingSpec(n=4, max_new_tokens=64))
+        assert len(rows) == len(PROMPTS) * 4
+        assert manager.last_stats["rollout/engine_restarts"] == 1.0
+        assert manager.last_stats["rollout/retries"] >= len(PROMPTS)  # the whole batch was re-sent
+        assert fleet.engine_urls and httpx.get(f"{fleet.engine_urls[0]}/health", timeout=5).status_code == 200
+        pids = [p for nodes in fleet.server_pids() for p in nodes]
+    assert all(not psutil.pid_exists(p) for p in pids)  # close() left no server behind
