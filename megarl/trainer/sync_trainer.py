@@ -94,12 +94,25 @@ class SyncTrainer:
                 self.rt.fleet.resume_memory(["weights"])
         with _timer(timing, "sync"):
             self.weight_version += 1
-            self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version))
+            self.sync_weights()
         if self.release:
             with _timer(timing, "resume_kv"):
                 self.rt.fleet.resume_memory(["kv_cache"])
         timing["perf/step_s"] = time.perf_counter() - t_step
         return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing}
+
+    def sync_weights(self) -> None:
+        """Push the actor's weights to every engine. An engine that died since the rollout makes
+        the push fail: the fleet restarts it (it gets these weights through _resync) and the
+        push is repeated for all engines (a second push of the same version is harmless)."""
+        from megarl.controller.worker_group import WorkerError
+
+        try:
+            self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version))
+        except WorkerError:
+            if not self.rt.fleet.recover(wait=True):
+                raise  # every engine is alive: the failure is not a dead engine's
+            self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version))
 
     def _resync(self, urls: list[str]) -> None:
         """A restarted engine gets the weights the others serve before it takes requests."""
