@@ -2,6 +2,7 @@
 
     python -m megarl.rollout.server --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-batch-size 32] [--seed S] [--device cpu] [--dtype float32] [--torch-threads N]
+        [--tp N [--nnodes K --node-rank R --dist-init-addr HOST:PORT]]   (tp/launch.py)
 
 Request and response shapes are SGLang 0.5's (see shared/reference/sglang-http-api.md), so the
 same client, router and tests work against both servers. Batched /generate with n>1 answers a
@@ -28,10 +29,10 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from megarl.rollout import weights_codec
 from megarl.rollout.engine import GenerationEngine
 from megarl.rollout.protocol import (GenerationRequest, GenerationResult, InvalidRequest, SamplingParams,
                                      WeightsUnavailable)
+from megarl.rollout.tp import launch
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +285,11 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None) -> Fas
                 "weights_ready": engine.weights_ready, "pending_requests": engine.pending(),
                 "engine_stats": dict(engine.stats)}
 
+    @app.get("/get_parallelism_config")
+    async def get_parallelism_config():
+        """Which slice of each full HF tensor every rank holds (shape: tp/sharding.py parameter_layout)."""
+        return engine.runner.layout()
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         pending = engine.pending()
@@ -314,15 +320,14 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None) -> Fas
         body = await _body(request)
         payloads = body.get("serialized_named_tensors")
         payloads = [payloads] if isinstance(payloads, str) else payloads
-        if not isinstance(payloads, list) or not payloads or not isinstance(payloads[0], str):
+        if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
             return _control(False, "serialized_named_tensors must be a non-empty list of base64 strings "
-                                   "(one per TP rank; this server has one rank and reads entry 0)")
+                                   "(one per TP rank: rank r reads entry r; a single entry is read by every rank)")
         if body.get("abort_all_requests"):
             engine.abort(abort_all=True, message="aborted for a weight update")
 
         def load() -> str:  # in a worker thread: waits for the model lock between forward steps
-            named = weights_codec.decode_payload(payloads[0], body.get("load_format"))
-            return engine.update_weights(named, body.get("weight_version"))
+            return engine.update_weights_from_payloads(payloads, body.get("load_format"), body.get("weight_version"))
 
         try:
             return _control(True, await run_in_threadpool(load))
@@ -340,7 +345,7 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None) -> Fas
             message = await run_in_threadpool(engine.update_weights_from_disk, body["model_path"],
                                               body.get("weight_version"))
             return _control(True, message, num_paused_requests=0)
-        except (ValueError, WeightsUnavailable, OSError) as exc:
+        except (ValueError, WeightsUnavailable, RuntimeError, OSError) as exc:
             return _control(False, f"update_weights_from_disk failed: {exc}", num_paused_requests=0)
 
     @app.post("/update_weight_version")
@@ -392,20 +397,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--log-level", default="info")
+    launch.add_mesh_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        spec = launch.mesh_spec(args)
+        if spec.tp > 1:
+            launch.validate_model(args.model_path, spec.tp)
+    except ValueError as exc:
+        parser.error(str(exc))
     import torch
     import uvicorn
 
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    # TP ranks share the cores: one thread each unless told otherwise (two per rank collapse on 2 cores)
+    threads = args.torch_threads or (1 if spec.tp > 1 else None)
+    if threads:
+        torch.set_num_threads(threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    mesh_args = (spec, args.model_path, args.dtype, args.device, threads or 1)
+    if spec.node_rank > 0:
+        return launch.run_node(*mesh_args, host=args.host, port=args.port)
+    runner, mesh = launch.start_rank0(*mesh_args) if spec.tp > 1 else (None, None)
     engine = GenerationEngine(args.model_path, args.tokenizer_path, device=args.device, dtype=args.dtype,
-                              max_batch_size=args.max_batch_size, seed=args.seed)
+                              max_batch_size=args.max_batch_size, seed=args.seed, runner=runner)
     app = create_app(engine, {k: v for k, v in vars(args).items()})
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()
+        if mesh is not None:
+            mesh.shutdown(runner)
 
 
 if __name__ == "__main__":
