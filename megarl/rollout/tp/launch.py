@@ -33,7 +33,7 @@ from megarl.rollout.tp.channel import CommandChannel
 from megarl.rollout.tp.follower import follow
 from megarl.rollout.tp.runner import TPRunner
 from megarl.rollout.tp.sharding import load_sharded_model, validate_tp
-from megarl.rollout.tp.watchdog import Watchdog
+from megarl.rollout.tp.watchdog import PEER_TIMEOUT_S, Watchdog
 from megarl.rollout.tp.worker import RankWorker
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class MeshSpec:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    watchdog_timeout_s: float = PEER_TIMEOUT_S  # silence after which a rank counts as dead
 
     def __post_init__(self):
         if self.tp < 1 or self.nnodes < 1:
@@ -62,6 +63,8 @@ class MeshSpec:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--dist-init-addr {self.dist_init_addr!r} must look like HOST:PORT")
+        if self.watchdog_timeout_s <= 0:
+            raise ValueError(f"--watchdog-timeout {self.watchdog_timeout_s} must be > 0 seconds")
 
     @property
     def ranks_per_node(self) -> int:
@@ -84,10 +87,12 @@ def add_mesh_arguments(parser) -> None:
     group.add_argument("--nnodes", type=int, default=1, help="nodes one engine spans")
     group.add_argument("--node-rank", type=int, default=0, help="this node's rank; 0 serves HTTP")
     group.add_argument("--dist-init-addr", default=None, help="HOST:PORT of node rank 0's rendezvous")
+    group.add_argument("--watchdog-timeout", type=float, default=PEER_TIMEOUT_S,
+                       help="seconds without a heartbeat from a rank before the whole engine exits")
 
 
 def mesh_spec(args) -> MeshSpec:
-    return MeshSpec(args.tp, args.nnodes, args.node_rank, args.dist_init_addr)
+    return MeshSpec(args.tp, args.nnodes, args.node_rank, args.dist_init_addr, args.watchdog_timeout)
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ class MeshProcess:
             child.start()
             self.children[rank] = child
         self.watchdog = Watchdog(self.setup.store_host, self.setup.store_port, self.rank, spec.tp,
-                                 self.fatal, self.children).start()
+                                 self.fatal, spec.watchdog_timeout_s, self.children).start()
 
     def join(self, store) -> RankWorker:
         """Join the process group and load this rank's shard; returns once every rank has."""
@@ -192,7 +197,8 @@ def _child_main(setup: RankSetup, rank: int) -> None:
     torch.set_num_threads(setup.torch_threads)  # ranks share the cores; more threads each collapse
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
     process = MeshProcess(setup, rank)
-    process.watchdog = Watchdog(setup.store_host, setup.store_port, rank, setup.spec.tp, process.fatal).start()
+    process.watchdog = Watchdog(setup.store_host, setup.store_port, rank, setup.spec.tp, process.fatal,
+                                setup.spec.watchdog_timeout_s).start()
     store = dist.TCPStore(setup.store_host, setup.store_port, is_master=False, wait_for_workers=False,
                           timeout=JOIN_TIMEOUT)
     process.follow(process.join(store))

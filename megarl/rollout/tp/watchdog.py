@@ -22,13 +22,15 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
-PEER_TIMEOUT_S = 20.0  # generous: the 2-core CI machine can stall a process for seconds
+PEER_TIMEOUT_S = 20.0  # default; generous: a loaded 2-core machine can stall a process for seconds
 
 
 class Watchdog:
     def __init__(self, store_host: str, store_port: int, rank: int, world_size: int,
-                 on_failure: Callable[[str], None], children: dict[int, object] | None = None):
+                 on_failure: Callable[[str], None], peer_timeout_s: float = PEER_TIMEOUT_S,
+                 children: dict[int, object] | None = None):
         self.store_host, self.store_port, self.rank, self.world_size = store_host, store_port, rank, world_size
+        self.peer_timeout_s = peer_timeout_s
         self._on_failure = on_failure
         self._children = dict(children or {})  # rank -> multiprocessing.Process started by this process
         self._stop = threading.Event()
@@ -48,15 +50,15 @@ class Watchdog:
 
     def _run(self) -> None:
         try:
-            store = dist.TCPStore(self.store_host, self.store_port, is_master=False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S))
-            seen = None
+            store, seen = None, None
             while not self._stop.is_set():
-                if self._peers.is_set():
+                if self._peers.is_set() and store is None:  # the store is certainly up once all ranks joined
+                    store = dist.TCPStore(self.store_host, self.store_port, is_master=False, wait_for_workers=False,
+                                          timeout=datetime.timedelta(seconds=self.peer_timeout_s))
+                    seen = {r: (-1, time.monotonic()) for r in range(self.world_size) if r != self.rank}
+                if store is not None:
                     store.add(_key(self.rank), 1)
-                    if seen is None:  # the grace period starts now, for every peer alike
-                        seen = {r: (-1, time.monotonic()) for r in range(self.world_size) if r != self.rank}
-                problem = self._dead_child() or (seen is not None and self._silent_peer(store, seen))
+                problem = self._dead_child() or (store is not None and self._silent_peer(store, seen))
                 if problem:
                     return self._fail(problem)
                 self._stop.wait(HEARTBEAT_INTERVAL_S)
@@ -76,8 +78,9 @@ class Watchdog:
             current = store.add(_key(rank), 0)
             if current != count:
                 seen[rank] = (current, now)
-            elif now - since > PEER_TIMEOUT_S:
-                return f"TP rank {rank} sent no heartbeat for {PEER_TIMEOUT_S:.0f}s: its process or node is gone or stuck"
+            elif now - since > self.peer_timeout_s:
+                return (f"TP rank {rank} sent no heartbeat for {self.peer_timeout_s:.0f}s: its process or node is "
+                        "gone or stuck")
         return None
 
     def _fail(self, message: str) -> None:
