@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -420,12 +421,31 @@ def main(argv: list[str] | None = None) -> None:
     engine = GenerationEngine(args.model_path, args.tokenizer_path, device=args.device, dtype=args.dtype,
                               max_batch_size=args.max_batch_size, seed=args.seed, runner=runner)
     app = create_app(engine, {k: v for k, v in vars(args).items()})
+
+    def stop() -> None:
+        engine.close()
+        if mesh is not None:
+            mesh.shutdown(runner)  # followers exit on rank 0's word, not on a broken connection
+
+    _run_at_app_shutdown(app, stop)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
-        engine.close()
-        if mesh is not None:
-            mesh.shutdown(runner)
+        stop()
+
+
+def _run_at_app_shutdown(app: FastAPI, stop) -> None:
+    """Run `stop` when uvicorn shuts the app down: after a SIGTERM uvicorn re-raises the signal
+    once it has stopped serving, which ends the process before a `finally` in main() runs."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            yield state
+        stop()
+
+    app.router.lifespan_context = lifespan
 
 
 if __name__ == "__main__":
