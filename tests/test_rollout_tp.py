@@ -26,7 +26,7 @@ from megarl.rollout.weights_codec import serialize_flattened_bucket, serialize_n
 torch.set_num_threads(1)
 TOL = 1e-5  # fp32: a row-parallel all-reduce only reorders sums
 PROMPTS = [[2, 10, 11, 12, 13, 3], [2, 20, 21, 3], [2, 30, 31, 32, 33, 34, 35, 36, 3]]
-NODE1_WATCHDOG_S = 6.0
+HEARTBEAT_TIMEOUT_S = 6.0
 
 
 # ---- pure rules (no processes) ---------------------------------------------------------------------
@@ -102,7 +102,7 @@ def servers(tiny_model_path):
     """tp=1, tp=2 and a two-node tp=2 engine (node 1 answers /health at once, so starts first)."""
     common = dict(torch_threads=1, seed=0, max_batch_size=8)
     addr = f"127.0.0.1:{free_port()}"
-    nodes = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--watchdog-timeout", str(NODE1_WATCHDOG_S))
+    nodes = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
     tp1 = RolloutServerProcess(tiny_model_path, **common)
     tp2 = RolloutServerProcess(tiny_model_path, extra_args=("--tp", "2"), **common)
     node1 = RolloutServerProcess(tiny_model_path, extra_args=(*nodes, "--node-rank", "1"), **common)
@@ -269,4 +269,4 @@ def test_killing_a_follower_rank_ends_the_engine(servers):
 def test_killing_node1_ends_the_engine_on_node0(servers):
     node0, node1 = servers["node0"], servers["node1"]
     node1.process.kill()  # a whole "node" vanishes while rank 0 idles: its heartbeat stops
-    _wait_for_exit(node0, within_s=NODE1_WATCHDOG_S + 10)
+    _wait_for_exit(node0, within_s=HEARTBEAT_TIMEOUT_S + 10)

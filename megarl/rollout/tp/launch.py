@@ -48,7 +48,7 @@ class MeshSpec:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
-    watchdog_timeout_s: float = PEER_TIMEOUT_S  # silence after which a rank counts as dead
+    heartbeat_timeout_s: float = PEER_TIMEOUT_S  # silence after which a rank counts as dead
 
     def __post_init__(self):
         if self.tp < 1 or self.nnodes < 1:
@@ -63,8 +63,8 @@ class MeshSpec:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--dist-init-addr {self.dist_init_addr!r} must look like HOST:PORT")
-        if self.watchdog_timeout_s <= 0:
-            raise ValueError(f"--watchdog-timeout {self.watchdog_timeout_s} must be > 0 seconds")
+        if self.heartbeat_timeout_s <= 0:
+            raise ValueError(f"--heartbeat-timeout {self.heartbeat_timeout_s} must be > 0 seconds")
 
     @property
     def ranks_per_node(self) -> int:
@@ -87,12 +87,12 @@ def add_mesh_arguments(parser) -> None:
     group.add_argument("--nnodes", type=int, default=1, help="nodes one engine spans")
     group.add_argument("--node-rank", type=int, default=0, help="this node's rank; 0 serves HTTP")
     group.add_argument("--dist-init-addr", default=None, help="HOST:PORT of node rank 0's rendezvous")
-    group.add_argument("--watchdog-timeout", type=float, default=PEER_TIMEOUT_S,
-                       help="seconds without a heartbeat from a rank before the whole engine exits")
+    group.add_argument("--heartbeat-timeout", type=float, default=PEER_TIMEOUT_S,
+                       help="seconds without a heartbeat from a rank before the whole engine exits (megarl's)")
 
 
 def mesh_spec(args) -> MeshSpec:
-    return MeshSpec(args.tp, args.nnodes, args.node_rank, args.dist_init_addr, args.watchdog_timeout)
+    return MeshSpec(args.tp, args.nnodes, args.node_rank, args.dist_init_addr, args.heartbeat_timeout)
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class MeshProcess:
             child.start()
             self.children[rank] = child
         self.watchdog = Watchdog(self.setup.store_host, self.setup.store_port, self.rank, spec.tp,
-                                 self.fatal, spec.watchdog_timeout_s, self.children).start()
+                                 self.fatal, spec.heartbeat_timeout_s, self.children).start()
 
     def join(self, store) -> RankWorker:
         """Join the process group and load this rank's shard; returns once every rank has."""
@@ -198,7 +198,7 @@ def _child_main(setup: RankSetup, rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
     process = MeshProcess(setup, rank)
     process.watchdog = Watchdog(setup.store_host, setup.store_port, rank, setup.spec.tp, process.fatal,
-                                setup.spec.watchdog_timeout_s).start()
+                                setup.spec.heartbeat_timeout_s).start()
     store = dist.TCPStore(setup.store_host, setup.store_port, is_master=False, wait_for_workers=False,
                           timeout=JOIN_TIMEOUT)
     process.follow(process.join(store))

@@ -6,6 +6,8 @@
     release_weights() -> count      resume_weights() -> names to refill      layout() -> dict     close()
 
 `cache.batch_select_indices(index)` drops finished rows from a batch's KV cache, as on HF caches.
+Under TP every rank holds its own cache of its heads; a batch's caches are freed on all ranks with
+the first command after rank 0 let go of the batch.
 The engine serialises calls (its model lock), so a runner never sees two at once.
 """
 
@@ -107,7 +109,8 @@ class TPRunner:
         self.model, self.device = worker.model, worker.device
         self.tp_size, self.nnodes = worker.tp, nnodes
         self.full_shapes = worker.full_shapes
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0] * self.tp_size
+        head = self.model.get_output_embeddings().weight  # rank 0's shard: count the full rows
+        self.vocab_size = next(self.full_shapes[n][0] for n, t in worker.tensors.items() if t is head)
         self._ids = itertools.count()
         self._dropped: list[int] = []  # caches whose handles were garbage-collected
         self._lock = threading.Lock()

@@ -12,14 +12,12 @@ loading a large model takes longer than any sensible heartbeat timeout.
 from __future__ import annotations
 
 import datetime
-import logging
 import threading
 import time
 from typing import Callable
 
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 PEER_TIMEOUT_S = 20.0  # default; generous: a loaded 2-core machine can stall a process for seconds

@@ -10,7 +10,6 @@ out of `execute` means the ranks may have diverged; the callers treat it as fata
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import numpy as np
@@ -19,7 +18,6 @@ import torch.distributed as dist
 
 from megarl.rollout.tp.sharding import ShardSpec, shard_spec
 
-log = logging.getLogger(__name__)
 
 # (HF name, full shape, fetch this rank's slice given its ShardSpec)
 UpdateItem = tuple[str, tuple[int, ...], Callable[[ShardSpec], torch.Tensor]]
@@ -65,7 +63,7 @@ class RankWorker:
                  rank: int, device: torch.device):
         self.model, self.plan, self.full_shapes = model, plan, full_shapes
         self.tp, self.rank, self.device = tp, rank, device
-        self._tensors = model.state_dict(keep_vars=True)  # HF name -> this rank's Parameter/buffer
+        self.tensors = model.state_dict(keep_vars=True)  # HF name -> this rank's Parameter/buffer
         self._caches: dict[int, object] = {}  # cache id -> this rank's DynamicCache (local heads)
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
 
@@ -88,7 +86,9 @@ class RankWorker:
 
         for cache_id in cmd["drop"]:  # batches that rank 0 has finished with
             self._caches.pop(cache_id, None)
-        cache = self._caches.setdefault(cmd["cache"], DynamicCache())
+        cache = self._caches.get(cmd["cache"])
+        if cache is None:  # the first step of a new batch
+            cache = self._caches[cmd["cache"]] = DynamicCache()
         if cmd["keep"] is not None:  # finished rows leave the KV cache, as on rank 0
             cache.batch_select_indices(torch.tensor(cmd["keep"], device=self.device))
         ids, mask, positions = decode_inputs(cmd, self.device)
@@ -149,7 +149,7 @@ class RankWorker:
     def _write(self, items: list[UpdateItem]) -> None:
         with torch.no_grad():
             for name, shape, fetch in items:
-                self._tensors[name].data.copy_(fetch(shard_spec(name, shape, self.plan, self.tp, self.rank)))
+                self.tensors[name].data.copy_(fetch(shard_spec(name, shape, self.plan, self.tp, self.rank)))
 
     def _vote(self, error: str | None) -> list[str | None]:
         """Every rank's error (None: fine), in rank order."""
