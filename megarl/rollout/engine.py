@@ -5,6 +5,9 @@ runs prefill + decode with the HF KV cache until every row has stopped (a batch 
 completion; requests arriving meanwhile wait for the next batch). Rows that finish early are
 dropped from the batch and their callers answered at once.
 
+The model sits behind a runner (tp/runner.py): loaded in this process, or sharded over the ranks
+of a tensor-parallel mesh of which this process is rank 0.
+
 Weights change only between forward steps (`_model_lock`), so a running batch may continue with
 new weights, as SGLang's in-place pause does. Log-probs follow megarl's contract:
 log_softmax(logits / temperature) over the full vocabulary; temperature 0 is greedy with log-probs
