@@ -5,6 +5,9 @@ runs prefill + decode with the HF KV cache until every row has stopped (a batch 
 completion; requests arriving meanwhile wait for the next batch). Rows that finish early are
 dropped from the batch and their callers answered at once.
 
+The model sits behind a runner (tp/runner.py): loaded in this process, or sharded over the ranks
+of a tensor-parallel mesh of which this process is rank 0.
+
 Weights change only between forward steps (`_model_lock`), so a running batch may continue with
 new weights, as SGLang's in-place pause does. Log-probs follow megarl's contract:
 log_softmax(logits / temperature) over the full vocabulary; temperature 0 is greedy with log-probs
@@ -27,6 +30,7 @@ from megarl.rollout.logit_processing import process_logits, token_steps
 from megarl.rollout.protocol import GenerationRequest, InvalidRequest, WeightsUnavailable, sample_next_tokens
 from megarl.rollout.rows import Row as _Row
 from megarl.rollout.rows import fill_input_logprobs, finished_result, stop_reason
+from megarl.rollout.tp.runner import LocalRunner
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +57,23 @@ class _Batch:
 
 class GenerationEngine:
     def __init__(self, model_path: str, tokenizer_path: str | None = None, device: str = "cpu",
-                 dtype: str = "float32", max_batch_size: int = 32, seed: int | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+                 dtype: str = "float32", max_batch_size: int = 32, seed: int | None = None,
+                 runner=None):
+        """`runner`: the model's ranks (megarl.rollout.tp.runner.TPRunner for --tp > 1); by default
+        the model is loaded into this process (LocalRunner)."""
+        from transformers import AutoTokenizer
 
         self.model_path, self.tokenizer_path = str(model_path), str(tokenizer_path or model_path)
         self.device, self.dtype, self.max_batch_size = torch.device(device), dtype, max_batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.runner = runner if runner is not None else LocalRunner(self.model_path, dtype, self.device)
+        self.model = self.runner.model  # rank 0's shard under TP
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = self.runner.vocab_size
         self.context_length = getattr(self.model.config, "max_position_embeddings", None)
         self.eos_token_ids = self._collect_eos_ids()
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.weight_version = "default"
         self._tensors_by_name = self.model.state_dict(keep_vars=True)  # HF name -> Parameter/buffer
-        self._shapes = {name: tuple(t.shape) for name, t in self._tensors_by_name.items()}  # survive release
-        self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}  # released param -> layout
         self._unfilled: set[str] = set()  # params re-allocated by resume, awaiting an update
         self._weights_resident = True
         self._generator = torch.Generator()
@@ -193,61 +198,55 @@ class GenerationEngine:
 
     # ---- weights --------------------------------------------------------------------------------
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None) -> str:
-        """Copy HF-named tensors into the model between forward steps; all checked before any is written."""
-        problems = []
-        for name, tensor in named_tensors:
-            shape = self._shapes.get(name)
-            if shape is None:
-                problems.append(f"{name!r} is not a parameter of {type(self.model).__name__}")
-            elif tuple(tensor.shape) != shape:
-                problems.append(f"{name!r} has shape {tuple(tensor.shape)}, the model expects {shape}")
-        if problems:
-            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            raise ValueError("weight update rejected, nothing was written: " + "; ".join(problems[:5]) + more)
-        with self._model_lock, torch.no_grad():
-            if not self._weights_resident:
-                raise WeightsUnavailable("weights are released; call /resume_memory_occupation before updating them")
-            for name, tensor in named_tensors:
-                self._tensors_by_name[name].data.copy_(tensor)
-        with self._cond:
-            self._unfilled.difference_update(self._canonical_names(n for n, _ in named_tensors))
-            if weight_version is not None:
-                self.weight_version = str(weight_version)
-            self._cond.notify_all()
+        """Copy full HF-named tensors into the model between forward steps (each TP rank its slice);
+        all are checked, on every rank, before any is written."""
+        self._apply_update(lambda: self.runner.load_named(named_tensors), weight_version)
         return f"updated {len(named_tensors)} tensors; weight_version={self.weight_version}"
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
-        from safetensors.torch import load_file
+    def update_weights_from_payloads(self, payloads: list[str], load_format: str | None = None,
+                                     weight_version: str | None = None) -> str:
+        """SGLang's `serialized_named_tensors`: TP rank r decodes entry r; a single entry is decoded
+        by every rank (so is entry 0 by a tp=1 engine, whatever the count)."""
+        names = self._apply_update(lambda: self.runner.load_payloads(payloads, load_format), weight_version)
+        return f"updated {len(names)} tensors; weight_version={self.weight_version}"
 
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
+        """Every rank reads its own slices of the safetensors files in `model_path`."""
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise ValueError(f"no *.safetensors files in model_path={model_path!r}")
-        named = [item for f in files for item in load_file(str(f)).items()]
-        message = self.update_weights(named, weight_version)
+        names = self._apply_update(lambda: self.runner.load_files([str(f) for f in files]), weight_version)
         self.model_path = str(model_path)
-        return f"{message} from {len(files)} file(s) in {model_path}"
+        return (f"updated {len(names)} tensors; weight_version={self.weight_version} "
+                f"from {len(files)} file(s) in {model_path}")
+
+    def _apply_update(self, load, weight_version: str | None) -> list[str]:
+        with self._model_lock, torch.no_grad():
+            if not self._weights_resident:
+                raise WeightsUnavailable("weights are released; call /resume_memory_occupation before updating them")
+            names = load()
+        with self._cond:
+            self._unfilled.difference_update(self._canonical_names(names))
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+            self._cond.notify_all()
+        return names
 
     def release_weights(self) -> str:
-        """Free every parameter's memory; generation is refused until resume + a full update."""
+        """Free every parameter's memory (on every rank); generation is refused until resume + a full update."""
         with self._model_lock, self._cond:
             if not self._weights_resident:
                 return "weights were already released"
-            for name, param in self.model.named_parameters():
-                self._released[name] = (param.shape, param.dtype)
-                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            count = self.runner.release_weights()
             self._weights_resident = False
-        return f"released {len(self._released)} parameter tensors"
+        return f"released {count} parameter tensors"
 
     def resume_weights(self) -> str:
         """Re-allocate released parameters (uninitialised); an update must fill all of them."""
         with self._model_lock, self._cond:
             if self._weights_resident:
                 return "weights are resident; nothing to resume"
-            params = dict(self.model.named_parameters())
-            for name, (shape, dtype) in self._released.items():
-                params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
-            self._unfilled = set(self._released)
-            self._released.clear()
+            self._unfilled = set(self.runner.resume_weights())
             self._weights_resident = True
         return (f"re-allocated {len(self._unfilled)} parameter tensors; they hold no values until "
                 "/update_weights_from_tensor or /update_weights_from_disk fills every one")
@@ -296,15 +295,13 @@ class GenerationEngine:
             self._queue.clear()
 
     def _run_batch(self, requests: list[GenerationRequest]) -> None:
-        from transformers import DynamicCache
-
         self.stats["batches"] += 1
         self.stats["max_rows"] = max(self.stats["max_rows"], len(requests))
         rows = [_Row(r, self._generator) for r in requests]
         ids, mask = self._left_pad([r.input_ids for r in requests])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_input_lp = any(r.return_logprob and r.logprob_start_len >= 0 for r in requests)
-        out = self._forward(ids, mask, positions, DynamicCache(), keep_all=want_input_lp)
+        out = self._forward(ids, mask, positions, self.runner.new_cache(), keep_all=want_input_lp)
         if want_input_lp:
             self._fill_input_logprobs(rows, out.logits, ids)
         batch = _Batch(list(range(len(rows))), out.past_key_values, mask, positions)
@@ -335,9 +332,7 @@ class GenerationEngine:
             with self._model_lock:
                 if self.weights_ready:
                     self.stats["forward_steps"] += 1
-                    return self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                      past_key_values=cache, use_cache=True,
-                                      logits_to_keep=0 if keep_all else 1)
+                    return self.runner.forward(ids, mask, positions, cache, keep_all)
             with self._cond:
                 while not self.weights_ready and not self._closed:
                     self._cond.wait()

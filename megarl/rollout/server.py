@@ -3,6 +3,7 @@
     python -m megarl.rollout.server --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-batch-size 32] [--seed S] [--device cpu] [--dtype float32] [--torch-threads N]
         [--api-key KEY]   (or MEGARL_ROLLOUT_API_KEY; required unless --host is a loopback address)
+        [--tp N [--nnodes K --node-rank R --dist-init-addr HOST:PORT]]   (tp/launch.py)
 
 Request and response shapes are SGLang 0.5's (see shared/reference/sglang-http-api.md), so the
 same client, router and tests work against both servers. /generate accepts every field SGLang
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -28,13 +30,13 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from megarl.rollout import weights_codec
 from megarl.rollout.auth import ApiKeyMiddleware, is_loopback, redacted, resolve_api_key
 from megarl.rollout.engine import GenerationEngine
 from megarl.rollout.generate_input import GenerateCall, parse_generate
 from megarl.rollout.generate_output import output_item
 from megarl.rollout.protocol import GenerationRequest, InvalidRequest, SamplingParams, WeightsUnavailable
 from megarl.rollout.streaming import GenerationStream
+from megarl.rollout.tp import launch
 
 log = logging.getLogger(__name__)
 _MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -146,13 +148,18 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
         # The ServerArgs fields SGLang clients read (slime checks tp/dp/pp/ep sizes and
         # enable_memory_saver of an external engine) next to this server's own state.
         return {**server_args, "model_path": engine.model_path, "version": "megarl-embedded",
-                "tp_size": getattr(engine, "tp_size", 1), "dp_size": 1, "pp_size": 1, "ep_size": 1,
-                "nnodes": 1, "node_rank": 0, "enable_memory_saver": True, "random_seed": server_args.get("seed"),
+                "tp_size": getattr(engine.runner, "tp_size", 1), "dp_size": 1, "pp_size": 1, "ep_size": 1,
+                "nnodes": getattr(engine.runner, "nnodes", 1), "node_rank": 0, "enable_memory_saver": True, "random_seed": server_args.get("seed"),
                 "context_length": engine.context_length, "max_running_requests": engine.max_batch_size,
                 "weight_version": engine.weight_version, "max_batch_size": engine.max_batch_size,
                 "device": str(engine.device), "dtype": engine.dtype, "paused": engine.paused,
                 "weights_ready": engine.weights_ready, "pending_requests": engine.pending(),
                 "engine_stats": dict(engine.stats)}
+
+    @app.get("/get_parallelism_config")
+    async def get_parallelism_config():
+        """Which slice of each full HF tensor every rank holds (shape: tp/sharding.py parameter_layout)."""
+        return engine.runner.layout()
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -184,15 +191,18 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
         body = await _body(request)
         payloads = body.get("serialized_named_tensors")
         payloads = [payloads] if isinstance(payloads, str) else payloads
-        if not isinstance(payloads, list) or not payloads or not isinstance(payloads[0], str):
+        if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
             return _control(False, "serialized_named_tensors must be a non-empty list of base64 strings "
-                                   "(one per TP rank; this server has one rank and reads entry 0)")
-        try:  # decoded first: a refused payload aborts nothing and writes nothing
-            named = await run_in_threadpool(weights_codec.decode_payload, payloads[0], body.get("load_format"))
-            if body.get("abort_all_requests"):
-                engine.abort(abort_all=True, message="aborted for a weight update")
-            # in a worker thread: waits for the model lock between forward steps
-            return _control(True, await run_in_threadpool(engine.update_weights, named, body.get("weight_version")))
+                                   "(one per TP rank: rank r reads entry r; a single entry is read by every rank)")
+        if body.get("abort_all_requests"):
+            engine.abort(abort_all=True, message="aborted for a weight update")
+
+        def load() -> str:  # in a worker thread: waits for the model lock between forward steps
+            # every rank decodes its entry through the allow-list unpickler (weights_codec)
+            return engine.update_weights_from_payloads(payloads, body.get("load_format"), body.get("weight_version"))
+
+        try:
+            return _control(True, await run_in_threadpool(load))
         except (ValueError, WeightsUnavailable, RuntimeError, OSError) as exc:
             return _control(False, f"update_weights_from_tensor failed: {exc}")
 
@@ -207,7 +217,7 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
             message = await run_in_threadpool(engine.update_weights_from_disk, body["model_path"],
                                               body.get("weight_version"))
             return _control(True, message, num_paused_requests=0)
-        except (ValueError, WeightsUnavailable, OSError) as exc:
+        except (ValueError, WeightsUnavailable, RuntimeError, OSError) as exc:
             return _control(False, f"update_weights_from_disk failed: {exc}", num_paused_requests=0)
 
     @app.post("/update_weight_version")
@@ -262,6 +272,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' (prefer the MEGARL_ROLLOUT_API_KEY environment "
                              "variable: a command line is visible to every user of the machine)")
     parser.add_argument("--log-level", default="info")
+    launch.add_mesh_arguments(parser)
     return parser
 
 
@@ -274,19 +285,52 @@ def main(argv: list[str] | None = None) -> None:
         # a server other machines can reach must not be open to all of them.
         parser.error(f"--host {args.host} is reachable from other machines; set an API key (--api-key or the "
                      "MEGARL_ROLLOUT_API_KEY environment variable) or bind a loopback address such as 127.0.0.1")
+    try:
+        spec = launch.mesh_spec(args)
+        if spec.tp > 1:
+            launch.validate_model(args.model_path, spec.tp)
+    except ValueError as exc:
+        parser.error(str(exc))
     import torch
     import uvicorn
 
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    # TP ranks share the cores: one thread each unless told otherwise (two per rank collapse on 2 cores)
+    threads = args.torch_threads or (1 if spec.tp > 1 else None)
+    if threads:
+        torch.set_num_threads(threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    mesh_args = (spec, args.model_path, args.dtype, args.device, threads or 1)
+    if spec.node_rank > 0:
+        return launch.run_node(*mesh_args, host=args.host, port=args.port)
+    runner, mesh = launch.start_rank0(*mesh_args) if spec.tp > 1 else (None, None)
     engine = GenerationEngine(args.model_path, args.tokenizer_path, device=args.device, dtype=args.dtype,
-                              max_batch_size=args.max_batch_size, seed=args.seed)
+                              max_batch_size=args.max_batch_size, seed=args.seed, runner=runner)
     app = create_app(engine, vars(args), api_key=args.api_key)
+
+    def stop() -> None:
+        engine.close()
+        if mesh is not None:
+            mesh.shutdown(runner)  # followers exit on rank 0's word, not on a broken connection
+
+    _run_at_app_shutdown(app, stop)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
-        engine.close()
+        stop()
+
+
+def _run_at_app_shutdown(app: FastAPI, stop) -> None:
+    """Run `stop` when uvicorn shuts the app down: after a SIGTERM uvicorn re-raises the signal
+    once it has stopped serving, which ends the process before a `finally` in main() runs."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            yield state
+        stop()
+
+    app.router.lifespan_context = lifespan
 
 
 if __name__ == "__main__":

@@ -1,0 +1,180 @@
+"""The engine's handle on the model: `LocalRunner` (tp=1, the model in this process) and
+`TPRunner` (rank 0 of a tensor-parallel mesh). Both offer the same calls:
+
+    new_cache() -> cache            forward(ids, mask, positions, cache, keep_all) -> .logits, .past_key_values
+    load_named(named) / load_payloads(payloads, load_format) / load_files(files) -> HF names written
+    release_weights() -> count      resume_weights() -> names to refill      layout() -> dict     close()
+
+`cache.batch_select_indices(index)` drops finished rows from a batch's KV cache, as on HF caches.
+Under TP every rank holds its own cache of its heads; a batch's caches are freed on all ranks with
+the first command after rank 0 let go of the batch.
+The engine serialises calls (its model lock), so a runner never sees two at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from megarl.rollout.tp.channel import CommandChannel
+from megarl.rollout.tp.sharding import parameter_layout
+from megarl.rollout.tp.worker import RankWorker, UpdateFailed, UpdateRejected, encode_inputs
+
+log = logging.getLogger(__name__)
+
+
+class LocalRunner:
+    """tp=1: the model lives in this process and is called exactly as before the mesh existed."""
+
+    tp_size = nnodes = 1
+
+    def __init__(self, model_path: str, dtype: str, device: torch.device):
+        from transformers import AutoModelForCausalLM
+
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.full_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        self._worker = RankWorker(self.model, {}, self.full_shapes, tp=1, rank=0, device=device)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def forward(self, ids, mask, positions, cache, keep_all: bool):
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                          use_cache=True, logits_to_keep=0 if keep_all else 1)
+
+    def load_named(self, named) -> list[str]:
+        return self._worker.update({"source": "named", "named": named})
+
+    def load_payloads(self, payloads: list[str], load_format: str | None) -> list[str]:
+        """One rank: it reads entry 0, whatever the number of entries (as SGLang with tp=1)."""
+        from megarl.rollout.weights_codec import decode_payload
+
+        return self.load_named(decode_payload(payloads[0], load_format))
+
+    def load_files(self, files: list[str]) -> list[str]:
+        return self._worker.update({"source": "disk", "files": files})
+
+    def release_weights(self) -> int:
+        return self._worker.release()
+
+    def resume_weights(self) -> list[str]:
+        return self._worker.resume()
+
+    def layout(self) -> dict:
+        return parameter_layout(self.full_shapes, {}, 1)
+
+    def close(self) -> None:
+        pass
+
+
+class _CacheHandle:
+    """Rank 0's name for one batch's KV caches (one per rank, held by each rank's worker).
+
+    Row selections are recorded and travel with the next forward command, so dropping finished
+    rows costs no extra broadcast.
+    """
+
+    def __init__(self, cache_id: int):
+        self.id = cache_id
+        self.pending_keep: list[int] | None = None
+
+    def batch_select_indices(self, index: torch.Tensor) -> None:
+        rows = index.tolist()
+        self.pending_keep = rows if self.pending_keep is None else [self.pending_keep[i] for i in rows]
+
+    def take_pending_keep(self) -> list[int] | None:
+        keep, self.pending_keep = self.pending_keep, None
+        return keep
+
+
+class TPRunner:
+    """Rank 0 of a TP mesh: each call is broadcast as a command, then run here on rank 0's shard.
+
+    An exception that may have left the ranks out of lockstep (a dead peer, a failed forward) is
+    fatal: `on_fatal` ends the engine, since a half-executed collective cannot be recovered.
+    """
+
+    def __init__(self, worker: RankWorker, channel: CommandChannel, nnodes: int, on_fatal: Callable[[str], None]):
+        self._worker, self._channel, self._on_fatal = worker, channel, on_fatal
+        self.model, self.device = worker.model, worker.device
+        self.tp_size, self.nnodes = worker.tp, nnodes
+        self.full_shapes = worker.full_shapes
+        head = self.model.get_output_embeddings().weight  # rank 0's shard: count the full rows
+        self.vocab_size = next(self.full_shapes[n][0] for n, t in worker.tensors.items() if t is head)
+        self._ids = itertools.count()
+        self._dropped: list[int] = []  # caches whose handles were garbage-collected
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def new_cache(self) -> _CacheHandle:
+        handle = _CacheHandle(next(self._ids))
+        weakref.finalize(handle, self._dropped.append, handle.id)
+        return handle
+
+    def forward(self, ids, mask, positions, cache: _CacheHandle, keep_all: bool):
+        dropped = []
+        while self._dropped:  # finalizers may append from any thread meanwhile
+            dropped.append(self._dropped.pop())
+        cmd = {"op": "forward", "cache": cache.id, "keep": cache.take_pending_keep(), "drop": dropped,
+               "keep_all": keep_all, **encode_inputs(ids, mask, positions)}
+        return SimpleNamespace(logits=self._run(cmd), past_key_values=cache)
+
+    def load_named(self, named) -> list[str]:
+        """Full tensors held here: sent as one shared-memory payload that every rank reads."""
+        from megarl.rollout.weights_codec import serialize_named_tensors
+
+        return self.load_payloads([serialize_named_tensors(named)], None)
+
+    def load_payloads(self, payloads: list[str], load_format: str | None) -> list[str]:
+        """SGLang's rule: rank r reads entry r; a single entry is read by every rank."""
+        if len(payloads) not in (1, self.tp_size):
+            raise UpdateRejected(f"serialized_named_tensors has {len(payloads)} entries for a tp={self.tp_size} "
+                                 f"engine: give one per TP rank (rank r reads entry r) or one that every rank reads")
+        return self._run({"op": "update", "source": "payloads", "payloads": payloads, "load_format": load_format})
+
+    def load_files(self, files: list[str]) -> list[str]:
+        """Every rank opens the files itself and reads only its slices (the path must be visible to all)."""
+        return self._run({"op": "update", "source": "disk", "files": files})
+
+    def release_weights(self) -> int:
+        return self._run({"op": "release"})
+
+    def resume_weights(self) -> list[str]:
+        return self._run({"op": "resume"})
+
+    def layout(self) -> dict:
+        return parameter_layout(self.full_shapes, self._worker.plan, self.tp_size, self.nnodes)
+
+    def close(self) -> None:
+        """Tell the followers to exit (they also exit on their own if rank 0 disappears)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._channel.send({"op": "shutdown"})
+            except RuntimeError as exc:  # a follower already gone: nothing left to tell
+                log.warning("could not send shutdown to the TP followers: %s", exc)
+
+    def _run(self, cmd: dict):
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the TP engine is shut down")
+            try:
+                self._channel.send(cmd)
+                return self._worker.execute(cmd)
+            except (UpdateRejected, UpdateFailed):
+                raise  # every rank took part in the votes: the mesh is still in lockstep
+            except Exception as exc:
+                self._on_fatal(f"TP command {cmd['op']!r} failed on rank 0, the mesh is out of lockstep: {exc!r}")
+                raise
