@@ -5,8 +5,13 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import signal
+import threading
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 
 from megarl.config.loader import load_config
@@ -93,3 +98,55 @@ def test_disaggregated_engines_behind_the_router_stay_in_parity(disaggregated):
         assert m["rollout/logprob_diff_max"] < 1e-4  # both engines got every sync
         assert m["rollout/retries"] == 0 and m["rollout/engine_restarts"] == 0
         assert "perf/release_s" not in m  # disaggregated engines keep their memory
+
+
+def _kill_when_busy(fleet, engine: int, done: threading.Event, killed: list) -> None:
+    url, pid = fleet.engine_urls[engine], fleet.server_pids()[engine][0]
+    while not done.is_set():
+        if httpx.get(f"{url}/get_server_info", timeout=10).json()["pending_requests"] > 0:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        done.wait(0.005)
+
+
+def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(tmp_path):
+    """Two engines behind the router. Engine 1 is SIGKILLed while step 2 generates: its prompts go to
+    engine 0, it is restarted with the current weights and rejoins. Engine 0 is SIGKILLed after step
+    3: step 3's weight push fails on it, it is restarted and the push repeated. Parity on every later
+    step proves each restarted engine serves the trainer's weights."""
+    from megarl.data.dataset import PromptBatches
+    from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.runtime import start_runtime
+    from megarl.trainer.sync_trainer import SyncTrainer
+
+    cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", [
+        f"trainer.output_dir={tmp_path}", "trainer.total_steps=4", "trainer.val_every=0", "data.num_train=64",
+        "rollout.tp=1", "rollout.num_servers=2", "rollout.max_new_tokens=24", "trainer.tensorboard=false"]))
+    metrics, killed = [], []
+    with start_runtime(cfg) as rt:
+        trainer = SyncTrainer(rt, MetricsLogger(None, 4, stream=io.StringIO()))
+        batches = PromptBatches(rt.train_data, cfg.data.train_batch_size, False).iterate(0, 4)
+        metrics.append(trainer.train_step(1, next(batches)))
+        done = threading.Event()
+        killer = threading.Thread(target=_kill_when_busy, args=(rt.fleet, 1, done, killed))
+        killer.start()
+        try:
+            metrics.append(trainer.train_step(2, next(batches)))
+        finally:
+            done.set()
+            killer.join()
+        assert killed, "engine 1 was never seen generating, so it was not killed mid-step"
+        restarts = rt.fleet.restarts
+        os.kill(rt.fleet.server_pids()[0][0], signal.SIGKILL)  # dies before the next weight push
+        trainer.weight_version += 1
+        trainer.sync_weights()
+        assert rt.fleet.restarts == restarts + 1
+        metrics.append(trainer.train_step(3, next(batches)))
+        metrics.append(trainer.train_step(4, next(batches)))
+        pids = [p for nodes in rt.fleet.server_pids() for p in nodes]
+    assert metrics[1]["rollout/engine_restarts"] == 1 and metrics[1]["rollout/retries"] >= 1
+    assert [m["rollout/engine_restarts"] for m in metrics[2:]] == [0, 0]
+    for m in metrics:
+        assert m["rollout/logprob_diff_max"] < 1e-4, m["rollout/logprob_diff_max"]
+    assert not any(psutil.pid_exists(p) for p in pids + killed)

@@ -63,7 +63,7 @@ class SyncTrainer:
 
     def train_step(self, step: int, prompts: Batch) -> dict:
         cfg, timing = self.cfg, {}
-        t_step = time.perf_counter()
+        t_step, restarts_before = time.perf_counter(), self.rt.fleet.restarts
         with _timer(timing, "gen"):
             rows = self.rt.rollout.generate(prompts, self._sampling(train=True))
         rollout_stats = dict(self.rt.rollout.last_stats)
@@ -99,6 +99,8 @@ class SyncTrainer:
             with _timer(timing, "resume_kv"):
                 self.rt.fleet.resume_memory(["kv_cache"])
         timing["perf/step_s"] = time.perf_counter() - t_step
+        # engines restarted anywhere in the step: in generation, memory release/resume or the sync
+        rollout_stats["rollout/engine_restarts"] = float(self.rt.fleet.restarts - restarts_before)
         return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing}
 
     def sync_weights(self) -> None:
