@@ -59,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--mesh", action="store_true", help="tp=1 vs tp=2 vs 2 engines behind sglang-router")
+    p.add_argument("--router-policy", default="power_of_two", help="sglang-router --policy for --mesh")
     return p.parse_args(argv)
 
 
@@ -207,10 +208,10 @@ def measure_mesh(model_dir: Path, prompts, args) -> list[dict]:
             rows.append({"path": label, **median_rate(per_prompt(engine.url), args.repeats)})
     with contextlib.ExitStack() as stack:
         engines = [stack.enter_context(server()) for _ in range(2)]
-        router = stack.enter_context(RouterProcess([e.url for e in engines], policy="cache_aware"))
+        router = stack.enter_context(RouterProcess([e.url for e in engines], policy=args.router_policy))
         run_client(router.url, prompts[:2], warmup_args(args), batched=False)
         before = [engine_stats(e.url).get("requests_finished", 0) for e in engines]
-        row = {"path": "2 engines tp=1 behind sglang-router", **median_rate(per_prompt(router.url), args.repeats)}
+        row = {"path": f"2 engines tp=1 behind sglang-router ({args.router_policy})", **median_rate(per_prompt(router.url), args.repeats)}
         shares = [engine_stats(e.url).get("requests_finished", 0) - b for e, b in zip(engines, before)]
         row["engine"] = f"requests per engine {shares}"
         rows.append(row)

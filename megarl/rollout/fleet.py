@@ -35,7 +35,7 @@ class EngineFailure(RuntimeError):
 
 @dataclass
 class RouterSpec:
-    policy: str = "cache_aware"
+    policy: str = "power_of_two"
     host: str = "127.0.0.1"
     log_path: str = "router.log"
 

@@ -85,12 +85,15 @@ Routing. One /generate is one routing decision under round_robin and cache_aware
 sampling_params.n = 4 goes whole to one worker (n kept), and a batched request (input_ids = list of
 lists) goes whole to one worker - the router never splits a batch, so clients that want K engines
 busy send one request per prompt. round_robin spreads requests in turn, the same prompt included.
-cache_aware (the default here): concurrent requests with the same prompt (input_ids or text) stay on
-one worker while distinct prompts spread evenly by load (60 concurrent requests over 3 prompts: each
-prompt wholly on one worker; 100 distinct: 33/33/34). That is why it is the default: the n samples
-of a prompt arrive as one /generate with n, and repeats of a prompt (GRPO groups split over
-requests, multi-turn continuations) land where its KV prefix is cached. Strictly sequential
-requests to idle workers all go to the same worker under cache_aware.
+cache_aware: concurrent requests with the same prompt (input_ids or text) stay on one worker while
+distinct prompts spread evenly by load (60 concurrent requests over 3 prompts: each prompt wholly on
+one worker; 100 distinct: 33/33/34), so repeats of a prompt (multi-turn continuations) land where
+its KV prefix is cached. But prompts that share a prefix (a chat template, a system prompt) are
+herded together: benchmarks/bench_rollout.py --mesh measured a 3:1 split over two engines for 64
+chat prompts, where power_of_two gave 720/816 and round_robin 768/768 and twice one engine's
+tokens/s. The n samples of a GRPO prompt travel in one request whatever the policy, so the trainer
+defaults to power_of_two (load-aware; rollout.router_policy). Strictly sequential requests to idle
+workers all go to the same worker under cache_aware.
 
 The router re-serialises /generate bodies with extra default fields ("model": null, "stream": false,
 ...); see ../shared/reference/sglang-http-api.md.
@@ -126,7 +129,7 @@ _ENTRY = (
 
 class RouterProcess(ManagedProcess):
     def __init__(self, worker_urls: tuple[str, ...] | list[str] = (), *, host: str = "127.0.0.1", port: int = 0,
-                 prometheus_port: int = 0, policy: str = "cache_aware", api_key: str | None = None,
+                 prometheus_port: int = 0, policy: str = "power_of_two", api_key: str | None = None,
                  max_retries: int = 0, health_check_interval_s: int = 5, health_failure_threshold: int = 2,
                  health_success_threshold: int = 1, health_check_timeout_s: int = 5,
                  health_check_endpoint: str = "/health", worker_startup_timeout_s: int = 600,
