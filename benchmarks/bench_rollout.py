@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--mesh", action="store_true", help="tp=1 vs tp=2 vs 2 engines behind sglang-router")
-    p.add_argument("--router-policy", default="power_of_two", help="sglang-router --policy for --mesh")
+    p.add_argument("--router-policy", default="round_robin", help="sglang-router --policy for --mesh")
     return p.parse_args(argv)
 
 

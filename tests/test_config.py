@@ -157,6 +157,8 @@ BAD_CONFIGS = [
     (["cluster.placement=disaggregated", "rollout.release_memory=true"], "rollout.release_memory",
      "is for colocated engines"),
     (["rollout.tp=0"], "rollout.tp", "must be > 0"),
+    (["rollout.router=true", "rollout.router_policy=power_of_two"], "rollout.router_policy",
+     "needs rollout.num_servers >= 2"),
     (["reward.custom_function=/nonexistent/reward.py:score"], "reward.custom_function",
      "does not exist"),
     (["trainer.output_dir=' '"], "trainer.output_dir", "must not be empty"),

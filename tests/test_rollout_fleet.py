@@ -22,6 +22,7 @@ from megarl.rollout.manager import RolloutManager, SamplingSpec
 
 torch.set_num_threads(1)
 PROMPTS = [[2, 10 + i, 11 + i, 3] for i in range(8)]
+KEY = "per-run-key-for-the-test"
 MANY_PROMPTS = [[2, 10 + i % 30, 11 + i // 30, 3] for i in range(32)]  # distinct: spread by the router
 
 
@@ -36,7 +37,7 @@ def ray_pool():
         pool.remove()
 
 
-def make_fleet(pool, model_path, log_dir, num_engines: int, router: bool) -> RolloutFleet:
+def make_fleet(pool, model_path, log_dir, num_engines: int, router: bool, api_key: str | None = None) -> RolloutFleet:
     from megarl.controller.placement import LAUNCHER_DEVICE_SHARE, scheduling
 
     specs = [[EngineNodeSpec(backend="embedded", model_path=str(model_path), engine=e, seed=e, max_batch_size=64,
@@ -47,24 +48,28 @@ def make_fleet(pool, model_path, log_dir, num_engines: int, router: bool) -> Rol
                 "resources": {pool.resource: LAUNCHER_DEVICE_SHARE}}
 
     return RolloutFleet(specs, router=RouterSpec(policy="cache_aware", log_path=str(log_dir / "router.log"))
-                        if router else None, placement=placement, max_restarts=2, request_timeout_s=60)
+                        if router else None, placement=placement, max_restarts=2, request_timeout_s=60,
+                        api_key=api_key)
 
 
 def prompt_batch(prompts) -> Batch:
     return Batch(non_tensors={"raw_prompt_ids": [list(p) for p in prompts], "uid": list(range(len(prompts)))})
 
 
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def finished(url: str) -> int:
-    return httpx.get(f"{url}/get_server_info", timeout=10).json()["engine_stats"].get("requests_finished", 0)
+    return httpx.get(f"{url}/get_server_info", headers=AUTH, timeout=10).json()["engine_stats"].get("requests_finished", 0)
 
 
 @pytest.fixture(scope="module")
 def two_engines(ray_pool, tiny_model_path, tmp_path_factory):
-    fleet = make_fleet(ray_pool, tiny_model_path, tmp_path_factory.mktemp("fleet2"), 2, router=True)
+    fleet = make_fleet(ray_pool, tiny_model_path, tmp_path_factory.mktemp("fleet2"), 2, router=True, api_key=KEY)
     with contextlib.ExitStack() as stack:
         stack.callback(fleet.close)
         fleet.start()
-        manager = RolloutManager(fleet=fleet, max_retries=1, timeout_s=60)
+        manager = RolloutManager(fleet=fleet, max_retries=1, timeout_s=60, api_key=KEY)
         stack.callback(manager.close)
         yield fleet, manager
 
@@ -73,6 +78,8 @@ def test_launchers_place_engines_and_the_router_fronts_them(two_engines):
     fleet, _ = two_engines
     import ray
 
+    for url in [*fleet.engine_urls, fleet.router_url]:  # the per-run key guards engines and router
+        assert httpx.post(f"{url}/generate", json={"input_ids": [2, 3]}, timeout=10).status_code == 401
     assert len(fleet.engine_urls) == 2 and fleet.router_url not in fleet.engine_urls
     assert sorted(ray.get(fleet.router.workers.remote())) == sorted(fleet.engine_urls)
     for pids in fleet.server_pids():  # servers are children of the launcher actors, not of us
@@ -93,7 +100,7 @@ def kill_when_busy(fleet, engine: int, done: threading.Event, killed: list) -> N
     """SIGKILL engine `engine`'s server once it is generating (mid-step)."""
     url, pid = fleet.engine_urls[engine], fleet.server_pids()[engine][0]
     while not done.is_set():
-        if httpx.get(f"{url}/get_server_info", timeout=10).json()["pending_requests"] > 0:
+        if httpx.get(f"{url}/get_server_info", headers=AUTH, timeout=10).json()["pending_requests"] > 0:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
             return

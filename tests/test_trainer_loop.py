@@ -102,8 +102,9 @@ def test_disaggregated_engines_behind_the_router_stay_in_parity(disaggregated):
 
 def _kill_when_busy(fleet, engine: int, done: threading.Event, killed: list) -> None:
     url, pid = fleet.engine_urls[engine], fleet.server_pids()[engine][0]
+    auth = {"Authorization": f"Bearer {fleet.api_key}"}  # every run's engines have a key
     while not done.is_set():
-        if httpx.get(f"{url}/get_server_info", timeout=10).json()["pending_requests"] > 0:
+        if httpx.get(f"{url}/get_server_info", headers=auth, timeout=10).json()["pending_requests"] > 0:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
             return

@@ -103,7 +103,7 @@ class RolloutConfig:
     ep: int = 1                           # expert parallel inside an engine (backend=sglang only)
     dp: int = 1                           # attention data parallel inside an engine (sglang only)
     router: bool | None = None            # None: sglang-router in front exactly when num_servers > 1
-    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "power_of_two"
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "round_robin"
     release_memory: bool | None = None    # None: colocated engines release weights + KV cache
                                           # while the trainer runs (SGLang's memory saver)
     max_batch_size: int = 256             # sequences one server decodes at once

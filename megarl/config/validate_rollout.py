@@ -53,7 +53,9 @@ def check_rollout(cfg: RunConfig, model_config: dict | None) -> None:
         _require(r.tp % r.ep == 0, "rollout.ep", f"rollout.ep={r.ep} must divide rollout.tp={r.tp} "
                  "(SGLang lays expert parallel over the tensor-parallel ranks)")
         _require(r.tp % r.dp == 0, "rollout.dp", f"rollout.dp={r.dp} must divide rollout.tp={r.tp}")
-    _require(r.router is not True or r.num_servers >= 1, "rollout.router", "rollout.router needs engines")
+    _require(r.router_policy != "power_of_two" or r.num_servers >= 2, "rollout.router_policy",
+             f"rollout.router_policy=power_of_two needs rollout.num_servers >= 2 (sglang-router refuses "
+             f"to start it with fewer workers), got {r.num_servers}; use round_robin")
     _check_pools(cfg)
 
 

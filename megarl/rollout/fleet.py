@@ -35,7 +35,7 @@ class EngineFailure(RuntimeError):
 
 @dataclass
 class RouterSpec:
-    policy: str = "power_of_two"
+    policy: str = "round_robin"
     host: str = "127.0.0.1"
     log_path: str = "router.log"
 

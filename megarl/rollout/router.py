@@ -92,7 +92,9 @@ its KV prefix is cached. But prompts that share a prefix (a chat template, a sys
 herded together: benchmarks/bench_rollout.py --mesh measured a 3:1 split over two engines for 64
 chat prompts, where power_of_two gave 720/816 and round_robin 768/768 and twice one engine's
 tokens/s. The n samples of a GRPO prompt travel in one request whatever the policy, so the trainer
-defaults to power_of_two (load-aware; rollout.router_policy). Strictly sequential requests to idle
+defaults to round_robin (rollout.router_policy). power_of_two (load-aware) refuses to start with
+fewer than 2 workers ("Power-of-two policy requires at least 2 workers"), and a fleet may be down
+to one engine while another restarts. Strictly sequential requests to idle
 workers all go to the same worker under cache_aware.
 
 The router re-serialises /generate bodies with extra default fields ("model": null, "stream": false,
@@ -129,7 +131,7 @@ _ENTRY = (
 
 class RouterProcess(ManagedProcess):
     def __init__(self, worker_urls: tuple[str, ...] | list[str] = (), *, host: str = "127.0.0.1", port: int = 0,
-                 prometheus_port: int = 0, policy: str = "power_of_two", api_key: str | None = None,
+                 prometheus_port: int = 0, policy: str = "round_robin", api_key: str | None = None,
                  max_retries: int = 0, health_check_interval_s: int = 5, health_failure_threshold: int = 2,
                  health_success_threshold: int = 1, health_check_timeout_s: int = 5,
                  health_check_endpoint: str = "/health", worker_startup_timeout_s: int = 600,

@@ -63,13 +63,6 @@ def loss_spec(cfg: RunConfig) -> ActorLossSpec:
                          entropy_coeff=a.entropy_coeff)
 
 
-def needs_api_key(cfg: RunConfig) -> bool:
-    """Engines reachable beyond loopback expose weight loading: they get a per-run key."""
-    from megarl.config.validate_rollout import is_loopback
-
-    return not is_loopback(cfg.rollout.host)
-
-
 def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[list]:
     from megarl.rollout.engine_launcher import EngineNodeSpec
 
@@ -101,7 +94,9 @@ def build_fleet(cfg: RunConfig, plan, pools: dict, model_path: str, run_dir: Pat
         router = RouterSpec(policy=cfg.rollout.router_policy, host=cfg.rollout.host,
                             log_path=str(run_dir / "router.log"))
     return RolloutFleet(engine_node_specs(cfg, model_path, run_dir),
-                        api_key=secrets.token_urlsafe(32) if needs_api_key(cfg) else None,
+                        # every run gets its own key, whatever the host: engines bound beyond loopback
+                        # require one, and one code path for all runs keeps that path tested
+                        api_key=secrets.token_urlsafe(32),
                         router=router, placement=placement,
                         gpu_ids=lambda e, k: gpu_ids_of(pool, plan.engines[e][k].slots),
                         request_timeout_s=cfg.rollout.request_timeout_s,
