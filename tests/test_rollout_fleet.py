@@ -52,6 +52,19 @@ def make_fleet(pool, model_path, log_dir, num_engines: int, router: bool, api_ke
                         api_key=api_key)
 
 
+def _wait_dead(pid: int, timeout_s: float = 30) -> None:
+    """Until `pid` is gone or a zombie (its parent, the launcher actor, reaps it when asked)."""
+    deadline = threading.Event()
+    for _ in range(int(timeout_s / 0.05)):
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        deadline.wait(0.05)
+    raise AssertionError(f"process {pid} still running {timeout_s}s after SIGKILL")
+
+
 def prompt_batch(prompts) -> Batch:
     return Batch(non_tensors={"raw_prompt_ids": [list(p) for p in prompts], "uid": list(range(len(prompts)))})
 
@@ -161,3 +174,33 @@ def test_single_engine_killed_mid_step_is_restarted_and_the_step_retried(ray_poo
         assert fleet.engine_urls and httpx.get(f"{fleet.engine_urls[0]}/health", timeout=5).status_code == 200
         pids = [p for nodes in fleet.server_pids() for p in nodes]
     assert all(not psutil.pid_exists(p) for p in pids)  # close() left no server behind
+
+
+def test_two_node_engine_is_started_by_one_launcher_per_node_and_restarted_whole(ray_pool, tiny_model_path,
+                                                                                 tmp_path):
+    """tp=2 over 2 "nodes": two launcher actors rendezvous through node 0's dist-init address;
+    killing node 1 takes the engine down, and the fleet restarts both nodes."""
+    from megarl.controller.placement import LAUNCHER_DEVICE_SHARE, scheduling
+
+    specs = [[EngineNodeSpec(backend="embedded", model_path=str(tiny_model_path), engine=0, node_rank=k, nnodes=2,
+                             tp=2, seed=0, log_path=str(tmp_path / f"node{k}.log")) for k in range(2)]]
+    fleet = RolloutFleet(specs, api_key=KEY, max_restarts=1, placement=lambda e, k: {
+        "scheduling_strategy": scheduling(ray_pool, ray_pool.spec.slot(k)),
+        "resources": {ray_pool.resource: LAUNCHER_DEVICE_SHARE}})
+    with contextlib.ExitStack() as stack:
+        stack.callback(fleet.close)
+        fleet.start()
+        manager = RolloutManager(fleet=fleet, max_retries=0, timeout_s=60, api_key=KEY)
+        stack.callback(manager.close)
+        info = httpx.get(f"{fleet.engine_urls[0]}/get_server_info", headers=AUTH, timeout=10).json()
+        assert (info["tp_size"], info["nnodes"]) == (2, 2)
+        assert len(manager.generate(prompt_batch(PROMPTS[:2]), SamplingSpec(n=2, max_new_tokens=3))) == 4
+        node0, node1 = fleet.server_pids()[0]
+        os.kill(node1, signal.SIGKILL)
+        _wait_dead(node1)  # a SIGKILL lands when the kernel next runs the process
+        assert fleet.recover(wait=True) == [0] and fleet.restarts == 1
+        assert len(manager.generate(prompt_batch(PROMPTS[:2]), SamplingSpec(n=2, max_new_tokens=3))) == 4
+        pids = fleet.server_pids()[0]
+        assert node0 not in pids and node1 not in pids
+    assert (tmp_path / "node0.log").stat().st_size and (tmp_path / "node1.log").stat().st_size
+    assert not any(psutil.pid_exists(p) for p in pids)

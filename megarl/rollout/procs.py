@@ -14,6 +14,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import psutil
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -72,7 +74,14 @@ class ManagedProcess:
             stop_group(process, grace_s)
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        if self.process is None or self.process.poll() is not None:
+            return False
+        # poll() can miss a fresh death (it answers None when it cannot take Popen's waitpid
+        # lock); a zombie is dead whatever poll says (seen in Ray actors right after a SIGKILL)
+        try:
+            return psutil.Process(self.process.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)
