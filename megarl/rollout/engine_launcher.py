@@ -58,6 +58,12 @@ class EngineLauncher:
 
         return get_node_ip()
 
+    def node_id(self) -> str:
+        """The Ray node this launcher (and so its server) runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def dist_init_addr(self) -> str:
         """Where the engine's ranks rendezvous: a free port on this (node rank 0's) node."""
         host = self._reachable_host()
