@@ -117,3 +117,25 @@ def test_unavailable_reason_on_this_machine():
         assert "sglang package is not installed" in reason
     if not torch.cuda.is_available():
         assert "CUDA is not available" in reason
+
+
+def test_launcher_process_for_sglang_keeps_the_key_in_a_private_config_file(tmp_path):
+    """The engine launcher's SGLang process: argv from the engine node's layout, the per-run key
+    only in a 0600 --config file, never on the command line."""
+    import os
+    import stat
+
+    from megarl.rollout.engine_launcher import EngineNodeSpec
+    from megarl.rollout.sglang_process import SGLangServerProcess
+
+    node = EngineNodeSpec(backend="sglang", model_path="/ckpt", engine=1, node_rank=1, nnodes=2, tp=4, ep=2,
+                          colocated=True, seed=7, log_path=str(tmp_path / "e.log"))
+    proc = SGLangServerProcess(node, "10.0.0.1:5000", "secret-key", env={})
+    argv = proc.command(31000)
+    assert "secret-key" not in " ".join(argv)
+    flags = dict(zip(argv, argv[1:]))
+    assert (flags["--tp-size"], flags["--ep-size"], flags["--nnodes"], flags["--node-rank"]) == ("4", "2", "2", "1")
+    assert flags["--dist-init-addr"] == "10.0.0.1:5000" and flags["--port"] == "31000"
+    assert "--enable-memory-saver" in argv and flags["--random-seed"] == "7"
+    config = flags["--config"]
+    assert stat.S_IMODE(os.stat(config).st_mode) == 0o600 and "secret-key" in open(config).read()
