@@ -91,6 +91,7 @@ class RolloutFleet:
         for index, refs in sorted(self._starting.items()):
             self._finish_start(self.engines[index], refs)
         self._starting = {}
+        self._check_reachable()
         if self.router_spec is not None:
             self._start_router()
 
@@ -108,13 +109,36 @@ class RolloutFleet:
         except ray.exceptions.RayError as exc:
             raise EngineFailure(f"rollout engine {engine.index} did not start: {_cause(exc)}") from exc
 
+    def _check_reachable(self) -> None:
+        """Engines bound to loopback can only be reached from their own node: say so at start
+        rather than failing every request on a multi-node cluster."""
+        import ray
+
+        from megarl.config.validate_rollout import is_loopback
+
+        loopback = [e for e in self.engines if is_loopback(self.specs[e.index][0].host)]
+        if not loopback:
+            return
+        here = ray.util.get_node_ip_address()  # raylets sharing one machine share its loopback
+        for engine in loopback:
+            if ray.get(engine.launchers[0].node_ip.remote()) != here:
+                raise EngineFailure(
+                    f"rollout engine {engine.index} runs on another machine than the controller but binds "
+                    f"rollout.host={self.specs[engine.index][0].host}; set rollout.host=0.0.0.0 so engines "
+                    "bind every interface and are reached at their node's IP (they get the run's API key)")
+
     def _start_router(self) -> None:
         import ray
 
         from megarl.rollout.router_actor import RouterActor
 
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         spec = self.router_spec
-        self.router = ray.remote(RouterActor).options(name=f"rollout_{self._id}_router", num_cpus=0).remote(
+        # on the driver's node: a router bound to loopback must be where its client is
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self.router = ray.remote(RouterActor).options(
+            name=f"rollout_{self._id}_router", num_cpus=0, scheduling_strategy=here).remote(
             self.engine_urls, spec.policy, spec.host, spec.log_path, self.api_key)
         self.router_url = ray.get(self.router.start.remote())
 
@@ -200,8 +224,18 @@ class RolloutFleet:
         started = time.perf_counter()
         restarted = []
         for index, refs in sorted(self._pending.items()):
-            self._finish_start(self.engines[index], refs)
-            restarted.append(self.engines[index])
+            engine = self.engines[index]
+            while True:  # a restart that fails to start is tried again, within the same budget
+                try:
+                    self._finish_start(engine, refs)
+                    break
+                except EngineFailure:
+                    if engine.restarts >= self.max_restarts:
+                        raise
+                    engine.restarts += 1
+                    self.restarts += 1
+                    refs = self._start_refs(engine)
+            restarted.append(engine)
         self._pending.clear()
         urls = [e.url for e in restarted]
         if self.on_restart is not None:

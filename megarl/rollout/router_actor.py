@@ -15,7 +15,12 @@ class RouterActor:
                                     api_key=api_key)
 
     def start(self) -> str:
+        """The router's URL as other nodes reach it (the node's IP when bound to every interface)."""
+        from megarl.controller.worker import get_node_ip
+
         self.router.start()
+        if self.router.host in ("0.0.0.0", "::", ""):
+            return f"http://{get_node_ip()}:{self.router.port}"
         return self.router.url
 
     def add_worker(self, url: str) -> None:
