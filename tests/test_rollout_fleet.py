@@ -19,6 +19,7 @@ from megarl.data.batch import Batch
 from megarl.rollout.engine_launcher import EngineNodeSpec
 from megarl.rollout.fleet import RolloutFleet, RouterSpec
 from megarl.rollout.manager import RolloutManager, SamplingSpec
+from tests._failures import run_while_killing
 
 torch.set_num_threads(1)
 PROMPTS = [[2, 10 + i, 11 + i, 3] for i in range(8)]
@@ -109,28 +110,8 @@ def test_n_samples_of_a_prompt_land_on_one_engine(two_engines):
     assert manager.last_stats == {"rollout/retries": 0.0, "rollout/engine_restarts": 0.0}
 
 
-def kill_when_busy(fleet, engine: int, done: threading.Event, killed: list) -> None:
-    """SIGKILL engine `engine`'s server once it is generating (mid-step)."""
-    url, pid = fleet.engine_urls[engine], fleet.server_pids()[engine][0]
-    while not done.is_set():
-        if httpx.get(f"{url}/get_server_info", headers=AUTH, timeout=10).json()["pending_requests"] > 0:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-            return
-        done.wait(0.01)
-
-
 def generate_while_killing(fleet, manager, engine: int, prompts, sampling):
-    done, killed = threading.Event(), []
-    killer = threading.Thread(target=kill_when_busy, args=(fleet, engine, done, killed))
-    killer.start()
-    try:
-        rows = manager.generate(prompt_batch(prompts), sampling)
-    finally:
-        done.set()
-        killer.join()
-    assert killed, "the engine was never seen busy: the test did not kill it mid-step"
-    return rows, killed[0]
+    return run_while_killing(fleet, engine, lambda: manager.generate(prompt_batch(prompts), sampling))
 
 
 def test_sigkill_one_engine_mid_step_every_row_comes_back_and_it_rejoins_with_weights(two_engines):

@@ -7,15 +7,14 @@ import json
 import math
 import os
 import signal
-import threading
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
 from megarl.config.loader import load_config
 from megarl.config.validate import validate
+from tests._failures import run_while_killing
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ["reward/mean", "response/length_mean", "actor/kl", "actor/kl_loss", "actor/entropy",
@@ -100,17 +99,6 @@ def test_disaggregated_engines_behind_the_router_stay_in_parity(disaggregated):
         assert "perf/release_s" not in m  # disaggregated engines keep their memory
 
 
-def _kill_when_busy(fleet, engine: int, done: threading.Event, killed: list) -> None:
-    url, pid = fleet.engine_urls[engine], fleet.server_pids()[engine][0]
-    auth = {"Authorization": f"Bearer {fleet.api_key}"}  # every run's engines have a key
-    while not done.is_set():
-        if httpx.get(f"{url}/get_server_info", headers=auth, timeout=10).json()["pending_requests"] > 0:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-            return
-        done.wait(0.005)
-
-
 def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(tmp_path):
     """Two engines behind the router. Engine 1 is SIGKILLed while step 2 generates: its prompts go to
     engine 0, it is restarted with the current weights and rejoins. Engine 0 is SIGKILLed after step
@@ -129,15 +117,9 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
         trainer = SyncTrainer(rt, MetricsLogger(None, 4, stream=io.StringIO()))
         batches = PromptBatches(rt.train_data, cfg.data.train_batch_size, False).iterate(0, 4)
         metrics.append(trainer.train_step(1, next(batches)))
-        done = threading.Event()
-        killer = threading.Thread(target=_kill_when_busy, args=(rt.fleet, 1, done, killed))
-        killer.start()
-        try:
-            metrics.append(trainer.train_step(2, next(batches)))
-        finally:
-            done.set()
-            killer.join()
-        assert killed, "engine 1 was never seen generating, so it was not killed mid-step"
+        step2, victim = run_while_killing(rt.fleet, 1, lambda: trainer.train_step(2, next(batches)))
+        metrics.append(step2)
+        killed.append(victim)
         restarts = rt.fleet.restarts
         os.kill(rt.fleet.server_pids()[0][0], signal.SIGKILL)  # dies before the next weight push
         trainer.weight_version += 1

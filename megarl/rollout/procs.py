@@ -6,6 +6,7 @@ SIGTERM, then SIGKILL after a grace period, which also takes whatever it left be
 
 from __future__ import annotations
 
+import abc
 import atexit
 import os
 import re
@@ -56,15 +57,16 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-class ManagedProcess:
+class ManagedProcess(abc.ABC):
     """stop / alive / log_tail / `with` for a launcher that keeps its Popen in `self.process` and
     its log in `self.log_path`; subclasses implement start()."""
 
     process: subprocess.Popen | None = None
     log_path: Path
 
+    @abc.abstractmethod
     def start(self):
-        raise NotImplementedError
+        """Spawn the process and return self once it serves."""
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL it after `grace_s`; safe to call twice."""
