@@ -96,7 +96,7 @@ class RolloutConfig:
     val_temperature: float = 0.0          # validation decodes greedily by default
     host: str = "127.0.0.1"               # engines bind here; anything beyond loopback needs the
                                           # per-run API key the launcher generates
-    port: int = 0                         # 0 = pick a free port (engine i uses port + i otherwise)
+    port: int = 0                         # 0 = free ports; else node k of engine e uses port + e*nnodes + k
     num_servers: int = 1                  # engines; more than one go behind sglang-router
     tp: int = 1                           # tensor-parallel ranks (devices) of one engine
     nnodes: int = 1                       # nodes one engine spans (tp / nnodes ranks per node)
