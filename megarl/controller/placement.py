@@ -100,10 +100,6 @@ def device_resource() -> str:
     return "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else CPU_DEVICE_RESOURCE
 
 
-def devices_needed(plan: PlacementPlan) -> int:
-    return sum(p.num_devices for p in plan.pools.values())
-
-
 class ResourcePool:
     """A PoolSpec reserved on Ray: one STRICT_PACK placement group per node."""
 
