@@ -118,10 +118,12 @@ class RolloutClient:
         self.close()
 
     # ---- transport ----------------------------------------------------------------------------
-    async def _request(self, method: str, path: str, payload: dict | None, what: str) -> httpx.Response:
-        """Send with retries; returns a response with status < 500 (callers check 4xx)."""
+    async def _request(self, method: str, path: str, payload: dict | None, what: str,
+                       retry: bool = True) -> httpx.Response:
+        """Send with retries (unless `retry` is False); returns a response with status < 500 (callers check 4xx)."""
         url, last_error = f"{self.base_url}{path}", ""
-        for attempt in range(self.max_retries + 1):
+        attempts = self.max_retries + 1 if retry else 1
+        for attempt in range(attempts):
             try:
                 async with self._semaphore:
                     response = await self._http.request(method, url, json=payload)
@@ -130,24 +132,26 @@ class RolloutClient:
                 last_error = f"HTTP {response.status_code}: {response.text[:500]}"
             except httpx.TransportError as exc:  # connect/read/write errors and timeouts
                 last_error = f"{type(exc).__name__}: {exc or 'no detail'}"
-            if attempt < self.max_retries:
+            if attempt < attempts - 1:
                 self.retries += 1  # every re-send is counted (the trainer logs rollout/retries)
                 await asyncio.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s))
         raise RolloutRequestError(
-            f"{method} {url} failed {self.max_retries + 1} times for {what}; last error: {last_error}. "
+            f"{method} {url} failed {'once' if attempts == 1 else f'{attempts} times'} for {what}; "
+            f"last error: {last_error}. "
             "Check that the rollout server is up (its log says why it failed).")
 
-    async def _json(self, method: str, path: str, payload: dict | None = None, what: str | None = None) -> Any:
+    async def _json(self, method: str, path: str, payload: dict | None = None, what: str | None = None,
+                    retry: bool = True) -> Any:
         what = what or path
-        response = await self._request(method, path, payload, what)
+        response = await self._request(method, path, payload, what, retry)
         if response.status_code >= 400:
             raise RolloutRequestError(
                 f"{self.base_url}{path} rejected {what}: HTTP {response.status_code}: {_message(response)}")
         return response.json() if response.content else None
 
-    async def _control(self, path: str, payload: dict | None = None) -> dict:
+    async def _control(self, path: str, payload: dict | None = None, retry: bool = True) -> dict:
         """Control endpoints answer {"success", "message"}; success false raises."""
-        body = await self._json("POST", path, payload)
+        body = await self._json("POST", path, payload, retry=retry)
         if isinstance(body, dict) and body.get("success") is False:
             raise RolloutRequestError(f"{self.base_url}{path} failed: {body.get('message')}")
         return body
@@ -241,6 +245,44 @@ class RolloutClient:
         return self._run(self._control("/update_weights_from_disk", {
             "model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests}))
+
+    # The group calls below are sent once, never retried: the server matches each one with the
+    # senders' collectives, and a re-sent request would wait for collectives nobody repeats.
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str | None = None) -> dict:
+        """Returns once every engine rank has joined (the caller's own ranks must join meanwhile, from
+        another thread or process). backend None: the server's default (gloo on CPU, nccl on CUDA)."""
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name}
+        if backend is not None:
+            body["backend"] = backend
+        return self._run(self._control("/init_weights_update_group", body, retry=False))
+
+    def destroy_weights_update_group(self, group_name: str) -> dict:
+        return self._run(self._control("/destroy_weights_update_group", {"group_name": group_name}))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, *, load_format: str | None = "flattened_bucket",
+                                        flush_cache: bool = False, weight_version: str | None = None,
+                                        defer: bool = False) -> dict:
+        """Returns once the server has received the broadcast(s) from group rank 0 (the caller sends
+        them meanwhile) and written or, with `defer`, staged them."""
+        return self._run(self._control("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "load_format": load_format, "flush_cache": flush_cache, "weight_version": weight_version,
+            "defer": defer}, retry=False))
+
+    def update_weights_from_reshard(self, group_name: str, ranks: list[list[dict]], *, weight_version: str,
+                                    defer: bool = True) -> dict:
+        """`ranks[r]`: the messages engine rank r receives ({src, tag, nbytes, entries})."""
+        return self._run(self._control("/update_weights_from_reshard", {
+            "group_name": group_name, "ranks": ranks, "weight_version": weight_version, "defer": defer}, retry=False))
+
+    def commit_weight_update(self, weight_version: str) -> dict:
+        return self._run(self._control("/commit_weight_update", {"weight_version": weight_version}))
+
+    def abort_weight_update(self) -> dict:
+        return self._run(self._control("/abort_weight_update", {}))
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         return self._run(self._control("/release_memory_occupation", {"tags": tags}))

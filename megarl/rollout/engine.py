@@ -9,10 +9,11 @@ The model sits behind a runner (tp/runner.py): loaded in this process, or sharde
 of a tensor-parallel mesh of which this process is rank 0.
 
 Weights change only between forward steps (`_model_lock`), so a running batch may continue with
-new weights, as SGLang's in-place pause does. Log-probs follow megarl's contract:
-log_softmax(logits / temperature) over the full vocabulary; temperature 0 is greedy with log-probs
-of the raw logits. A request's penalties, logit_bias and min_new_tokens change the logits first
-(logit_processing.py says how); its log-probs are then those of the changed logits, as in SGLang.
+new weights, as SGLang's in-place pause does (engine_weights.py: updates, staging, release).
+Log-probs follow megarl's contract: log_softmax(logits / temperature) over the full vocabulary;
+temperature 0 is greedy with log-probs of the raw logits. A request's penalties, logit_bias and
+min_new_tokens change the logits first (logit_processing.py says how); its log-probs are then those
+of the changed logits, as in SGLang.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from megarl.rollout.engine_weights import EngineWeights
 from megarl.rollout.logit_processing import process_logits, token_steps
 from megarl.rollout.protocol import GenerationRequest, InvalidRequest, WeightsUnavailable, sample_next_tokens
 from megarl.rollout.rows import Row as _Row
@@ -55,7 +56,7 @@ class _Batch:
         self.active = [self.active[k] for k in keep]
 
 
-class GenerationEngine:
+class GenerationEngine(EngineWeights):
     def __init__(self, model_path: str, tokenizer_path: str | None = None, device: str = "cpu",
                  dtype: str = "float32", max_batch_size: int = 32, seed: int | None = None,
                  runner=None):
@@ -195,71 +196,6 @@ class GenerationEngine:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
-
-    # ---- weights --------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None) -> str:
-        """Copy full HF-named tensors into the model between forward steps (each TP rank its slice);
-        all are checked, on every rank, before any is written."""
-        self._apply_update(lambda: self.runner.load_named(named_tensors), weight_version)
-        return f"updated {len(named_tensors)} tensors; weight_version={self.weight_version}"
-
-    def update_weights_from_payloads(self, payloads: list[str], load_format: str | None = None,
-                                     weight_version: str | None = None) -> str:
-        """SGLang's `serialized_named_tensors`: TP rank r decodes entry r; a single entry is decoded
-        by every rank (so is entry 0 by a tp=1 engine, whatever the count)."""
-        names = self._apply_update(lambda: self.runner.load_payloads(payloads, load_format), weight_version)
-        return f"updated {len(names)} tensors; weight_version={self.weight_version}"
-
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
-        """Every rank reads its own slices of the safetensors files in `model_path`."""
-        files = sorted(Path(model_path).glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"no *.safetensors files in model_path={model_path!r}")
-        names = self._apply_update(lambda: self.runner.load_files([str(f) for f in files]), weight_version)
-        self.model_path = str(model_path)
-        return (f"updated {len(names)} tensors; weight_version={self.weight_version} "
-                f"from {len(files)} file(s) in {model_path}")
-
-    def _apply_update(self, load, weight_version: str | None) -> list[str]:
-        with self._model_lock, torch.no_grad():
-            if not self._weights_resident:
-                raise WeightsUnavailable("weights are released; call /resume_memory_occupation before updating them")
-            names = load()
-        with self._cond:
-            self._unfilled.difference_update(self._canonical_names(names))
-            if weight_version is not None:
-                self.weight_version = str(weight_version)
-            self._cond.notify_all()
-        return names
-
-    def release_weights(self) -> str:
-        """Free every parameter's memory (on every rank); generation is refused until resume + a full update."""
-        with self._model_lock, self._cond:
-            if not self._weights_resident:
-                return "weights were already released"
-            count = self.runner.release_weights()
-            self._weights_resident = False
-        return f"released {count} parameter tensors"
-
-    def resume_weights(self) -> str:
-        """Re-allocate released parameters (uninitialised); an update must fill all of them."""
-        with self._model_lock, self._cond:
-            if self._weights_resident:
-                return "weights are resident; nothing to resume"
-            self._unfilled = set(self.runner.resume_weights())
-            self._weights_resident = True
-        return (f"re-allocated {len(self._unfilled)} parameter tensors; they hold no values until "
-                "/update_weights_from_tensor or /update_weights_from_disk fills every one")
-
-    def _weights_state_message(self) -> str:
-        if not self._weights_resident:
-            return "weights released; call /resume_memory_occupation then update weights"
-        return (f"weights resumed but {len(self._unfilled)} parameters were not refilled yet "
-                f"(e.g. {sorted(self._unfilled)[:3]}); update them before generating")
-
-    def _canonical_names(self, names) -> set[str]:
-        by_identity = {id(p): n for n, p in self.model.named_parameters()}
-        return {by_identity[id(self._tensors_by_name[n])] for n in names if id(self._tensors_by_name[n]) in by_identity}
 
     def _collect_eos_ids(self) -> frozenset[int]:
         values = (getattr(self.model.config, "eos_token_id", None), self.tokenizer.eos_token_id,

@@ -9,7 +9,8 @@ Request and response shapes are SGLang 0.5's (see shared/reference/sglang-http-a
 same client, router and tests work against both servers. /generate accepts every field SGLang
 does (sglang_fields.py says which are honoured, which change nothing here, which are refused),
 answers batched input with n>1 as a flat prompt-major list (generate_input.py), and streams
-SGLang's server-sent events with stream=true (streaming.py).
+SGLang's server-sent events with stream=true (streaming.py). The weight-update endpoints (tensor,
+disk, update groups, distributed, reshard, deferred commit) are weight_routes.py's.
 
 Errors are SGLang's: {"error": {"message": ...}} with 400 for a malformed /generate (the message
 names the field), 503 while weights are released, 401 without the API key; control endpoints
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 
@@ -34,35 +34,14 @@ from megarl.rollout.auth import ApiKeyMiddleware, is_loopback, redacted, resolve
 from megarl.rollout.engine import GenerationEngine
 from megarl.rollout.generate_input import GenerateCall, parse_generate
 from megarl.rollout.generate_output import output_item
+from megarl.rollout.http_common import ApiError, control, read_body
 from megarl.rollout.protocol import GenerationRequest, InvalidRequest, SamplingParams, WeightsUnavailable
 from megarl.rollout.streaming import GenerationStream
 from megarl.rollout.tp import launch
+from megarl.rollout.weight_routes import register_weight_routes
 
 log = logging.getLogger(__name__)
 _MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-class _ApiError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-async def _body(request: Request) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        return dict(request.query_params)
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise _ApiError(400, f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise _ApiError(400, "the request body must be a JSON object")
-    return body
-
-
-def _control(ok: bool, message: str, **extra) -> JSONResponse:
-    return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
 
 
 def create_app(engine: GenerationEngine, server_args: dict | None = None, api_key: str | None = None) -> FastAPI:
@@ -72,8 +51,8 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
-    @app.exception_handler(_ApiError)
-    async def _api_error(_, exc: _ApiError):
+    @app.exception_handler(ApiError)
+    async def _api_error(_, exc: ApiError):
         return JSONResponse({"error": {"message": str(exc)}}, status_code=exc.status)
 
     @app.exception_handler(InvalidRequest)
@@ -89,7 +68,7 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
-        call = parse_generate(await _body(request), engine)
+        call = parse_generate(await read_body(request), engine)
         if call.stream:
             stream = GenerationStream(call, engine, item_of(call))
             return StreamingResponse(stream.events(request), media_type="text/event-stream")
@@ -170,65 +149,23 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await _body(request)
+        body = await read_body(request)
         engine.abort(body.get("rid"), abort_all=bool(body.get("abort_all", False)),
                      message=body.get("abort_message") or "aborted by /abort_request")
         return Response(status_code=200)
 
     @app.api_route("/pause_generation", methods=["GET", "POST"])
     async def pause_generation(request: Request):
-        mode = (await _body(request)).get("mode", "abort")
+        mode = (await read_body(request)).get("mode", "abort")
         engine.pause(mode)
-        return _control(True, f"Generation paused (mode={mode}).")
+        return control(True, f"Generation paused (mode={mode}).")
 
     @app.api_route("/continue_generation", methods=["GET", "POST"])
     async def continue_generation():
         engine.resume_generation()
-        return _control(True, "Generation continued.")
+        return control(True, "Generation continued.")
 
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request):
-        body = await _body(request)
-        payloads = body.get("serialized_named_tensors")
-        payloads = [payloads] if isinstance(payloads, str) else payloads
-        if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
-            return _control(False, "serialized_named_tensors must be a non-empty list of base64 strings "
-                                   "(one per TP rank: rank r reads entry r; a single entry is read by every rank)")
-        if body.get("abort_all_requests"):
-            engine.abort(abort_all=True, message="aborted for a weight update")
-
-        def load() -> str:  # in a worker thread: waits for the model lock between forward steps
-            # every rank decodes its entry through the allow-list unpickler (weights_codec)
-            return engine.update_weights_from_payloads(payloads, body.get("load_format"), body.get("weight_version"))
-
-        try:
-            return _control(True, await run_in_threadpool(load))
-        except (ValueError, WeightsUnavailable, RuntimeError, OSError) as exc:
-            return _control(False, f"update_weights_from_tensor failed: {exc}")
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        body = await _body(request)
-        if not isinstance(body.get("model_path"), str):
-            return _control(False, "model_path (a directory with *.safetensors) is required", num_paused_requests=0)
-        if body.get("abort_all_requests"):
-            engine.abort(abort_all=True, message="aborted for a weight update")
-        try:
-            message = await run_in_threadpool(engine.update_weights_from_disk, body["model_path"],
-                                              body.get("weight_version"))
-            return _control(True, message, num_paused_requests=0)
-        except (ValueError, WeightsUnavailable, RuntimeError, OSError) as exc:
-            return _control(False, f"update_weights_from_disk failed: {exc}", num_paused_requests=0)
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: Request):
-        body = await _body(request)
-        if body.get("new_version") is None:
-            return _control(False, "new_version is required")
-        if body.get("abort_all_requests", True):
-            engine.abort(abort_all=True, message="aborted by /update_weight_version")
-        engine.weight_version = str(body["new_version"])
-        return _control(True, f"weight_version={engine.weight_version}", new_version=engine.weight_version)
+    register_weight_routes(app, engine)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request):
@@ -239,11 +176,11 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
         return await _memory_occupation(request, release=False)
 
     async def _memory_occupation(request: Request, release: bool):
-        tags = (await _body(request)).get("tags") or list(_MEMORY_TAGS)
+        tags = (await read_body(request)).get("tags") or list(_MEMORY_TAGS)
         tags = [tags] if isinstance(tags, str) else tags
         unknown = [t for t in tags if t not in _MEMORY_TAGS]
         if unknown:
-            return _control(False, f"tags {unknown} unknown; use a subset of {list(_MEMORY_TAGS)}")
+            return control(False, f"tags {unknown} unknown; use a subset of {list(_MEMORY_TAGS)}")
         messages = []
         if "weights" in tags:
             action = engine.release_weights if release else engine.resume_weights
@@ -252,7 +189,7 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
             messages.append("kv_cache: nothing held; the KV cache exists only inside a running batch")
         if "cuda_graph" in tags:
             messages.append("cuda_graph: not used by the embedded engine")
-        return _control(True, "; ".join(messages))
+        return control(True, "; ".join(messages))
 
     return app
 

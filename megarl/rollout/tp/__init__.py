@@ -21,8 +21,12 @@ rank 0 broadcasts a command (channel.py) and then runs it itself (runner.py -> w
     forward   {cache, keep (rows kept in that KV cache, or None), drop (finished caches), ids,
                positions, mask (bit-packed), keep_all}   -> logits, full-vocab on rank 0 only
     update    {source: "payloads" (SGLang serialized_named_tensors; rank r reads entry r, a single
-               entry is read by all) | "disk" (safetensors files; each rank reads its slices),
-               load_format}                                -> check, vote, write, vote
+               entry is read by all) | "disk" (safetensors files; each rank reads its slices)
+               | "distributed" (full tensors broadcast over an update group) | "reshard" (rank r
+               receives the point-to-point messages listed in ranks[r]), load_format, defer,
+               weight_version}                 -> (receive,) check, vote, write or stage, vote
+    commit {weight_version} / abort            -> write / discard the stage (stage.py)
+    init_group / destroy_group                 -> join / leave an update group (receive.py)
     release / resume                                        -> every rank frees / re-allocates
     shutdown                                                -> followers exit
 

@@ -2,8 +2,13 @@
 `TPRunner` (rank 0 of a tensor-parallel mesh). Both offer the same calls:
 
     new_cache() -> cache            forward(ids, mask, positions, cache, keep_all) -> .logits, .past_key_values
-    load_named(named) / load_payloads(payloads, load_format) / load_files(files) -> HF names written
+    load_named(named, ...) / load_payloads(payloads, load_format, ...) / load_files(files) -> Applied
+    load_distributed(request) / load_reshard(request) -> Applied    (received over an update group)
+    commit(weight_version) -> Applied      abort() -> pieces discarded      (the stage of defer=True updates)
+    init_update_group(request) -> message  destroy_update_group(name) -> message
     release_weights() -> count      resume_weights() -> names to refill      layout() -> dict     close()
+
+`Applied` (worker.py) names what was written or staged and which parameters were written whole.
 
 `cache.batch_select_indices(index)` drops finished rows from a batch's KV cache, as on HF caches.
 Under TP every rank holds its own cache of its heads; a batch's caches are freed on all ranks with
@@ -24,12 +29,40 @@ import torch
 
 from megarl.rollout.tp.channel import CommandChannel
 from megarl.rollout.tp.sharding import parameter_layout
-from megarl.rollout.tp.worker import RankWorker, UpdateFailed, UpdateRejected, encode_inputs
+from megarl.rollout.tp.worker import Applied, RankWorker, UpdateFailed, UpdateRejected, encode_inputs
 
 log = logging.getLogger(__name__)
 
 
-class LocalRunner:
+class _WeightCommands:
+    """The update-group and stage commands, the same for both runners (`_run` executes one on every rank)."""
+
+    def _run(self, cmd: dict):
+        raise NotImplementedError
+
+    def load_distributed(self, request: dict) -> Applied:
+        """request: group_name, names, dtypes, shapes, load_format, defer, weight_version."""
+        return self._run({**request, "op": "update", "source": "distributed"})
+
+    def load_reshard(self, request: dict) -> Applied:
+        """request: group_name, ranks (rank r reads entry r), defer, weight_version."""
+        return self._run({**request, "op": "update", "source": "reshard"})
+
+    def commit(self, weight_version: str) -> Applied:
+        return self._run({"op": "commit", "weight_version": str(weight_version)})
+
+    def abort(self) -> int:
+        return self._run({"op": "abort"})
+
+    def init_update_group(self, request: dict) -> str:
+        """request: master_address, master_port, rank_offset, world_size, group_name, backend."""
+        return self._run({**request, "op": "init_group"})
+
+    def destroy_update_group(self, group_name: str) -> str:
+        return self._run({"op": "destroy_group", "group_name": group_name})
+
+
+class LocalRunner(_WeightCommands):
     """tp=1: the model lives in this process and is called exactly as before the mesh existed."""
 
     tp_size = nnodes = 1
@@ -52,17 +85,22 @@ class LocalRunner:
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                           use_cache=True, logits_to_keep=0 if keep_all else 1)
 
-    def load_named(self, named) -> list[str]:
-        return self._worker.update({"source": "named", "named": named})
+    def load_named(self, named, defer: bool = False, weight_version: str | None = None) -> Applied:
+        return self._run({"op": "update", "source": "named", "named": named, "defer": defer,
+                          "weight_version": weight_version})
 
-    def load_payloads(self, payloads: list[str], load_format: str | None) -> list[str]:
+    def load_payloads(self, payloads: list[str], load_format: str | None, defer: bool = False,
+                      weight_version: str | None = None) -> Applied:
         """One rank: it reads entry 0, whatever the number of entries (as SGLang with tp=1)."""
         from megarl.rollout.weights_codec import decode_payload
 
-        return self.load_named(decode_payload(payloads[0], load_format))
+        return self.load_named(decode_payload(payloads[0], load_format), defer, weight_version)
 
-    def load_files(self, files: list[str]) -> list[str]:
-        return self._worker.update({"source": "disk", "files": files})
+    def load_files(self, files: list[str]) -> Applied:
+        return self._run({"op": "update", "source": "disk", "files": files})
+
+    def _run(self, cmd: dict):
+        return self._worker.execute(cmd)
 
     def release_weights(self) -> int:
         return self._worker.release()
@@ -97,7 +135,7 @@ class _CacheHandle:
         return keep
 
 
-class TPRunner:
+class TPRunner(_WeightCommands):
     """Rank 0 of a TP mesh: each call is broadcast as a command, then run here on rank 0's shard.
 
     An exception that may have left the ranks out of lockstep (a dead peer, a failed forward) is
@@ -129,20 +167,22 @@ class TPRunner:
                "keep_all": keep_all, **encode_inputs(ids, mask, positions)}
         return SimpleNamespace(logits=self._run(cmd), past_key_values=cache)
 
-    def load_named(self, named) -> list[str]:
+    def load_named(self, named, defer: bool = False, weight_version: str | None = None) -> Applied:
         """Full tensors held here: sent as one shared-memory payload that every rank reads."""
         from megarl.rollout.weights_codec import serialize_named_tensors
 
-        return self.load_payloads([serialize_named_tensors(named)], None)
+        return self.load_payloads([serialize_named_tensors(named)], None, defer, weight_version)
 
-    def load_payloads(self, payloads: list[str], load_format: str | None) -> list[str]:
+    def load_payloads(self, payloads: list[str], load_format: str | None, defer: bool = False,
+                      weight_version: str | None = None) -> Applied:
         """SGLang's rule: rank r reads entry r; a single entry is read by every rank."""
         if len(payloads) not in (1, self.tp_size):
             raise UpdateRejected(f"serialized_named_tensors has {len(payloads)} entries for a tp={self.tp_size} "
                                  f"engine: give one per TP rank (rank r reads entry r) or one that every rank reads")
-        return self._run({"op": "update", "source": "payloads", "payloads": payloads, "load_format": load_format})
+        return self._run({"op": "update", "source": "payloads", "payloads": payloads, "load_format": load_format,
+                          "defer": defer, "weight_version": weight_version})
 
-    def load_files(self, files: list[str]) -> list[str]:
+    def load_files(self, files: list[str]) -> Applied:
         """Every rank opens the files itself and reads only its slices (the path must be visible to all)."""
         return self._run({"op": "update", "source": "disk", "files": files})
 

@@ -1,34 +1,51 @@
-"""What every rank does with a command: forward on its shard with its own KV caches, load its
-slices of a weight update, release and re-allocate its parameters.
+"""What every rank does with a command: forward on its shard with its own KV caches, take its
+part of a weight update (write it, or stage it until a commit), release and re-allocate its
+parameters, join and leave weight update groups.
 
 Rank 0 runs the very commands it broadcasts (runner.py), so all ranks execute the same code on
 the same inputs. A command that uses collectives runs them unconditionally on every rank: a
 weight update that one rank cannot apply still goes through both votes everywhere, so the mesh
-stays in lockstep and the update is refused on all ranks (nothing written). Any other exception
-out of `execute` means the ranks may have diverged; the callers treat it as fatal.
+stays in lockstep and the update is refused on all ranks (nothing written). Updates that arrive
+over an update group are received in full before anything is checked (receive.py says why), and a
+receive that failed on any rank destroys that group on every rank. Any other exception out of
+`execute` means the ranks may have diverged; the callers treat it as fatal.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.rollout.tp.receive import (ReceiveFailed, UpdateGroups, message_pieces, receive_full_tensors,
+                                       receive_messages)
 from megarl.rollout.tp.sharding import ShardSpec, shard_spec
-
+from megarl.rollout.tp.stage import Piece, Stage, covered_names, names_of, write_pieces
 
 # (HF name, full shape, fetch this rank's slice given its ShardSpec)
 UpdateItem = tuple[str, tuple[int, ...], Callable[[ShardSpec], torch.Tensor]]
+_GROUP_SOURCES = ("distributed", "reshard")
 
 
 class UpdateRejected(ValueError):
-    """A weight update failed its checks on some rank; no rank wrote anything."""
+    """A weight update (or a group or stage command) failed its checks on some rank; no rank wrote anything."""
 
 
 class UpdateFailed(RuntimeError):
     """A checked weight update failed while writing on some rank; ranks may hold mixed weights."""
+
+
+@dataclass
+class Applied:
+    """What an update did; the same on every rank."""
+
+    names: list[str]  # HF names written, or staged
+    covered: list[str] = field(default_factory=list)  # names whose whole shard was written on every rank
+    staged: int = 0  # pieces staged (defer), 0 when written
 
 
 def check_update(shapes: list[tuple[str, tuple[int, ...]]], full_shapes: dict, model_name: str) -> None:
@@ -40,6 +57,10 @@ def check_update(shapes: list[tuple[str, tuple[int, ...]]], full_shapes: dict, m
             problems.append(f"{name!r} is not a parameter of {model_name}")
         elif tuple(shape) != tuple(expected):
             problems.append(f"{name!r} has shape {tuple(shape)}, the model expects {tuple(expected)}")
+    _reject_if(problems)
+
+
+def _reject_if(problems: list[str]) -> None:
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise UpdateRejected("weight update rejected, nothing was written: " + "; ".join(problems[:5]) + more)
@@ -66,18 +87,19 @@ class RankWorker:
         self.tensors = model.state_dict(keep_vars=True)  # HF name -> this rank's Parameter/buffer
         self._caches: dict[int, object] = {}  # cache id -> this rank's DynamicCache (local heads)
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self.groups = UpdateGroups(rank)
+        self.stage = Stage()
 
     def execute(self, cmd: dict):
-        op = cmd["op"]
-        if op == "forward":
-            return self.forward(cmd)
-        if op == "update":
-            return self.update(cmd)
-        if op == "release":
+        handler = {"forward": self.forward, "update": self.update, "commit": self.commit, "abort": self.abort,
+                   "init_group": self.init_group, "destroy_group": self.destroy_group}.get(cmd["op"])
+        if handler is not None:
+            return handler(cmd)
+        if cmd["op"] == "release":
             return self.release()
-        if op == "resume":
+        if cmd["op"] == "resume":
             return self.resume()
-        raise ValueError(f"unknown TP command {op!r}")
+        raise ValueError(f"unknown TP command {cmd['op']!r}")
 
     # ---- forward -----------------------------------------------------------------------------------
     def forward(self, cmd: dict) -> torch.Tensor:
@@ -98,26 +120,103 @@ class RankWorker:
         return out.logits
 
     # ---- weights -----------------------------------------------------------------------------------
-    def update(self, cmd: dict) -> list[str]:
-        """Check, vote, write, vote. Returns the HF names written (the same on every rank)."""
-        items, error = [], None
+    def update(self, cmd: dict) -> Applied:
+        """(Receive,) check, vote; then write or stage (cmd["defer"]), vote."""
+        defer, version = bool(cmd.get("defer")), cmd.get("weight_version")
+        pieces, error, broken = [], None, False
         try:
-            items = self._update_items(cmd)
-            check_update([(name, shape) for name, shape, _ in items], self.full_shapes, type(self.model).__name__)
+            pieces = self._pieces(cmd)
+            if defer:
+                self.stage.accept(version)
+            elif self._released and cmd["source"] in _GROUP_SOURCES:  # (other sources: the engine checks first)
+                raise ValueError("weights are released; call /resume_memory_occupation before updating them "
+                                 "(or send the update with defer=true and commit it after resuming)")
+        except ReceiveFailed as exc:
+            error, broken = str(exc), True
         except Exception as exc:  # noqa: BLE001  (reported to rank 0 through the vote, never dropped)
             error = str(exc) or repr(exc)
-        errors = self._vote(error)
-        if any(errors):
-            raise UpdateRejected(self._describe(errors))
+        votes = self._gather((error, broken))
+        if any(e for e, _ in votes):
+            message = self._describe([e for e, _ in votes])
+            # a deferred request's version can no longer be completed; a broken group loses the stage
+            newly_discarded = defer and self.stage.poison(version, message)
+            if any(b for _, b in votes):
+                self.stage.discard(message)
+                self.groups.destroy(cmd["group_name"])
+                raise UpdateRejected(f"{message}. Nothing was written; the group was destroyed on every rank of "
+                                     "this engine and any staged update discarded: create a new group with "
+                                     "/init_weights_update_group and send the whole update again")
+            if newly_discarded:
+                message += f"; the staged update for weight_version {version!r} was discarded"
+            raise UpdateRejected(message)
+        if defer:
+            return self._stage(version, pieces)
+        return self._write(pieces)
+
+    def _stage(self, version: str, pieces: list[Piece]) -> Applied:
+        """Stage, then vote: no rank answers before every rank holds its copies (the sender may
+        reuse its shared memory as soon as the answer arrives)."""
+        error = None
         try:
-            self._write(items)
-        except Exception as exc:  # noqa: BLE001  (same: the vote carries it)
+            self.stage.add(version, pieces)
+        except Exception as exc:  # noqa: BLE001  (e.g. out of memory; carried by the vote)
             error = f"{type(exc).__name__}: {exc}"
         errors = self._vote(error)
         if any(errors):
-            raise UpdateFailed(f"weight update failed while writing ({self._describe(errors)}); ranks may now "
-                               "hold a mix of old and new weights: send a full update")
-        return [name for name, _, _ in items]
+            message = f"staging failed ({self._describe(errors)})"
+            self.stage.poison(version, message)
+            raise UpdateRejected(f"{message}; nothing was written and the staged update for weight_version "
+                                 f"{version!r} was discarded")
+        return Applied(names_of(pieces), staged=len(pieces))
+
+    def commit(self, cmd: dict) -> Applied:
+        """Write the stage built for cmd["weight_version"] (check, vote, write, vote); it is emptied either way."""
+        pieces, error = [], None
+        try:
+            pieces = self.stage.take(cmd["weight_version"])
+        except ValueError as exc:
+            error = str(exc)
+        errors = self._vote(error)
+        if any(errors):
+            raise UpdateRejected(f"commit of weight_version {cmd['weight_version']!r} refused, nothing was "
+                                 f"written: {self._describe(errors)}")
+        return self._write(pieces)
+
+    def abort(self, cmd: dict) -> int:
+        """Discard the stage; the number of pieces it held (no collective: nothing can fail)."""
+        return self.stage.clear()
+
+    def _pieces(self, cmd: dict) -> list[Piece]:
+        source = cmd["source"]
+        if source == "reshard":
+            group = self.groups.get(cmd["group_name"])
+            ranks = cmd.get("ranks")
+            if not isinstance(ranks, list) or len(ranks) != self.tp:
+                got = len(ranks) if isinstance(ranks, list) else type(ranks).__name__
+                raise ReceiveFailed(group.name, f"'ranks' must hold one list of messages per engine rank "
+                                                f"({self.tp}), got {got}")
+            buffers = receive_messages(group, ranks[self.rank], self.device)
+            pieces, problems = message_pieces(ranks[self.rank], buffers, self._local_shape)
+            _reject_if(problems)
+            return pieces
+        if source == "distributed":
+            full = receive_full_tensors(self.groups.get(cmd["group_name"]), cmd, self.device)
+            items = [(n, tuple(t.shape), partial(ShardSpec.take, full=t)) for n, t in full]
+        else:
+            items = self._update_items(cmd)
+        check_update([(name, shape) for name, shape, _ in items], self.full_shapes, type(self.model).__name__)
+        pieces = []
+        for name, shape, fetch in items:
+            spec = shard_spec(name, shape, self.plan, self.tp, self.rank)
+            # staging copies the sender's memory (tensor sources) or this rank's part of a full tensor
+            copy = source != "distributed" or spec.dim is not None
+            pieces.append(Piece(name, None, partial(fetch, spec), copy=copy))
+        return pieces
+
+    def _local_shape(self, name: str) -> tuple[int, ...] | None:
+        if name not in self.full_shapes:
+            return None
+        return shard_spec(name, self.full_shapes[name], self.plan, self.tp, self.rank).local_shape
 
     def _update_items(self, cmd: dict) -> list[UpdateItem]:
         source = cmd["source"]
@@ -146,18 +245,62 @@ class RankWorker:
                 items.append((name, tuple(part.get_shape()), lambda spec, part=part: part[spec.index()]))
         return items
 
-    def _write(self, items: list[UpdateItem]) -> None:
-        with torch.no_grad():
-            for name, shape, fetch in items:
-                self.tensors[name].data.copy_(fetch(shard_spec(name, shape, self.plan, self.tp, self.rank)))
+    def _write(self, pieces: list[Piece]) -> Applied:
+        error, covered = None, []
+        try:
+            write_pieces(self.tensors, pieces)
+            covered = covered_names(pieces, self._local_shape)
+        except Exception as exc:  # noqa: BLE001  (same: the vote carries it)
+            error = f"{type(exc).__name__}: {exc}"
+        votes = self._gather((error, covered))
+        errors = [e for e, _ in votes]
+        if any(errors):
+            raise UpdateFailed(f"weight update failed while writing ({self._describe(errors)}); ranks may now "
+                               "hold a mix of old and new weights: send a full update")
+        on_every_rank = set.intersection(*(set(c) for _, c in votes))
+        return Applied(names_of(pieces), [n for n in covered if n in on_every_rank])
+
+    # ---- update groups -------------------------------------------------------------------------------
+    def init_group(self, cmd: dict) -> str:
+        """Check, vote, join (blocks until the group is formed), vote: kept on every rank or on none."""
+        error = None
+        try:
+            self.groups.check_new(cmd)
+        except ValueError as exc:
+            error = str(exc)
+        errors = self._vote(error)
+        if any(errors):
+            raise UpdateRejected(self._describe(errors))
+        try:
+            group = self.groups.join(cmd)
+        except Exception as exc:  # noqa: BLE001  (carried by the vote)
+            error = f"rank {self.rank} could not join: {type(exc).__name__}: {exc}"
+        errors = self._vote(error)
+        if any(errors):
+            self.groups.destroy(cmd["group_name"])
+            raise UpdateRejected(f"weight update group {cmd['group_name']!r} was not formed, no rank kept it: "
+                                 f"{self._describe(errors)}")
+        first = cmd["rank_offset"]
+        return (f"joined weight update group {group.name!r} as ranks {first}..{first + self.tp - 1} of "
+                f"{group.world_size} ({group.backend})")
+
+    def destroy_group(self, cmd: dict) -> str:
+        errors = self._vote(None if self.groups.destroy(cmd["group_name"]) else
+                            f"weight update group {cmd['group_name']!r} does not exist on this engine")
+        if any(errors):
+            raise UpdateRejected(self._describe(errors))
+        return f"destroyed weight update group {cmd['group_name']!r}"
 
     def _vote(self, error: str | None) -> list[str | None]:
         """Every rank's error (None: fine), in rank order."""
+        return self._gather(error)
+
+    def _gather(self, value) -> list:
         if self.tp == 1:
-            return [error]
-        errors: list[str | None] = [None] * self.tp
-        dist.all_gather_object(errors, error)
-        return errors
+            return [value]
+        values = [None] * self.tp
+        dist.all_gather_object(values, value)
+        return values
 
     def _describe(self, errors: list[str | None]) -> str:
         distinct = {e for e in errors if e}

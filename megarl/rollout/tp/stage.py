@@ -1,0 +1,133 @@
+"""Pieces of parameters on one rank, and the stage that deferred updates build until a commit.
+
+A piece is part of one parameter as this rank holds it: a box ([start, stop) per dim) of the
+rank's LOCAL shard, or the whole local shard. Every update path ends in pieces: full tensors
+(tensor, disk, distributed) become whole-shard pieces of their rank's slice; reshard messages carry
+boxes. Writing a piece is `param[box].copy_(values)`, which also casts to the parameter's dtype.
+
+The stage is all or nothing ("never a half-updated model"): pieces received with defer=True for
+one weight_version are kept here, and only a commit naming that version writes them. A deferred
+request for another version discards the stale stage first. A deferred request that fails leaves
+the stage *poisoned* for its version: the rest of that version's pieces are refused and its commit
+fails, so a version that lost a bucket can never be committed in part.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dim, in the rank's local shard coordinates
+
+
+@dataclass
+class Piece:
+    name: str  # HF name
+    box: Box | None  # None: the whole local shard
+    read: Callable[[], torch.Tensor]  # its values (called when written or staged: disk reads lazily)
+    copy: bool = False  # staging must copy: the memory is the sender's, or part of a larger buffer
+
+
+def box_index(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box)
+
+
+def write_pieces(tensors: dict[str, torch.Tensor], pieces: list[Piece]) -> None:
+    with torch.no_grad():
+        for piece in pieces:
+            target = tensors[piece.name].data
+            (target if piece.box is None else target[box_index(piece.box)]).copy_(piece.read())
+
+
+def names_of(pieces: list[Piece]) -> list[str]:
+    return list(dict.fromkeys(p.name for p in pieces))
+
+
+def covered_names(pieces: list[Piece], local_shape: Callable[[str], tuple[int, ...]]) -> list[str]:
+    """Names whose whole local shard these pieces cover (a resumed parameter counts as refilled only
+    then). Boxes may come from several senders, so coverage is the union, counted on a mask."""
+    boxes: dict[str, list[Box | None]] = {}
+    for piece in pieces:
+        boxes.setdefault(piece.name, []).append(piece.box)
+    covered = []
+    for name, parts in boxes.items():
+        if any(box is None for box in parts):
+            covered.append(name)
+            continue
+        mask = torch.zeros(local_shape(name), dtype=torch.bool)
+        for box in parts:
+            mask[box_index(box)] = True
+        if bool(mask.all()):
+            covered.append(name)
+    return covered
+
+
+class Stage:
+    def __init__(self):
+        self.version: str | None = None  # the weight_version being built (None: nothing staged)
+        self.pieces: list[Piece] = []
+        self.failure: str | None = None  # why this version's stage was discarded (poisoned)
+
+    def accept(self, version: str | None) -> None:
+        """Check, before the vote, that a deferred request for `version` may be staged."""
+        if version is None:
+            raise ValueError("defer=true needs a weight_version: /commit_weight_update names the version it applies")
+        if str(version) == self.version and self.failure:
+            raise ValueError(f"the staged update for weight_version {self.version!r} was already discarded "
+                             f"({self.failure}); abort it and send the whole version again")
+
+    def add(self, version: str, pieces: list[Piece]) -> None:
+        self._switch_to(str(version))
+        for piece in pieces:
+            values = piece.read()
+            values = values.clone() if piece.copy else values
+            self.pieces.append(Piece(piece.name, piece.box, lambda values=values: values))
+
+    def poison(self, version: str | None, reason: str) -> bool:
+        """Discard `version`'s stage for good (until an abort or another version); False if it already was."""
+        if version is None:
+            return False
+        self._switch_to(str(version))
+        first = self.failure is None
+        self.pieces, self.failure = [], self.failure or reason
+        return first
+
+    def discard(self, reason: str) -> None:
+        """A failure outside a deferred request (a broken group): whatever is staged is lost."""
+        self.poison(self.version, reason)
+
+    def take(self, version: str) -> list[Piece]:
+        """The pieces to commit for `version`; raises ValueError otherwise. Always leaves the stage empty."""
+        version = str(version)
+        try:
+            if self.version is None:
+                raise ValueError(f"nothing is staged for weight_version {version!r}: no update with defer=true "
+                                 "arrived since the last commit or abort")
+            if self.failure:
+                raise ValueError(f"the staged update for weight_version {self.version!r} was discarded "
+                                 f"({self.failure}); send the whole version again")
+            if self.version != version:
+                raise ValueError(f"the stage holds weight_version {self.version!r}, not {version!r}; it was "
+                                 f"discarded: send weight_version {version!r} again")
+            return self.pieces
+        finally:
+            self.clear()
+
+    def clear(self) -> int:
+        count = len(self.pieces)
+        self.version, self.pieces, self.failure = None, [], None
+        return count
+
+    def _switch_to(self, version: str) -> None:
+        if self.version is not None and self.version != version:
+            if self.pieces:
+                log.warning("discarding the stage of weight_version %r (%d pieces): a deferred update for "
+                            "weight_version %r arrived before it was committed or aborted",
+                            self.version, len(self.pieces), version)
+            self.clear()
+        self.version = version

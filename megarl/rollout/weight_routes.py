@@ -1,0 +1,125 @@
+"""The embedded server's weight-update endpoints, registered on its app (server.py).
+
+SGLang's: /update_weights_from_tensor, /update_weights_from_disk, /update_weight_version,
+/init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed.
+megarl's: /update_weights_from_reshard (each rank receives only its own shard pieces, from many
+senders), /commit_weight_update and /abort_weight_update, and a `defer` flag on the tensor,
+distributed and reshard updates: a deferred update is staged on every rank and written only by
+the commit naming its weight_version, so a sync that fails half-way never leaves a half-updated
+model (tp/stage.py has the rules).
+
+Every answer is SGLang's {"success", "message"} (200 / 400). Updates over a group are received in
+full before they are checked, so a refusal never leaves the senders blocked; a receive that fails
+(a sender died) destroys the group on every rank and says so, naming the group.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+
+from megarl.rollout.http_common import control, read_body
+from megarl.rollout.protocol import WeightsUnavailable
+
+_FAILURES = (ValueError, WeightsUnavailable, RuntimeError, OSError)  # UpdateRejected is a ValueError
+
+
+def register_weight_routes(app: FastAPI, engine) -> None:
+    async def run(what: str, call, *args, **extra):
+        """`call(*args)` in a worker thread (it waits for the model lock between forward steps)."""
+        try:
+            return control(True, await run_in_threadpool(call, *args), **extra)
+        except _FAILURES as exc:
+            return control(False, f"{what} failed: {exc}", **extra)
+
+    def abort_requests_if_asked(body: dict, default: bool = False,
+                                message: str = "aborted for a weight update") -> None:
+        if body.get("abort_all_requests", default):
+            engine.abort(abort_all=True, message=message)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        body = await read_body(request)
+        payloads = body.get("serialized_named_tensors")
+        payloads = [payloads] if isinstance(payloads, str) else payloads
+        if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
+            return control(False, "serialized_named_tensors must be a non-empty list of base64 strings "
+                                  "(one per TP rank: rank r reads entry r; a single entry is read by every rank)")
+        abort_requests_if_asked(body)
+        # every rank decodes its entry through the allow-list unpickler (weights_codec)
+        return await run("update_weights_from_tensor", engine.update_weights_from_payloads, payloads,
+                         body.get("load_format"), body.get("weight_version"), bool(body.get("defer", False)))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await read_body(request)
+        if not isinstance(body.get("model_path"), str):
+            return control(False, "model_path (a directory with *.safetensors) is required", num_paused_requests=0)
+        abort_requests_if_asked(body)
+        return await run("update_weights_from_disk", engine.update_weights_from_disk, body["model_path"],
+                         body.get("weight_version"), num_paused_requests=0)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await read_body(request)
+        if body.get("new_version") is None:
+            return control(False, "new_version is required")
+        abort_requests_if_asked(body, default=True, message="aborted by /update_weight_version")
+        engine.weight_version = str(body["new_version"])
+        return control(True, f"weight_version={engine.weight_version}", new_version=engine.weight_version)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await read_body(request)
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if body.get(k) is None]
+        if missing:
+            return control(False, f"init_weights_update_group needs {missing} (SGLang's fields: master_address, "
+                                  "master_port, rank_offset, world_size, group_name, backend)")
+        return await run("init_weights_update_group", engine.init_weights_update_group, body["master_address"],
+                         body["master_port"], body["rank_offset"], body["world_size"],
+                         body.get("group_name") or "weight_update_group", body.get("backend"))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        body = await read_body(request)
+        return await run("destroy_weights_update_group", engine.destroy_weights_update_group,
+                         body.get("group_name") or "weight_update_group")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await read_body(request)
+        abort_requests_if_asked(body)
+        # flush_cache: nothing to flush, the embedded engine keeps no KV cache between batches.
+        # Malformed names/dtypes/shapes are refused by the ranks, which then close the group: its
+        # sender is waiting in a broadcast that would otherwise never be matched.
+        group = body.get("group_name") or "weight_update_group"
+        fields = {"group_name": group, "names": body.get("names"), "dtypes": body.get("dtypes"),
+                  "shapes": body.get("shapes"), "load_format": body.get("load_format")}
+        return await run(f"update_weights_from_distributed over group {group!r}",
+                         engine.update_weights_from_distributed, fields, body.get("weight_version"),
+                         bool(body.get("defer", False)))
+
+    @app.post("/update_weights_from_reshard")
+    async def update_weights_from_reshard(request: Request):
+        body = await read_body(request)
+        group = body.get("group_name")
+        if not isinstance(group, str):
+            return control(False, "group_name (the reshard group, created with /init_weights_update_group) is required")
+        abort_requests_if_asked(body)
+        return await run(f"update_weights_from_reshard over group {group!r}", engine.update_weights_from_reshard,
+                         group, body.get("ranks"), body.get("weight_version"), bool(body.get("defer", True)))
+
+    @app.post("/commit_weight_update")
+    async def commit_weight_update(request: Request):
+        body = await read_body(request)
+        if body.get("weight_version") is None:
+            return control(False, "weight_version (the version the staged update was built for) is required")
+        try:
+            message, count = await run_in_threadpool(engine.commit_weight_update, str(body["weight_version"]))
+        except _FAILURES as exc:
+            return control(False, f"commit_weight_update failed: {exc}")
+        return control(True, message, num_tensors=count)
+
+    @app.post("/abort_weight_update")
+    async def abort_weight_update():
+        return await run("abort_weight_update", engine.abort_weight_update)
