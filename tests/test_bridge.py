@@ -1,10 +1,21 @@
-"""Weight bridge: bucketing, and after a sync the server scores tokens as the trainer does.
+"""Weight bridge: after a sync the engines score tokens exactly as the trainer does, for every
+transport and trainer layout; a failed sync leaves the engines on their previous weights.
 
-Parity tolerance: 1e-4 absolute on fp32 log-probs (observed ~1e-6); before the sync the two
-differ by far more than that, so the check is not vacuous.
+Parity tolerance: 1e-4 absolute on fp32 log-probs (the issue's bound; observed ~1e-6). Before each
+sync the trainer takes an optimizer step (lr 1e-3), which moves the log-probs by far more than the
+tolerance, so a sync that delivered nothing (or stale weights) fails the check.
+
+The matrix, pruned to what adds coverage (one Megatron start per trainer layout, each syncing to a
+tp=1 and a tp=2 engine at once, so every transport also meets two engines of different layouts):
+  trainer TP=2 : tensor, disk, distributed, reshard
+  trainer EP=2 : tensor, distributed, reshard   (disk reads export_weights, as tensor does: no new path)
+  trainer PP=2 : tensor, distributed, reshard
+Distributed and reshard sync twice in one layout (EP=2) to show their groups and plan are reused.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import httpx
 import pytest
@@ -13,6 +24,9 @@ import torch
 from megarl.bridge.buckets import iter_buckets, with_last_flag
 from tests._dist import run_ranks
 from tests.test_megatron_engine import SEQ_ROWS, make_rows
+
+TOL = 1e-4
+BUCKET = 64 * 1024  # several buckets / messages per sync of the tiny model
 
 
 def _named(sizes):
@@ -38,6 +52,18 @@ def test_with_last_flag_marks_only_the_last():
     assert list(with_last_flag([])) == []
 
 
+def test_spec_names_bad_transport_and_keeps_transport_across_url_changes():
+    from megarl.bridge import BridgeSpec
+
+    with pytest.raises(ValueError, match="bridge.transport='nccl'"):
+        BridgeSpec("nccl", ("http://a",), 1)
+    with pytest.raises(ValueError, match="disk_dir"):
+        BridgeSpec("disk", ("http://a",), 1)
+    a = BridgeSpec("reshard", ("http://a",), 1024)
+    assert a.same_transport(BridgeSpec("reshard", ("http://b", "http://c"), 1024))
+    assert not a.same_transport(BridgeSpec("reshard", ("http://a",), 2048))
+
+
 def server_response_logprobs(url: str) -> torch.Tensor:
     """The server's log-probs of each SEQ_ROWS response token, via input_token_logprobs."""
     rows = make_rows()
@@ -52,58 +78,150 @@ def server_response_logprobs(url: str) -> torch.Tensor:
     return out
 
 
-def _train_then_sync(rank, model_path, url, transport, tp, ep, tmp_dir):
-    """Two (update, sync) rounds with one sender: the second proves it can be reused."""
-    from megarl.bridge import make_weight_sender
+def _step(engine, rows) -> None:
+    """One real optimizer step, so the trainer's weights differ from the engines'."""
+    engine.train_mini_batch(rows, lambda lp, ent, mb: ((lp * mb["advantages"]).sum(), mb["response_mask"].sum(), {}))
+
+
+def _sync_rounds(rank, model_path, urls, layout, rounds, tmp_dir):
+    """For each transport in `rounds`: step, sync to every engine, record trainer and engine log-probs."""
+    import torch.distributed as dist
+
+    from megarl.bridge import BridgeSpec, make_transport
     from tests.test_megatron_engine import _engine
 
-    engine = _engine(model_path, tp, ep, train=True)
+    engine = _engine(model_path, train=True, **layout)
     rows = make_rows()
-    spec = {"transport": transport, "server_urls": [url], "bucket_bytes": 64 * 1024,
-            "disk_dir": str(tmp_dir)}
-    sender = make_weight_sender(spec) if rank == 0 else None
-    stats = {}
-    for version in ("v1", "v2"):
-        # a real optimizer step so the trainer's weights differ from the server's
-        engine.train_mini_batch(rows, lambda lp, ent, mb: ((lp * mb["advantages"]).sum(),
-                                                           mb["response_mask"].sum(), {}))
-        if sender is not None:
-            stats = sender.send(engine.export_weights(), version)
-        else:
-            for _ in engine.export_weights():  # take part in the gathers
-                pass
-    if sender is not None:
-        sender.close()
-    return {"log_probs": engine.compute_log_prob(rows)["log_probs"], "stats": stats}
+    transports, out = {}, []
+    for version, name in enumerate(rounds, start=1):
+        if name not in transports:
+            spec = BridgeSpec(name, tuple(urls), BUCKET, disk_dir=str(tmp_dir), timeout_s=120)
+            transports[name] = make_transport(spec, dist.get_rank(), dist.get_world_size(), "127.0.0.1")
+        _step(engine, rows)
+        stats = transports[name].sync(engine, f"v{version}", urls)
+        trainer = engine.compute_log_prob(rows)  # only the last pipeline stage has them
+        record = {"transport": name, "stats": stats,
+                  "trainer": None if trainer is None else trainer["log_probs"]}
+        if rank == 0:
+            record["engines"] = [server_response_logprobs(u) for u in urls]
+            record["versions"] = [httpx.get(f"{u}/get_weight_version", timeout=10).json()["weight_version"]
+                                  for u in urls]
+        out.append(record)
+    for transport in transports.values():
+        transport.close()
+    return out
 
 
-@pytest.mark.parametrize("transport,tp,ep", [("tensor", 2, 1), ("tensor", 1, 2), ("disk", 2, 1)])
-def test_server_matches_trainer_after_sync(tiny_model_path, tmp_path, transport, tp, ep):
+@pytest.fixture(scope="module")
+def engines(tiny_model_path):
+    """A tp=1 and a tp=2 embedded engine, shared by the module's tests."""
     from megarl.rollout.launcher import RolloutServerProcess
 
+    servers = [RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0),
+               RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0, extra_args=("--tp", "2"))]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for future in [pool.submit(s.start) for s in servers]:
+                future.result()
+        yield [s.url for s in servers]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.mark.parametrize("layout,rounds", [
+    (dict(tp=2, ep=1, pp=1), ["tensor", "disk", "distributed", "reshard"]),
+    (dict(tp=1, ep=2, pp=1), ["tensor", "distributed", "distributed", "reshard", "reshard"]),
+    (dict(tp=1, ep=1, pp=2), ["tensor", "distributed", "reshard"]),
+], ids=["trainer-tp2", "trainer-ep2", "trainer-pp2"])
+def test_engines_match_trainer_after_every_sync(engines, tiny_model_path, tmp_path, layout, rounds):
     mask = make_rows()["response_mask"].bool()
-    with RolloutServerProcess(tiny_model_path, torch_threads=1) as server:
-        initial = server_response_logprobs(server.url)
-        results = run_ranks(_train_then_sync, 2, tiny_model_path, server.url, transport, tp, ep,
-                            tmp_path)
-        synced = server_response_logprobs(server.url)
-        version = httpx.get(f"{server.url}/get_model_info", timeout=10).json().get("weight_version")
-    trainer = results[0]["log_probs"]
-    assert (trainer - initial)[mask].abs().max() > 1e-3, "the update did not change the weights"
-    torch.testing.assert_close(synced[mask], trainer[mask], atol=1e-4, rtol=0)
-    assert version == "v2"
-    if transport == "tensor":
-        assert results[0]["stats"]["bridge/buckets"] > 1  # 64 KiB buckets: several per sync
-    else:  # the superseded checkpoint is gone, the live one stays
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["weights_v2"]
+    before = [server_response_logprobs(u) for u in engines]
+    results = run_ranks(_sync_rounds, 2, tiny_model_path, engines, layout, rounds, tmp_path)
+    previous = before
+    for i, name in enumerate(rounds):
+        trainer = next(r[i]["trainer"] for r in results if r[i]["trainer"] is not None)
+        record = results[0][i]
+        assert record["versions"] == [f"v{i + 1}"] * len(engines), name
+        for before_sync, synced in zip(previous, record["engines"]):
+            assert (trainer - before_sync)[mask].abs().max() > 10 * TOL, f"{name}: the step did not move the weights"
+            torch.testing.assert_close(synced[mask], trainer[mask], atol=TOL, rtol=0, msg=f"{name} round {i}")
+        previous = record["engines"]
+    by_transport = {r["transport"]: r["stats"] for r in results[0]}
+    if "disk" in by_transport:  # the superseded checkpoint is gone, the live one stays
+        assert [p.name for p in tmp_path.iterdir()] == [f"weights_v{rounds.index('disk') + 1}"]
+    assert by_transport["tensor"]["bridge/buckets"] > 1
 
 
-def test_flattened_bucket_aligns_mixed_dtypes():
-    from megarl.rollout.weights_codec import deserialize_flattened_bucket, serialize_flattened_bucket
+def test_reshard_moves_exactly_the_bytes_each_rollout_rank_owns(engines, tiny_model_path):
+    """One reshard sync from an EP=2 trainer: the plan's bytes equal the engines' shard bytes."""
+    from math import prod
 
-    # a 6-byte bf16 tensor before a float32 one: unaligned packing cannot view the second
-    named = [("a", torch.randn(3).bfloat16()), ("b", torch.randn(4)), ("c", torch.arange(5))]
-    out = deserialize_flattened_bucket(serialize_flattened_bucket(named))
-    assert [n for n, _ in out] == ["a", "b", "c"]
-    for (_, got), (_, want) in zip(out, named):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    results = run_ranks(_sync_rounds, 2, tiny_model_path, engines, dict(tp=1, ep=2, pp=1), ["reshard"], None)
+    stats = results[0][0]["stats"]
+    layouts = [httpx.get(f"{u}/get_parallelism_config", timeout=10).json() for u in engines]
+    owned = [sum(prod(p["local_shape"]) * 4 for p in rank["params"].values())
+             for layout in layouts for rank in layout["ranks"]]
+    full = sum(prod(p["global_shape"]) * 4 for p in layouts[0]["ranks"][0]["params"].values())
+    assert stats["bridge/bytes"] == sum(owned)
+    assert stats["bridge/bytes_per_rollout_rank_max"] == max(owned) == full  # the tp=1 engine holds it all
+    assert max(owned[1:]) < 0.75 * full  # each tp=2 rank gets its half of the split tensors only
+    # both trainer ranks send (EP owners and data-parallel copies share the work)
+    assert all(r[0]["stats"]["bridge/bytes_sent"] > 0 for r in results)
+
+
+def _die_mid_sync(rank, model_path, urls, transport, tmp_dir):
+    """v1 syncs; then trainer rank 1 dies in the middle of the v2 sync. Rank 0 reports."""
+    import os
+
+    import torch.distributed as dist
+
+    from megarl.bridge import BridgeSpec, WeightSyncError, make_transport
+    from tests.test_megatron_engine import _engine
+
+    engine = _engine(model_path, train=True, tp=1, ep=2)
+    rows = make_rows()
+    spec = BridgeSpec(transport, tuple(urls), BUCKET, timeout_s=20)
+    bridge = make_transport(spec, rank, dist.get_world_size(), "127.0.0.1")
+    _step(engine, rows)
+    bridge.sync(engine, "v1", urls)
+    v1 = [server_response_logprobs(u) for u in urls] if rank == 0 else None
+    _step(engine, rows)
+    if rank == 1:  # die after the engines started receiving from this rank, before they have it all
+        if transport == "distributed":
+            original, calls = bridge._post_bucket, []
+
+            def post_then_die(bucket, version):
+                calls.append(original(bucket, version))
+                if len(calls) == 2:  # holding the bucket lock, the engines waiting on its broadcast
+                    os._exit(1)
+                return calls[-1]
+            bridge._post_bucket = post_then_die
+        else:
+            original = bridge._group.send
+
+            def send_then_die(tensor, dst, tag):
+                original(tensor, dst, tag).wait()
+                os._exit(1)
+            bridge._group.send = send_then_die
+    try:
+        bridge.sync(engine, "v2", urls)
+        error = None
+    except WeightSyncError as exc:
+        error = str(exc)
+    return {"error": error, "v1": v1, "after": [server_response_logprobs(u) for u in urls],
+            "versions": [httpx.get(f"{u}/get_weight_version", timeout=10).json()["weight_version"] for u in urls]}
+
+
+@pytest.mark.parametrize("transport", ["distributed", "reshard"])
+def test_a_sender_dying_mid_sync_fails_it_and_engines_keep_their_weights(engines, tiny_model_path, transport):
+    rank0, rank1 = run_ranks(_die_mid_sync, 2, tiny_model_path, engines, transport, None, may_die=(1,))
+    assert rank1 is None, "rank 1 was meant to die"
+    assert rank0["error"] is not None and "v2 failed" in rank0["error"], rank0["error"]
+    assert "keep serving their previous weights" in rank0["error"]
+    assert rank0["versions"] == ["v1", "v1"]
+    for v1, after in zip(rank0["v1"], rank0["after"]):
+        assert torch.equal(v1, after)  # not one bucket of v2 was applied
+    # the engines still serve, unchanged, to anyone
+    for url, v1 in zip(engines, rank0["v1"]):
+        assert torch.equal(server_response_logprobs(url), v1)

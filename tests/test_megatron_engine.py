@@ -55,13 +55,13 @@ def hf_reference(model_path):
     return out
 
 
-def _engine(model_path, tp, ep, train=False):
+def _engine(model_path, tp, ep, train=False, pp=1):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
     spec = EngineSpec(
         model_path=str(model_path),
-        parallel=ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1),
+        parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, sequence_parallel=tp > 1),
         optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0) if train else None,
         micro_batch_size=2,
         seed=1,

@@ -1,12 +1,15 @@
-"""Weight bridge: stream the trainer's weights to the rollout servers after every update.
+"""Weight bridge: stream the trainer's weights to the rollout engines after every update.
 
-The trainer side yields (hf_name, full tensor) pairs (engine.export_weights, a collective); a
-sender packs them into buckets of a configured size and pushes each bucket to every server.
-Transports: `tensor` (colocated: shared-memory / CUDA-IPC handles through SGLang's
-/update_weights_from_tensor) and `disk` (safetensors + /update_weights_from_disk).
+One interface (transport.py), chosen by a typed spec (spec.py), one small class per transport:
+`tensor` (colocated: shared-memory / CUDA-IPC handles, /update_weights_from_tensor), `disk`
+(safetensors + /update_weights_from_disk), `distributed` (SGLang's update groups: each pipeline
+stage and expert owner broadcasts its own full tensors) and `reshard` (a plan sends each rollout
+rank exactly its shard, point to point, from many trainer ranks at once).
 """
 
 from megarl.bridge.buckets import iter_buckets
-from megarl.bridge.senders import DiskWeightSender, TensorWeightSender, make_weight_sender
+from megarl.bridge.engines import WeightSyncError
+from megarl.bridge.spec import TRANSPORTS, BridgeSpec
+from megarl.bridge.transport import WeightTransport, make_transport
 
-__all__ = ["iter_buckets", "make_weight_sender", "TensorWeightSender", "DiskWeightSender"]
+__all__ = ["BridgeSpec", "TRANSPORTS", "WeightSyncError", "WeightTransport", "iter_buckets", "make_transport"]

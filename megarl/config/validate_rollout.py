@@ -50,6 +50,10 @@ def check_rollout(cfg: RunConfig, model_config: dict | None) -> None:
         if model_config is not None:
             _check_engine_fits_model(r.tp, model_config)
     else:
+        _require(cfg.bridge.transport != "reshard", "bridge.transport",
+                 "bridge.transport=reshard needs rollout.backend=embedded: stock SGLang has no receiver that "
+                 "takes per-rank shards from many senders (docs/bridge.md says what it would need); use "
+                 "bridge.transport=distributed with SGLang")
         _require(r.tp % r.ep == 0, "rollout.ep", f"rollout.ep={r.ep} must divide rollout.tp={r.tp} "
                  "(SGLang lays expert parallel over the tensor-parallel ranks)")
         _require(r.tp % r.dp == 0, "rollout.dp", f"rollout.dp={r.dp} must divide rollout.tp={r.tp}")

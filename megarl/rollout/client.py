@@ -232,13 +232,15 @@ class RolloutClient:
     # ---- weights and memory -------------------------------------------------------------------
     def update_weights_from_tensor(self, serialized_named_tensors: list[str] | str, *, load_format: str | None = None,
                                    flush_cache: bool = True, weight_version: str | None = None,
-                                   abort_all_requests: bool = False) -> dict:
+                                   abort_all_requests: bool = False, defer: bool = False) -> dict:
         """`serialized_named_tensors`: one weights_codec payload per TP rank of the server. Keep the
-        tensors behind it alive until this returns."""
+        tensors behind it alive until this returns. `defer` (megarl's engine only): stage the
+        tensors for `weight_version` until /commit_weight_update."""
         payloads = [serialized_named_tensors] if isinstance(serialized_named_tensors, str) else serialized_named_tensors
         return self._run(self._control("/update_weights_from_tensor", {
             "serialized_named_tensors": payloads, "load_format": load_format, "flush_cache": flush_cache,
-            "weight_version": weight_version, "abort_all_requests": abort_all_requests}))
+            "weight_version": weight_version, "abort_all_requests": abort_all_requests,
+            **({"defer": True} if defer else {})}))
 
     def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
                                  flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
@@ -270,7 +272,7 @@ class RolloutClient:
         return self._run(self._control("/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "load_format": load_format, "flush_cache": flush_cache, "weight_version": weight_version,
-            "defer": defer}, retry=False))
+            **({"defer": True} if defer else {})}, retry=False))  # SGLang refuses fields it does not know
 
     def update_weights_from_reshard(self, group_name: str, ranks: list[list[dict]], *, weight_version: str,
                                     defer: bool = True) -> dict:
@@ -315,6 +317,10 @@ class RolloutClient:
 
     def get_server_info(self) -> dict:
         return self._run(self._json("GET", "/get_server_info"))
+
+    def get_parallelism_config(self) -> dict:
+        """Which slice of each full HF tensor every engine rank holds (the embedded engine's layout)."""
+        return self._run(self._json("GET", "/get_parallelism_config"))
 
     def get_weight_version(self) -> str | None:
         return self._run(self._json("GET", "/get_weight_version"))["weight_version"]

@@ -26,6 +26,7 @@ import torch
 
 from megarl.algo.advantages import grpo_advantages
 from megarl.algo.losses import masked_mean
+from megarl.bridge.spec import BridgeSpec
 from megarl.data.batch import Batch
 from megarl.reward import make_reward_function, score_rows
 from megarl.rollout.manager import SamplingSpec
@@ -177,12 +178,11 @@ class SyncTrainer:
             out["actor/kl"] = float(masked_mean(rows["old_log_probs"] - rows["ref_log_probs"], mask))
         return out
 
-    def _bridge_spec(self) -> dict:
+    def _bridge_spec(self) -> BridgeSpec:
         b = self.cfg.bridge
-        return {"transport": b.transport, "server_urls": self.rt.server_urls,
-                "api_key": self.rt.fleet.api_key, "bucket_bytes": int(b.bucket_size_mb * 2**20),
-                "disk_dir": str(self.rt.run_dir / "weights"),
-                "timeout_s": self.cfg.rollout.request_timeout_s}
+        return BridgeSpec(transport=b.transport, server_urls=tuple(self.rt.server_urls),
+                          api_key=self.rt.fleet.api_key, bucket_bytes=int(b.bucket_size_mb * 2**20),
+                          disk_dir=str(self.rt.run_dir / "weights"), timeout_s=self.cfg.rollout.request_timeout_s)
 
 
 class _timer:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algo.kl import kl_penalty
+from megarl.bridge.spec import BridgeSpec
 from megarl.algo.losses import agg_loss, masked_mean, policy_loss
 from megarl.controller.decorator import register
 from megarl.controller.dispatch import Dispatch, MeshCoord
@@ -71,8 +72,8 @@ class MegatronActor(Worker):
         self.with_ref = with_ref
         self.actor = None
         self.ref = None
-        self._sender = None  # rank 0's weight sender, kept across syncs (buffer, connections)
-        self._sender_spec: dict | None = None
+        self._transport = None  # the weight bridge, kept across syncs
+        self._transport_spec: BridgeSpec | None = None
 
     def init_distributed(self) -> None:
         super().init_distributed()
@@ -128,28 +129,17 @@ class MegatronActor(Worker):
         return metrics
 
     @register(dispatch=Dispatch.RANK_ZERO)
-    def sync_weights(self, bridge_spec: dict, weight_version: str, server_urls: list[str] | None = None) -> dict:
-        """Stream the current weights to the rollout servers (all ranks gather, rank 0 sends):
-        to `server_urls` when given (a restarted engine), else to every server of the spec."""
-        from megarl.bridge import make_weight_sender
+    def sync_weights(self, spec: BridgeSpec, weight_version: str, server_urls: list[str] | None = None) -> dict:
+        """Stream the current weights to the rollout engines (every rank takes part; which ranks
+        send depends on the transport): to `server_urls` when given (a restarted engine), else to
+        every engine of the spec. Returns rank 0's stats."""
+        from megarl.bridge import make_transport
 
-        # engines come and go (restarts move them to new ports): the sender is kept across URL
-        # changes, so its buffer, connections and the disk version it must clean up survive
-        identity = {k: v for k, v in bridge_spec.items() if k != "server_urls"}
-        if self.rank == 0 and self._sender_spec != identity:
-            if self._sender is not None:
-                self._sender.close()
-            self._sender, self._sender_spec = make_weight_sender(bridge_spec), identity
-        urls = list(server_urls or bridge_spec["server_urls"])
-        return _send_all(self.actor.export_weights(), self._sender, weight_version, urls)
-
-
-def _send_all(named_tensors, sender, weight_version: str, server_urls: list[str] | None = None) -> dict:
-    start = time.perf_counter()
-    if sender is None:
-        for _ in named_tensors:  # take part in the collectives, keep nothing
-            pass
-        return {}
-    stats = sender.send(named_tensors, weight_version, server_urls)
-    stats["perf/weight_sync_s"] = time.perf_counter() - start
-    return stats
+        # one transport per run: its groups, plan, buffers and connections are reused; engines come
+        # and go (restarts move them to new ports) without rebuilding it
+        if not spec.same_transport(self._transport_spec):
+            if self._transport is not None:
+                self._transport.close()
+            self._transport = make_transport(spec, self.rank, self.world_size, self.get_node_ip())
+            self._transport_spec = spec
+        return self._transport.sync(self.actor, weight_version, server_urls or spec.server_urls)

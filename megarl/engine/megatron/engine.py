@@ -23,7 +23,8 @@ from megarl.data.batch import Batch
 from megarl.engine.megatron import cpu_compat
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge
-from megarl.engine.megatron.weights import export_hf_weights, load_hf_weights
+from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_weights, load_hf_weights,
+                                            sends_owned_weights)
 
 
 @dataclass
@@ -226,10 +227,25 @@ class MegatronEngine:
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) for every weight; a collective: call it on every rank."""
+        return export_hf_weights(self.bridge, self._bare_model())
+
+    def export_owned_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What this rank sends in the distributed transport (weights.export_owned_hf_weights)."""
+        return export_owned_hf_weights(self.bridge, self._bare_model())
+
+    def sends_owned_weights(self) -> bool:
+        return sends_owned_weights(self._bare_model())
+
+    def local_pieces(self) -> list:
+        """The HF boxes this rank produces from its own shards (shards.local_hf_pieces)."""
+        from megarl.engine.megatron.shards import local_hf_pieces
+
+        return local_hf_pieces(self.bridge, self._bare_model())
+
+    def _bare_model(self):
         from megatron.core.distributed import DistributedDataParallel
 
-        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
-        return export_hf_weights(self.bridge, model)
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
 
 def _response_slice(values: torch.Tensor, mb: Batch) -> torch.Tensor:

@@ -190,3 +190,35 @@ def export_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
         for mcore_name, tensor in mine:
             hf_names, hf_tensors = bridge._weight_to_hf_format(mcore_name, tensor)
             yield from zip(hf_names, hf_tensors)
+
+
+def _owned_params(model) -> list[tuple[str, str, bool]]:
+    """(local name, global name, expert?) of the parameters this rank takes part in sending in the
+    distributed transport: dense ones on the data-parallel-0 replica of its stage, experts on the
+    expert-data-parallel-0 replica. Dense first, then experts (as slime): a rank that helps gather
+    dense tensors for its TP-0 peer never waits on the bucket lock while that peer needs it."""
+    ps = _mesh()
+    dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    experts = ps.get_expert_data_parallel_rank() == 0
+    names = [(local, g, _is_expert(g)) for local, g in local_to_global_names(model).items()]
+    return ([n for n in names if not n[2] and dense] + [n for n in names if n[2] and experts])
+
+
+def sends_owned_weights(model) -> bool:
+    """Whether export_owned_hf_weights yields anything on this rank (no communication)."""
+    return any(_tp_split(g)[1] == 0 for _, g, _ in _owned_params(model))
+
+
+@torch.no_grad()
+def export_owned_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) of what this rank owns: its stage's dense weights on the TP-0 rank of
+    the data-parallel-0 replica, each EP rank's own experts on its expert-TP-0 rank. Tensors are
+    gathered over TP / expert-TP as the stream is consumed (bucket by bucket), nothing crosses
+    pipeline stages or EP ranks, and no rank ever holds more than its stage's share."""
+    tensors = {**model.state_dict(), **dict(model.named_parameters())}
+    for local_name, global_name, _ in _owned_params(model):
+        tensor = _gather_tp(bridge, global_name, tensors[local_name])
+        if _tp_split(global_name)[1] != 0:
+            continue  # a gather helper: its TP-0 peer sends
+        hf_names, hf_tensors = bridge._weight_to_hf_format(global_name, tensor.detach())
+        yield from zip(hf_names, hf_tensors)
