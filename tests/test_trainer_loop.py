@@ -94,9 +94,27 @@ def test_disaggregated_engines_behind_the_router_stay_in_parity(disaggregated):
     assert "behind router http://" in console
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
-        assert m["rollout/logprob_diff_max"] < 1e-4  # both engines got every sync
+        assert m["rollout/logprob_diff_max"] < 1e-4  # both engines got every (reshard) sync
         assert m["rollout/retries"] == 0 and m["rollout/engine_restarts"] == 0
         assert "perf/release_s" not in m  # disaggregated engines keep their memory
+        # reshard: each of the two tp=1 engines gets the whole model, point to point
+        assert m["bridge/bytes"] == 2 * m["bridge/bytes_per_rollout_rank_max"] > 0
+
+
+def test_distributed_transport_through_the_loop_stays_in_parity(tmp_path):
+    """SGLang's update groups from inside Ray workers: both EP ranks send their own experts."""
+    from megarl.trainer.run import train
+
+    cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", [
+        f"trainer.output_dir={tmp_path}", "trainer.total_steps=2", "trainer.val_every=0", "data.num_train=64",
+        "rollout.n=4", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size=16", "trainer.tensorboard=false",
+        "bridge.transport=distributed", "bridge.bucket_size_mb=0.05"]))
+    train(cfg, stream=io.StringIO())
+    steps = [json.loads(x) for x in (tmp_path / "disaggregated" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["rollout/logprob_diff_max"] < 1e-4
+        assert m["bridge/buckets"] > 1  # 50 KiB buckets: the ticket lock takes turns
 
 
 def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(tmp_path):

@@ -95,27 +95,29 @@ class SyncTrainer:
                 self.rt.fleet.resume_memory(["weights"])
         with _timer(timing, "sync"):
             self.weight_version += 1
-            self.sync_weights()
+            bridge_stats = self.sync_weights()
         if self.release:
             with _timer(timing, "resume_kv"):
                 self.rt.fleet.resume_memory(["kv_cache"])
         timing["perf/step_s"] = time.perf_counter() - t_step
         # engines restarted anywhere in the step: in generation, memory release/resume or the sync
         rollout_stats["rollout/engine_restarts"] = float(self.rt.fleet.restarts - restarts_before)
-        return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing}
+        return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing,
+                **{k: float(v) for k, v in bridge_stats.items() if k.startswith("bridge/")}}
 
-    def sync_weights(self) -> None:
-        """Push the actor's weights to every engine. An engine that died since the rollout makes
-        the push fail: the fleet restarts it (it gets these weights through _resync) and the
-        push is repeated for all engines (a second push of the same version is harmless)."""
+    def sync_weights(self) -> dict:
+        """Push the actor's weights to every engine; returns the bridge's stats (rank 0's). An
+        engine that died since the rollout makes the push fail (the engines that are alive keep
+        their previous weights: a sync is all or nothing): the fleet restarts it (it gets these
+        weights through _resync) and the push is repeated for all engines."""
         from megarl.controller.worker_group import WorkerError
 
         try:
-            self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version))
+            return self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version)) or {}
         except WorkerError:
             if not self.rt.fleet.recover(wait=True):
                 raise  # every engine is alive: the failure is not a dead engine's
-            self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version))
+            return self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version)) or {}
 
     def _resync(self, urls: list[str]) -> None:
         """A restarted engine gets the weights the others serve before it takes requests."""
