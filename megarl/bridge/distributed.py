@@ -6,7 +6,7 @@ rank; the engines' ranks follow, engine e at `1 + ranks of engines before e`): e
 sends its own layers, each EP rank its own experts, tensors gathered over TP / expert-TP bucket by
 bucket as the stream is consumed (weights.export_owned_hf_weights). Broadcasts of different groups
 take turns through a ticket lock (ticket_lock.py); while bucket k is in flight the sender already
-gathers bucket k+1. Order: pause generation and flush the cache (rank 0), buckets (staged on
+gathers bucket k+1. Order: pause generation (rank 0), buckets (staged on
 embedded engines), then commit and continue (rank 0) once every rank reports success.
 """
 

@@ -66,7 +66,7 @@ class WeightTransport(ABC):
             self._engines = None
 
     def _staged(self, version: str, urls: list[str], send, stream) -> None:
-        """Rank 0's frame around a sync: pause + flush, send(stream), commit, continue; abort on
+        """Rank 0's frame around a sync: pause, send(stream), commit, continue; abort on
         failure. The stream is drained whatever happens: its collectives keep the other ranks in
         lockstep (a rank that stopped halfway would pair its next sync with their old one)."""
         engines = self.engines
@@ -96,7 +96,7 @@ class WeightTransport(ABC):
             return [e for e in (error, f"trainer rank {self.rank} lost a peer during the sync ({exc})") if e]
 
     def _begin(self, urls: list[str], version: str) -> None:
-        """Rank 0 pauses generation and flushes the cache on every engine; all ranks go on only if
+        """Rank 0 pauses generation on every engine; all ranks go on only if
         that worked (a dead engine fails the sync here, before any rank starts sending)."""
         error = None
         if self.rank == 0:
