@@ -24,9 +24,14 @@ from megarl.bridge.transport import WeightTransport, drain
 from megarl.rollout import update_group
 
 
-def pack_flat(bucket) -> torch.Tensor:
-    """SGLang's FlattenedTensorBucket layout: every tensor's bytes, back to back, no padding."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+def pack_flat(bucket, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SGLang's FlattenedTensorBucket layout: every tensor's bytes, back to back, no padding
+    (into `out`'s first bytes when given: a reused buffer spares the page faults of a fresh one)."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+    if out is None:
+        return torch.cat(parts)
+    nbytes = sum(p.numel() for p in parts)
+    return torch.cat(parts, out=out[:nbytes])
 
 
 class DistributedTransport(WeightTransport):
@@ -37,6 +42,7 @@ class DistributedTransport(WeightTransport):
         self._group: update_group.UpdateGroup | None = None
         self._group_key: tuple | None = None  # engine URLs the groups were built for
         self._generation = 0
+        self._buffers: list[torch.Tensor | None] = [None, None]  # packed buckets, reused across syncs
         self._completer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bridge-complete")
 
     # ---- set-up -----------------------------------------------------------------------------
@@ -131,8 +137,11 @@ class DistributedTransport(WeightTransport):
 
     def _send(self, stream, version: str, stats: dict) -> None:
         inflight: concurrent.futures.Future | None = None
-        for bucket in iter_buckets(stream, self.spec.bucket_bytes):
-            flat = pack_flat(bucket)  # gathered (and packed) while the previous bucket is in flight
+        for k, bucket in enumerate(iter_buckets(stream, self.spec.bucket_bytes)):
+            # gathered and packed while the previous bucket is in flight, into the other of two
+            # buffers kept across syncs; bucket k-2 (same buffer) is done: k-1 only got its ticket
+            # once k-2's was released
+            flat = pack_flat(bucket, self._pack_buffer(k % 2, bucket))
             if inflight is not None and inflight.done():
                 inflight.result()  # surface an earlier failure before queueing behind it
             ticket = self._lock.acquire()
@@ -148,6 +157,15 @@ class DistributedTransport(WeightTransport):
             stats["bridge/bytes"] += sum(tensor_bytes(t) for _, t in bucket)
         if inflight is not None:
             inflight.result()
+
+    def _pack_buffer(self, slot: int, bucket) -> torch.Tensor:
+        nbytes = sum(tensor_bytes(t) for _, t in bucket)
+        device = bucket[0][1].device
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._buffers[slot] = torch.empty(max(nbytes, self.spec.bucket_bytes), dtype=torch.uint8,
+                                                    device=device)
+        return buf
 
     def _post_bucket(self, bucket, version: str) -> list:
         names = [n for n, _ in bucket]

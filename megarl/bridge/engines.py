@@ -37,8 +37,8 @@ class Engine:
 class EngineSet:
     """Kept across syncs; `use(urls)` points it at the engines of this sync (restarts move them)."""
 
-    def __init__(self, timeout_s: float, api_key: str | None):
-        self.timeout_s, self.api_key = timeout_s, api_key
+    def __init__(self, timeout_s: float, api_key: str | None, pause_generation: bool = True):
+        self.timeout_s, self.api_key, self.pause_generation = timeout_s, api_key, pause_generation
         self._known: dict[str, Engine] = {}
         self.engines: list[Engine] = []
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="bridge-http")
@@ -76,7 +76,8 @@ class EngineSet:
         by the update itself (SGLang's `flush_cache` on the last bucket; the embedded engine keeps
         no KV cache between batches): a separate /flush_cache first would cost one more round
         trip per engine per step (~1 ms here) and is refused anyway while requests are paused."""
-        self.each(lambda i, e: e.client.pause_generation(mode="in_place"), "pause_generation")
+        if self.pause_generation:
+            self.each(lambda i, e: e.client.pause_generation(mode="in_place"), "pause_generation")
 
     def commit(self, version: str) -> None:
         self.each(lambda i, e: e.client.commit_weight_update(version) if e.stages else None, "commit_weight_update")
@@ -89,7 +90,8 @@ class EngineSet:
             log.warning("after a failed sync, dropping staged weights failed too: %s", exc)
 
     def resume(self) -> None:
-        self.each(lambda i, e: e.client.continue_generation(), "continue_generation")
+        if self.pause_generation:
+            self.each(lambda i, e: e.client.continue_generation(), "continue_generation")
 
     def close(self) -> None:
         for engine in self._known.values():

@@ -131,10 +131,12 @@ class ReshardTransport(WeightTransport):
         fetched: dict[str, torch.Tensor] = {}  # a piece converted once per sync, sliced per message
         total = 0
         for msg in plan.sends_of(self.rank):
-            buf = torch.empty(msg.nbytes, dtype=torch.uint8)
             for entry in msg.entries:
                 if entry.name not in fetched:
                     fetched[entry.name] = self._pieces[entry.name].fetch()
+            # on the parameters' device: NCCL moves device memory only (gloo: CPU)
+            buf = torch.empty(msg.nbytes, dtype=torch.uint8, device=fetched[msg.entries[0].name].device)
+            for entry in msg.entries:
                 part = fetched[entry.name][tuple(slice(a, b) for a, b in entry.src_box_local)]
                 raw = part.contiguous().reshape(-1).view(torch.uint8)
                 buf[entry.offset:entry.offset + raw.numel()].copy_(raw)

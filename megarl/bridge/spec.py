@@ -23,6 +23,10 @@ class BridgeSpec:
     timeout_s: float = 600.0
     disk_dir: str | None = None
     backend: str | None = None
+    # hold generation (/pause_generation .. /continue_generation) around a sync; a loop whose
+    # engines are idle while it syncs (the synchronous one) turns it off: two round trips per
+    # engine per step for nothing
+    pause_generation: bool = True
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:

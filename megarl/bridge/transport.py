@@ -46,7 +46,7 @@ class WeightTransport(ABC):
     @property
     def engines(self) -> EngineSet:
         if self._engines is None:
-            self._engines = EngineSet(self.spec.timeout_s, self.spec.api_key)
+            self._engines = EngineSet(self.spec.timeout_s, self.spec.api_key, self.spec.pause_generation)
         return self._engines
 
     def sync(self, source: WeightSource, version: str, server_urls=None) -> dict:
