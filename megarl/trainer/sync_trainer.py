@@ -184,7 +184,9 @@ class SyncTrainer:
         b = self.cfg.bridge
         return BridgeSpec(transport=b.transport, server_urls=tuple(self.rt.server_urls),
                           api_key=self.rt.fleet.api_key, bucket_bytes=int(b.bucket_size_mb * 2**20),
-                          disk_dir=str(self.rt.run_dir / "weights"), timeout_s=self.cfg.rollout.request_timeout_s)
+                          disk_dir=str(self.rt.run_dir / "weights"), timeout_s=self.cfg.rollout.request_timeout_s,
+                          # this loop syncs only after generation finished: nothing to pause
+                          pause_generation=False)
 
 
 class _timer:
