@@ -92,7 +92,10 @@ def _sync_rounds(rank, model_path, urls, layout, rounds, tmp_dir):
 
     engine = _engine(model_path, train=True, **layout)
     rows = make_rows()
-    transports, out = {}, []
+    # what reshard plans from: every rank's HF boxes, and the full tensors they must rebuild
+    pieces = [(p.name, p.box, p.fetch().clone()) for p in engine.local_pieces()]
+    full = {name: t.clone() for name, t in engine.export_weights()}
+    transports, out = {}, [{"pieces": pieces, "full": full if rank == 0 else None}]
     for version, name in enumerate(rounds, start=1):
         if name not in transports:
             spec = BridgeSpec(name, tuple(urls), BUCKET, disk_dir=str(tmp_dir), timeout_s=120)
@@ -138,6 +141,7 @@ def test_engines_match_trainer_after_every_sync(engines, tiny_model_path, tmp_pa
     mask = make_rows()["response_mask"].bool()
     before = [server_response_logprobs(u) for u in engines]
     results = run_ranks(_sync_rounds, 2, tiny_model_path, engines, layout, rounds, tmp_path)
+    _check_pieces_rebuild_the_model([r.pop(0) for r in results])
     previous = before
     for i, name in enumerate(rounds):
         trainer = next(r[i]["trainer"] for r in results if r[i]["trainer"] is not None)
@@ -153,12 +157,25 @@ def test_engines_match_trainer_after_every_sync(engines, tiny_model_path, tmp_pa
     assert by_transport["tensor"]["bridge/buckets"] > 1
 
 
+def _check_pieces_rebuild_the_model(per_rank: list[dict]) -> None:
+    """The boxes every rank says it can produce from its own shard (shards.local_hf_pieces, via
+    mbridge's layouts) put back together equal the gathered export, bit for bit, with no gaps."""
+    full = per_rank[0]["full"]
+    rebuilt = {name: torch.full_like(t, float("nan")) for name, t in full.items()}
+    for record in per_rank:
+        for name, box, values in record["pieces"]:
+            rebuilt[name][tuple(slice(a, b) for a, b in box)] = values
+    assert rebuilt.keys() == full.keys()
+    for name, tensor in full.items():
+        assert torch.equal(rebuilt[name], tensor), name
+
+
 def test_reshard_moves_exactly_the_bytes_each_rollout_rank_owns(engines, tiny_model_path):
     """One reshard sync from an EP=2 trainer: the plan's bytes equal the engines' shard bytes."""
     from math import prod
 
     results = run_ranks(_sync_rounds, 2, tiny_model_path, engines, dict(tp=1, ep=2, pp=1), ["reshard"], None)
-    stats = results[0][0]["stats"]
+    stats = results[0][1]["stats"]
     layouts = [httpx.get(f"{u}/get_parallelism_config", timeout=10).json() for u in engines]
     owned = [sum(prod(p["local_shape"]) * 4 for p in rank["params"].values())
              for layout in layouts for rank in layout["ranks"]]
@@ -167,7 +184,7 @@ def test_reshard_moves_exactly_the_bytes_each_rollout_rank_owns(engines, tiny_mo
     assert stats["bridge/bytes_per_rollout_rank_max"] == max(owned) == full  # the tp=1 engine holds it all
     assert max(owned[1:]) < 0.75 * full  # each tp=2 rank gets its half of the split tensors only
     # both trainer ranks send (EP owners and data-parallel copies share the work)
-    assert all(r[0]["stats"]["bridge/bytes_sent"] > 0 for r in results)
+    assert all(r[1]["stats"]["bridge/bytes_sent"] > 0 for r in results)
 
 
 def _die_mid_sync(rank, model_path, urls, transport, tmp_dir):
