@@ -85,18 +85,25 @@ def _full_logits(engine, ids):
     return torch.cat(parts, -1)
 
 
-def _forward_on_rank(rank, model_path, tp, ep):
-    engine = _engine(model_path, tp, ep)
+def _forward_on_rank(rank, model_path, tp, ep, pp=1):
+    """log-probs (None on a rank that is not the last pipeline stage) and, without PP, logits."""
+    engine = _engine(model_path, tp, ep, pp=pp)
     rows = make_rows()
     out = engine.compute_log_prob(rows)
-    logits = _full_logits(engine, rows["input_ids"])
-    return {"log_probs": out["log_probs"], "logits": logits}
+    logits = _full_logits(engine, rows["input_ids"]) if pp == 1 else None
+    return {"log_probs": None if out is None else out["log_probs"], "logits": logits}
 
 
-def _train_on_rank(rank, model_path, tp, ep):
+def _last_stage(results) -> torch.Tensor:
+    found = [r["log_probs"] for r in results if r["log_probs"] is not None]
+    assert found, "no rank returned log-probs"
+    return found[0]
+
+
+def _train_on_rank(rank, model_path, tp, ep, pp=1):
     from megarl.algo.losses import policy_loss
 
-    engine = _engine(model_path, tp, ep, train=True)
+    engine = _engine(model_path, tp, ep, train=True, pp=pp)
     rows = make_rows()
 
     def loss_fn(logp, ent, mb):
@@ -116,7 +123,23 @@ def forward_results(tiny_model_path):
         "tp1": run_ranks(_forward_on_rank, 1, tiny_model_path, 1, 1)[0],
         "tp2": run_ranks(_forward_on_rank, 2, tiny_model_path, 2, 1)[0],
         "ep2": run_ranks(_forward_on_rank, 2, tiny_model_path, 1, 2),
+        "pp2": run_ranks(_forward_on_rank, 2, tiny_model_path, 1, 1, 2),
     }
+
+
+def test_pp2_log_probs_equal_pp1(forward_results):
+    """1F1B over 2 stages (make_rows gives 2 micro-batches): only the last stage scores."""
+    pp2 = forward_results["pp2"]
+    assert sum(r["log_probs"] is not None for r in pp2) == 1
+    torch.testing.assert_close(_last_stage(pp2), forward_results["tp1"]["log_probs"], atol=1e-5, rtol=0)
+
+
+def test_combined_layouts_on_four_ranks_equal_one_rank(forward_results, tiny_model_path):
+    """TP=2 x PP=2 and EP=2 x PP=2, each over 4 gloo ranks."""
+    for tp, ep in ((2, 1), (1, 2)):
+        results = run_ranks(_forward_on_rank, 4, tiny_model_path, tp, ep, 2)
+        torch.testing.assert_close(_last_stage(results), forward_results["tp1"]["log_probs"], atol=1e-5,
+                                   rtol=0, msg=f"tp={tp} ep={ep} pp=2")
 
 
 def test_tp2_logits_equal_tp1(forward_results):
@@ -153,12 +176,13 @@ def test_mbridge_logits_equal_hugging_face_logits(forward_results, tiny_model_pa
         torch.testing.assert_close(forward_results[name]["logits"], ref, atol=1e-5, rtol=0)
 
 
-def test_train_step_tp2_and_ep2_match_tp1(tiny_model_path):
+def test_train_step_tp2_ep2_and_pp2_match_tp1(tiny_model_path):
     tp1 = run_ranks(_train_on_rank, 1, tiny_model_path, 1, 1)[0]
     tp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 2, 1)[0]
     ep2 = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 2)[0]
+    pp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 1, 2)[0]  # every stage exports the whole model
     assert tp1["grad_norm"] > 0
-    for other in (tp2, ep2):
+    for other in (tp2, ep2, pp2):
         assert other["grad_norm"] == pytest.approx(tp1["grad_norm"], rel=1e-5)
         assert set(other["weights"]) == set(tp1["weights"])
         for name, w in tp1["weights"].items():
