@@ -55,16 +55,17 @@ def hf_reference(model_path):
     return out
 
 
-def _engine(model_path, tp, ep, train=False, pp=1):
+def _engine(model_path, tp, ep, train=False, pp=1, etp=1, dispatcher="alltoall"):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
     spec = EngineSpec(
         model_path=str(model_path),
-        parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, sequence_parallel=tp > 1),
+        parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, etp=etp, sequence_parallel=tp > 1),
         optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0) if train else None,
         micro_batch_size=2,
         seed=1,
+        moe_dispatcher=dispatcher,
     )
     engine = MegatronEngine(spec)
     engine.initialize()
@@ -100,10 +101,10 @@ def _last_stage(results) -> torch.Tensor:
     return found[0]
 
 
-def _train_on_rank(rank, model_path, tp, ep, pp=1):
+def _train_on_rank(rank, model_path, tp, ep, pp=1, etp=1, dispatcher="alltoall"):
     from megarl.algo.losses import policy_loss
 
-    engine = _engine(model_path, tp, ep, train=True, pp=pp)
+    engine = _engine(model_path, tp, ep, train=True, pp=pp, etp=etp, dispatcher=dispatcher)
     rows = make_rows()
 
     def loss_fn(logp, ent, mb):
@@ -176,13 +177,16 @@ def test_mbridge_logits_equal_hugging_face_logits(forward_results, tiny_model_pa
         torch.testing.assert_close(forward_results[name]["logits"], ref, atol=1e-5, rtol=0)
 
 
-def test_train_step_tp2_ep2_and_pp2_match_tp1(tiny_model_path):
+def test_train_step_tp2_ep2_pp2_etp2_and_allgather_match_tp1(tiny_model_path):
     tp1 = run_ranks(_train_on_rank, 1, tiny_model_path, 1, 1)[0]
     tp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 2, 1)[0]
     ep2 = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 2)[0]
     pp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 1, 2)[0]  # every stage exports the whole model
+    # expert-TP: TP=2 with the experts split over 2 ranks too; EP=2 with the allgather dispatcher
+    etp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 2, 1, 1, 2)[0]
+    allgather = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 2, 1, 1, "allgather")[0]
     assert tp1["grad_norm"] > 0
-    for other in (tp2, ep2, pp2):
+    for other in (tp2, ep2, pp2, etp2, allgather):
         assert other["grad_norm"] == pytest.approx(tp1["grad_norm"], rel=1e-5)
         assert set(other["weights"]) == set(tp1["weights"])
         for name, w in tp1["weights"].items():

@@ -64,9 +64,17 @@ class OptimConfig:
 
 
 @dataclass
+class MoEConfig:
+    # how tokens reach their experts across EP ranks: alltoall (each rank sends each expert's
+    # tokens to its owner; mbridge's default) or allgather (every rank gathers every token)
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+
+
+@dataclass
 class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     ppo_mini_batch_size: int = 256        # rows per optimizer step (all data-parallel ranks)
     micro_batch_size: int = 32            # rows per forward/backward on one data-parallel rank
     ppo_epochs: int = 1                   # passes over each step's rows

@@ -34,6 +34,7 @@ class EngineSpec:
     optim: OptimConfig | None = None  # None: forward-only (reference policy)
     micro_batch_size: int = 8
     seed: int = 0
+    moe_dispatcher: str = "alltoall"  # actor.moe.dispatcher
 
 
 # A loss function maps (log_prob [b,R], entropy [b,R], micro-batch) to
@@ -75,6 +76,10 @@ class MegatronEngine:
             sequence_parallel=bool(p.sequence_parallel),
             calculate_per_token_loss=True,
             expert_tensor_parallel_size=p.etp,
+            moe_token_dispatcher_type=self.spec.moe_dispatcher,
+            # Megatron's allgather dispatcher refuses variable sequence lengths; every micro-batch of
+            # one call is padded to the same length here, so the pipeline's shapes are fixed anyway
+            **({"variable_seq_lengths": False} if self.spec.moe_dispatcher == "allgather" else {}),
         )
         model = self.bridge._model_provider([])(
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
