@@ -137,6 +137,41 @@ def test_cp2_log_probs_equal_cp1(forward_results):
                                    atol=1e-5, rtol=0)
 
 
+def _attention_parity_on_rank(rank):
+    """CpuCoreAttention against Megatron's local DotProductAttention: GQA, causal, fwd + bwd."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megarl.engine.megatron import cpu_compat
+    from megarl.engine.megatron.cpu_attention import CpuCoreAttention
+
+    cpu_compat.activate()
+    ps.initialize_model_parallel(1, 1)
+    cpu_compat.seed_model_parallel(0)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=8, use_cpu_initialization=True, masked_softmax_fusion=False,
+                               attention_dropout=0.0)
+    args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, 2, h, 8, generator=gen) for h in (4, 2, 2))
+    outs = []
+    for module in (DotProductAttention(**args), CpuCoreAttention(**args)):
+        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+        out = module(qi, ki, vi, None)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs.append([out.detach(), qi.grad, ki.grad, vi.grad])
+    return outs
+
+
+def test_cpu_core_attention_equals_megatron_local_attention():
+    stock, ours = run_ranks(_attention_parity_on_rank, 1)[0]
+    assert ours[0].shape == stock[0].shape == (7, 2, 32)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, stock):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+
+
 def test_pp2_log_probs_equal_pp1(forward_results):
     """1F1B over 2 stages (make_rows gives 2 micro-batches): only the last stage scores."""
     pp2 = forward_results["pp2"]
@@ -150,6 +185,14 @@ def test_combined_layouts_on_four_ranks_equal_one_rank(forward_results, tiny_mod
         results = run_ranks(_forward_on_rank, 4, tiny_model_path, tp, ep, 2)
         torch.testing.assert_close(_last_stage(results), forward_results["tp1"]["log_probs"], atol=1e-5,
                                    rtol=0, msg=f"tp={tp} ep={ep} pp=2")
+
+
+def test_cp2_with_tp2_and_pp2_on_four_ranks_equals_one_rank(forward_results, tiny_model_path):
+    """CP=2 x TP=2 (sequence parallel: padded to a multiple of 2*cp*tp) and CP=2 x PP=2."""
+    for tp, pp in ((2, 1), (1, 2)):
+        results = run_ranks(_forward_on_rank, 4, tiny_model_path, tp, 1, pp, 2)
+        torch.testing.assert_close(_last_stage(results), forward_results["tp1"]["log_probs"], atol=1e-5,
+                                   rtol=0, msg=f"tp={tp} pp={pp} cp=2")
 
 
 def test_tp2_logits_equal_tp1(forward_results):
