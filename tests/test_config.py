@@ -138,8 +138,6 @@ BAD_CONFIGS = [
     (["data.max_prompt_length=300"], "data.max_prompt_length", "exceeds model.max_position_embeddings=256"),
     (["data.num_train=4"], "data.num_train", "smaller than data.train_batch_size"),
     (["cluster.num_cpus=0"], "cluster.num_cpus", "must be >= 1 or null"),
-    (["actor.parallel.cp=2", "cluster.num_actor_ranks=2", "actor.parallel.ep=1"],
-     "actor.parallel.cp", "context parallelism is not supported yet"),
     # placement: rollout layouts that do not fit their pool, or the model
     (["rollout.tp=2", "rollout.num_servers=2"], "rollout.num_servers",
      "2*2=4 devices do not fit the colocated pool of cluster.num_actor_ranks=2"),

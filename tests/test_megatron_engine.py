@@ -55,13 +55,13 @@ def hf_reference(model_path):
     return out
 
 
-def _engine(model_path, tp, ep, train=False, pp=1, etp=1, dispatcher="alltoall"):
+def _engine(model_path, tp, ep, train=False, pp=1, etp=1, dispatcher="alltoall", cp=1):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
     spec = EngineSpec(
         model_path=str(model_path),
-        parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, etp=etp, sequence_parallel=tp > 1),
+        parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, etp=etp, cp=cp, sequence_parallel=tp > 1),
         optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0) if train else None,
         micro_batch_size=2,
         seed=1,
@@ -86,12 +86,12 @@ def _full_logits(engine, ids):
     return torch.cat(parts, -1)
 
 
-def _forward_on_rank(rank, model_path, tp, ep, pp=1):
-    """log-probs (None on a rank that is not the last pipeline stage) and, without PP, logits."""
-    engine = _engine(model_path, tp, ep, pp=pp)
+def _forward_on_rank(rank, model_path, tp, ep, pp=1, cp=1):
+    """log-probs (None on a rank that is not the last pipeline stage) and, without PP/CP, logits."""
+    engine = _engine(model_path, tp, ep, pp=pp, cp=cp)
     rows = make_rows()
     out = engine.compute_log_prob(rows)
-    logits = _full_logits(engine, rows["input_ids"]) if pp == 1 else None
+    logits = _full_logits(engine, rows["input_ids"]) if pp == 1 and cp == 1 else None
     return {"log_probs": None if out is None else out["log_probs"], "logits": logits}
 
 
@@ -101,10 +101,10 @@ def _last_stage(results) -> torch.Tensor:
     return found[0]
 
 
-def _train_on_rank(rank, model_path, tp, ep, pp=1, etp=1, dispatcher="alltoall"):
+def _train_on_rank(rank, model_path, tp, ep, pp=1, etp=1, dispatcher="alltoall", cp=1):
     from megarl.algo.losses import policy_loss
 
-    engine = _engine(model_path, tp, ep, train=True, pp=pp, etp=etp, dispatcher=dispatcher)
+    engine = _engine(model_path, tp, ep, train=True, pp=pp, etp=etp, dispatcher=dispatcher, cp=cp)
     rows = make_rows()
 
     def loss_fn(logp, ent, mb):
@@ -125,7 +125,51 @@ def forward_results(tiny_model_path):
         "tp2": run_ranks(_forward_on_rank, 2, tiny_model_path, 2, 1)[0],
         "ep2": run_ranks(_forward_on_rank, 2, tiny_model_path, 1, 2),
         "pp2": run_ranks(_forward_on_rank, 2, tiny_model_path, 1, 1, 2),
+        "cp2": run_ranks(_forward_on_rank, 2, tiny_model_path, 1, 1, 1, 2),
     }
+
+
+def test_cp2_log_probs_equal_cp1(forward_results):
+    """Load-balanced CP split (rank r holds chunks r and 3-r), K/V all-gathered in CpuCoreAttention;
+    both CP ranks assemble the same full-sequence log-probs."""
+    for rank_result in forward_results["cp2"]:
+        torch.testing.assert_close(rank_result["log_probs"], forward_results["tp1"]["log_probs"],
+                                   atol=1e-5, rtol=0)
+
+
+def _attention_parity_on_rank(rank):
+    """CpuCoreAttention against Megatron's local DotProductAttention: GQA, causal, fwd + bwd."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megarl.engine.megatron import cpu_compat
+    from megarl.engine.megatron.cpu_attention import CpuCoreAttention
+
+    cpu_compat.activate()
+    ps.initialize_model_parallel(1, 1)
+    cpu_compat.seed_model_parallel(0)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=8, use_cpu_initialization=True, masked_softmax_fusion=False,
+                               attention_dropout=0.0)
+    args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, 2, h, 8, generator=gen) for h in (4, 2, 2))
+    outs = []
+    for module in (DotProductAttention(**args), CpuCoreAttention(**args)):
+        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+        out = module(qi, ki, vi, None)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs.append([out.detach(), qi.grad, ki.grad, vi.grad])
+    return outs
+
+
+def test_cpu_core_attention_equals_megatron_local_attention():
+    stock, ours = run_ranks(_attention_parity_on_rank, 1)[0]
+    assert ours[0].shape == stock[0].shape == (7, 2, 32)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, stock):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
 
 
 def test_pp2_log_probs_equal_pp1(forward_results):
@@ -141,6 +185,14 @@ def test_combined_layouts_on_four_ranks_equal_one_rank(forward_results, tiny_mod
         results = run_ranks(_forward_on_rank, 4, tiny_model_path, tp, ep, 2)
         torch.testing.assert_close(_last_stage(results), forward_results["tp1"]["log_probs"], atol=1e-5,
                                    rtol=0, msg=f"tp={tp} ep={ep} pp=2")
+
+
+def test_cp2_with_tp2_and_pp2_on_four_ranks_equals_one_rank(forward_results, tiny_model_path):
+    """CP=2 x TP=2 (sequence parallel: padded to a multiple of 2*cp*tp) and CP=2 x PP=2."""
+    for tp, pp in ((2, 1), (1, 2)):
+        results = run_ranks(_forward_on_rank, 4, tiny_model_path, tp, 1, pp, 2)
+        torch.testing.assert_close(_last_stage(results), forward_results["tp1"]["log_probs"], atol=1e-5,
+                                   rtol=0, msg=f"tp={tp} pp={pp} cp=2")
 
 
 def test_tp2_logits_equal_tp1(forward_results):
@@ -177,7 +229,7 @@ def test_mbridge_logits_equal_hugging_face_logits(forward_results, tiny_model_pa
         torch.testing.assert_close(forward_results[name]["logits"], ref, atol=1e-5, rtol=0)
 
 
-def test_train_step_tp2_ep2_pp2_etp2_and_allgather_match_tp1(tiny_model_path):
+def test_train_step_tp2_ep2_pp2_etp2_cp2_and_allgather_match_tp1(tiny_model_path):
     tp1 = run_ranks(_train_on_rank, 1, tiny_model_path, 1, 1)[0]
     tp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 2, 1)[0]
     ep2 = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 2)[0]
@@ -185,8 +237,10 @@ def test_train_step_tp2_ep2_pp2_etp2_and_allgather_match_tp1(tiny_model_path):
     # expert-TP: TP=2 with the experts split over 2 ranks too; EP=2 with the allgather dispatcher
     etp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 2, 1, 1, 2)[0]
     allgather = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 2, 1, 1, "allgather")[0]
+    # context parallel: each token's loss counted once over the CP ranks (engine.loss_func)
+    cp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 1, 1, 1, "alltoall", 2)[0]
     assert tp1["grad_norm"] > 0
-    for other in (tp2, ep2, pp2, etp2, allgather):
+    for other in (tp2, ep2, pp2, etp2, allgather, cp2):
         assert other["grad_norm"] == pytest.approx(tp1["grad_norm"], rel=1e-5)
         assert set(other["weights"]) == set(tp1["weights"])
         for name, w in tp1["weights"].items():

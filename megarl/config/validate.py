@@ -188,14 +188,6 @@ def check_paths(cfg: RunConfig) -> None:
                  "or 'path/to/file.py:function'")
 
 
-def check_supported(cfg: RunConfig) -> None:
-    """Options the schema names for the architecture but this version does not run yet: said
-    up front, before any process starts, rather than failing inside a worker."""
-    _require(cfg.actor.parallel.cp == 1, "actor.parallel.cp",
-             f"actor.parallel.cp={cfg.actor.parallel.cp}: context parallelism is not supported "
-             "yet; use 1")
-
-
 def check_algorithm(cfg: RunConfig) -> None:
     _require(not (cfg.actor.use_kl_loss and cfg.ref.enabled is False), "ref.enabled",
              "ref.enabled=false but actor.use_kl_loss=true needs reference log-probs; "
@@ -234,6 +226,5 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_parallel(cfg, model_config)
     check_batch_sizes(cfg)
     check_rollout(cfg, model_config)
-    check_supported(cfg)
     check_algorithm(cfg)
     return resolve(cfg)

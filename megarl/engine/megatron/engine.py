@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megarl.config.schema import OptimConfig, ParallelConfig
 from megarl.data.batch import Batch
 from megarl.engine.megatron import cpu_compat
+from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge
 from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_weights, load_hf_weights,
@@ -58,8 +59,6 @@ class MegatronEngine:
             raise RuntimeError("MegatronEngine.initialize: join torch.distributed first")
         cpu_compat.activate()
         p = self.spec.parallel
-        if p.cp != 1:
-            raise NotImplementedError("context parallelism (actor.parallel.cp>1) is not supported yet")
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=p.tp,
@@ -149,8 +148,12 @@ class MegatronEngine:
 
     # ---------------------------------------------------------------- forward / backward
     def _padded_length(self, length: int) -> int:
-        # sequence parallel scatters the sequence over TP ranks: it must divide evenly.
-        multiple = self.spec.parallel.tp if self.spec.parallel.sequence_parallel else 1
+        # sequence parallel scatters the sequence over TP ranks: it must divide evenly; context
+        # parallel cuts it into 2*cp chunks first (context_parallel.py), then SP splits a rank's part.
+        p = self.spec.parallel
+        multiple = p.tp if p.sequence_parallel else 1
+        if p.cp > 1:
+            multiple *= 2 * p.cp
         return int(math.ceil(length / multiple) * multiple)
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
@@ -170,6 +173,8 @@ class MegatronEngine:
         micro = self._micro_batches(batch)
         seq_len = self._padded_length(max(mb["input_ids"].shape[1] for mb in micro))
         tp_group = ps.get_tensor_model_parallel_group()
+        cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
+        cp_rank = ps.get_context_parallel_rank()
         results = []
 
         def forward_step(data_iterator, model):
@@ -178,12 +183,21 @@ class MegatronEngine:
             if ids.shape[1] < seq_len:
                 ids = torch.nn.functional.pad(ids, (0, seq_len - ids.shape[1]), value=0)
             position_ids = torch.arange(seq_len).unsqueeze(0).expand_as(ids)
-            output = model(ids, position_ids, None)
+            # labels[t] = ids[t+1]: shifted on the full sequence, BEFORE the CP split, so a rank's
+            # last local token still gets its label from the next chunk (which another rank holds)
+            labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0)
+            output = model(split_for_cp(ids, cp_group), split_for_cp(position_ids, cp_group), None)
+            local_labels = split_for_cp(labels, cp_group)
 
             def loss_func(logits):
                 vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
                 logp, ent = vocab_parallel_logprob_entropy(
-                    logits[:, :-1], ids[:, 1:], vocab_start, tp_group, temperature)
+                    logits, local_labels, vocab_start, tp_group, temperature)
+                # Under CP every rank assembles the full sequence and computes the same loss on it;
+                # the gather's backward keeps only this rank's tokens, so each token's gradient
+                # flows once (context_parallel._GatherSeq). The last position has no label.
+                logp = gather_from_cp(logp, cp_group)[:, :-1]
+                ent = gather_from_cp(ent, cp_group)[:, :-1]
                 logp, ent = _response_slice(logp, mb), _response_slice(ent, mb)
                 if loss_fn is None:
                     results.append((logp.detach(), ent.detach(), {}))
@@ -191,7 +205,10 @@ class MegatronEngine:
                     return zero, torch.ones((), dtype=torch.int), {}
                 loss_sum, units, metrics = loss_fn(logp, ent, mb)
                 results.append((logp.detach(), ent.detach(), metrics))
-                return loss_sum, units.to(torch.int), {}
+                # Megatron sums the units over DP x CP (finalize_model_grads); every CP rank holds
+                # the same full-sequence loss, so only CP rank 0 reports them, as with CP=1.
+                units = units.to(torch.int) if cp_rank == 0 else torch.zeros((), dtype=torch.int)
+                return loss_sum, units, {}
 
             return output, loss_func
 

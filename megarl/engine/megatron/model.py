@@ -60,13 +60,16 @@ def _local_spec_mixin(base: type) -> type:
         def _get_transformer_layer_spec(self, vp_stage=None):
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+            from megarl.engine.megatron.cpu_attention import use_cpu_core_attention
+
             cfg = self.config
-            return get_gpt_layer_local_spec(
+            # our core attention: the stock local one refuses context parallelism and MLA widths
+            return use_cpu_core_attention(get_gpt_layer_local_spec(
                 num_experts=cfg.num_moe_experts,
                 moe_grouped_gemm=False,
                 qk_layernorm=cfg.qk_layernorm,
                 normalization="RMSNorm",
-            )
+            ))
 
     LocalSpecBridge.__name__ = f"Local{base.__name__}"
     return LocalSpecBridge
