@@ -7,18 +7,12 @@ Every spawned process runs with one torch thread. Results travel to the parent a
 from __future__ import annotations
 
 import dataclasses
-import io
-import os
-import queue as queue_module
-import socket
 import statistics
 import time
-import traceback
 
 import httpx
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megarl.bridge.distributed import DistributedTransport
 
@@ -26,66 +20,6 @@ from megarl.bridge.distributed import DistributedTransport
 SEQ_ROWS = [([2, 10, 11, 12, 3], [13, 14, 1]), ([2, 20, 21, 3], [22, 23, 24, 25, 1]),
             ([2, 30, 3], [31]), ([2, 40, 41, 42, 43, 44, 3], [45, 46])]
 LAYOUTS = {"ep2": dict(tp=1, ep=2, pp=1), "pp2": dict(tp=1, ep=1, pp=2)}
-
-
-# ---- spawning gloo ranks ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world_size, port, fn, args, queue):
-    import warnings
-
-    # Megatron's deprecation and non-leaf .grad notices, once per rank, would bury the tables
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*non-leaf Tensor.*")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        buf = io.BytesIO()
-        torch.save(fn(rank, *args), buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # reported to the parent, which fails the run with it
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(fn, world_size: int, *args, timeout: float = 900) -> list:
-    """fn(rank, *args) on `world_size` fresh gloo ranks; their results, by rank. Any failure ends all."""
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results, errors, deadline = {}, [], time.monotonic() + timeout
-    try:
-        while len(results) < world_size and not errors:
-            try:
-                rank, status, value = queue.get(timeout=0.5)
-            except queue_module.Empty:
-                errors += [f"rank {r}: exited with code {p.exitcode} before reporting"
-                           for r, p in enumerate(procs) if r not in results and not p.is_alive() and queue.empty()]
-                if time.monotonic() > deadline:
-                    errors.append(f"ranks did not finish within {timeout:.0f} s")
-                continue
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise RuntimeError(f"{fn.__name__} failed on " + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
 
 
 # ---- the trainer: a real 2-rank Megatron engine ---------------------------------------------------

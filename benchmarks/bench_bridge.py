@@ -49,8 +49,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _bridge_ranks, for this process and spawned ones
+# _bridge_ranks, and the repo root for tests._dist (the rank spawner), in this process and spawned ones
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _bridge_ranks as ranks  # noqa: E402
+from tests._dist import run_ranks  # noqa: E402  (the test suite's gloo-rank spawner, shared)
 
 MB = 1 << 20
 BIG_MODEL = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -140,14 +142,14 @@ def measure_peers(report: dict, weights: dict, disk_dir: Path, args) -> dict:
                          None)
     if "distributed" in rows:
         buckets = [n for per_rank in report["buckets"]["distributed"] for n in per_rank]
-        seconds = [ranks.run_ranks(ranks.broadcast_peer, 1 + ENGINE_TP, buckets, args.repeats, fresh)[0]
+        seconds = [run_ranks(ranks.broadcast_peer, 1 + ENGINE_TP, buckets, args.repeats, fresh)[0]
                    for fresh in (False, True)]
         peers["distributed"] = (f"gloo broadcast, {len(buckets)} buckets, 1->{ENGINE_TP}", *seconds)
     if "reshard" in rows:
         plan = report["plan"]
         firsts = [sum(plan["engine_sizes"][:e]) for e in range(len(plan["engine_sizes"]))]
         messages = [(src, 2 + firsts[e] + dst, tag, n) for src, e, dst, tag, n in plan["messages"]]
-        seconds = [ranks.run_ranks(ranks.p2p_peer, 2 + sum(plan["engine_sizes"]), messages, args.repeats, fresh)[0]
+        seconds = [run_ranks(ranks.p2p_peer, 2 + sum(plan["engine_sizes"]), messages, args.repeats, fresh)[0]
                    for fresh in (False, True)]
         peers["reshard"] = (f"gloo isend/irecv, {len(messages)} messages, 2->{ENGINE_TP}", *seconds)
     return peers
@@ -272,7 +274,7 @@ def main(argv=None) -> None:
         with RolloutServerProcess(model_dir, torch_threads=1, seed=0, extra_args=("--tp", str(ENGINE_TP))) as server:
             for layout in args.layouts.split(","):
                 t0 = time.perf_counter()
-                report = ranks.run_ranks(ranks.trainer_rank, 2, model_dir, server.url, layout, blocks,
+                report = run_ranks(ranks.trainer_rank, 2, model_dir, server.url, layout, blocks,
                                          args.repeats, int(args.bucket_mb * MB), disk_dir, args.atol)[0]
                 t1 = time.perf_counter()
                 peers.append(measure_peers(report, weights, disk_dir, args))
