@@ -210,8 +210,7 @@ def test_shutdown_kills_the_actors_but_keeps_a_placement_group_it_did_not_create
     tp_group.shutdown()
     with pytest.raises(RuntimeError, match="was shut down"):
         tp_group.rank_plus_offset()
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(actors[0].get_mesh_coord.remote(), timeout=30)
+    _wait_until_dead(actors[0])
     assert placement_group_table(shared_placement_group)["state"] == "CREATED"
     free_before = ray.available_resources().get("CPU", 0.0)
     remove_placement_group(shared_placement_group)
@@ -242,6 +241,17 @@ def _still_running(processes: list[psutil.Process]) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+def _wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    """ray.kill is asynchronous: a call sent right after it may still reach the live actor and succeed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.get_mesh_coord.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+    pytest.fail(f"actor {actor} still answers {timeout_s:.0f} s after RayWorkerGroup.shutdown() killed it")
 
 
 def _wait_for_free_cpus(expected: float, timeout_s: float = 30.0) -> None:
