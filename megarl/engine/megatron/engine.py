@@ -38,10 +38,14 @@ class EngineSpec:
     moe_dispatcher: str = "alltoall"  # actor.moe.dispatcher
 
 
-# A loss function maps (log_prob [b,R], entropy [b,R], micro-batch) to
-# (loss summed over its units, number of units, metrics). Megatron divides the summed gradient
-# by the units of the whole mini-batch across data-parallel ranks (calculate_per_token_loss).
-LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor, dict]]
+# A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
+# local labels [b, s] to per-position tensors [b, s]: (log_prob, entropy) for the policy.
+Head = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+# A loss function maps the head's tensors aligned with the responses ([b, R] each) and the
+# micro-batch to (loss summed over its units, number of units, metrics). Megatron divides the
+# summed gradient by the units of the whole mini-batch across data-parallel ranks
+# (calculate_per_token_loss).
+LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]
 
 
 class MegatronEngine:
@@ -160,11 +164,24 @@ class MegatronEngine:
         n = max(1, math.ceil(len(batch) / self.spec.micro_batch_size))
         return batch.chunk(n)
 
-    def _run(self, batch: Batch, loss_fn: LossFn | None, temperature: float, forward_only: bool):
+    def logprob_head(self, temperature: float) -> Head:
+        """The policy head: vocab-parallel logits -> (log p(label), entropy) per position."""
+        from megatron.core import parallel_state as ps
+
+        tp_group = ps.get_tensor_model_parallel_group()
+
+        def head(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+            return vocab_parallel_logprob_entropy(logits, labels, vocab_start, tp_group, temperature)
+
+        return head
+
+    def _run(self, batch: Batch, loss_fn: LossFn | None, head: Head, forward_only: bool):
         """One pass of megatron's pipeline schedule over `batch` split into micro-batches.
 
-        Returns, on the last pipeline stage, the per-micro-batch (log_prob, entropy, metrics);
-        on other stages an empty list.
+        `head` turns the model's output into per-position tensors; the engine aligns them with the
+        responses ([b, R] each) and hands them to `loss_fn`. Returns, on the last pipeline stage,
+        the per-micro-batch (tuple of [b, R] tensors, metrics); on other stages an empty list.
         """
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -172,7 +189,6 @@ class MegatronEngine:
         cpu_compat.activate()
         micro = self._micro_batches(batch)
         seq_len = self._padded_length(max(mb["input_ids"].shape[1] for mb in micro))
-        tp_group = ps.get_tensor_model_parallel_group()
         cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
         cp_rank = ps.get_context_parallel_rank()
         results = []
@@ -189,22 +205,19 @@ class MegatronEngine:
             output = model(split_for_cp(ids, cp_group), split_for_cp(position_ids, cp_group), None)
             local_labels = split_for_cp(labels, cp_group)
 
-            def loss_func(logits):
-                vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-                logp, ent = vocab_parallel_logprob_entropy(
-                    logits, local_labels, vocab_start, tp_group, temperature)
+            def loss_func(output):
                 # Under CP every rank assembles the full sequence and computes the same loss on it;
                 # the gather's backward keeps only this rank's tokens, so each token's gradient
                 # flows once (context_parallel._GatherSeq). The last position has no label.
-                logp = gather_from_cp(logp, cp_group)[:, :-1]
-                ent = gather_from_cp(ent, cp_group)[:, :-1]
-                logp, ent = _response_slice(logp, mb), _response_slice(ent, mb)
+                per_token = tuple(_response_slice(gather_from_cp(v, cp_group)[:, :-1], mb)
+                                  for v in head(output, local_labels))
+                detached = tuple(v.detach() for v in per_token)
                 if loss_fn is None:
-                    results.append((logp.detach(), ent.detach(), {}))
-                    zero = logp.sum() * 0
+                    results.append((detached, {}))
+                    zero = per_token[0].sum() * 0
                     return zero, torch.ones((), dtype=torch.int), {}
-                loss_sum, units, metrics = loss_fn(logp, ent, mb)
-                results.append((logp.detach(), ent.detach(), metrics))
+                loss_sum, units, metrics = loss_fn(*per_token, mb)
+                results.append((detached, metrics))
                 # Megatron sums the units over DP x CP (finalize_model_grads); every CP rank holds
                 # the same full-sequence loss, so only CP rank 0 reports them, as with CP=1.
                 units = units.to(torch.int) if cp_rank == 0 else torch.zeros((), dtype=torch.int)
@@ -227,24 +240,26 @@ class MegatronEngine:
     def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
         """log-probs and entropy of `responses` under the current weights ([B, R] each)."""
         self.model.eval()
-        results = self._run(batch, None, temperature, forward_only=True)
+        results = self._run(batch, None, self.logprob_head(temperature), forward_only=True)
         if not results:
             return None
         return Batch({
-            "log_probs": torch.cat([r[0] for r in results]),
-            "entropy": torch.cat([r[1] for r in results]),
+            "log_probs": torch.cat([r[0][0] for r in results]),
+            "entropy": torch.cat([r[0][1] for r in results]),
         })
 
-    def train_mini_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0) -> dict:
-        """One optimizer step over `batch` (this rank's share of a mini-batch)."""
+    def train_mini_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0,
+                         head: Head | None = None, prefix: str = "actor") -> dict:
+        """One optimizer step over `batch` (this rank's share of a mini-batch); `head` defaults to
+        the policy's log-prob head, so loss_fn receives (log_prob, entropy, micro-batch)."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        results = self._run(batch, loss_fn, temperature, forward_only=False)
+        results = self._run(batch, loss_fn, head or self.logprob_head(temperature), forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
-        metrics = mean_metrics([r[2] for r in results])
-        metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["actor/update_skipped"] = float(not ok)
+        metrics = mean_metrics([r[1] for r in results])
+        metrics[f"{prefix}/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics[f"{prefix}/update_skipped"] = float(not ok)
         return metrics
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
