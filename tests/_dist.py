@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import socket
+import tempfile
 import queue as queue_module
 import time
 import traceback
@@ -19,14 +21,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
+def _entry(rank, world_size, store_path, fn, args, queue):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # a FileStore, not a TCP port: a free port picked by the parent can be taken by another
+        # process before rank 0 listens on it (EADDRINUSE seen with tests running side by side)
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         # torch.save to bytes: tensors put on a Queue are shared by fd and die with this process.
         buf = io.BytesIO()
         torch.save(fn(rank, *args), buf)
@@ -45,8 +48,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600, may_die: tuple[i
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue))
+    store_dir = tempfile.mkdtemp(prefix="megarl_ranks_")
+    store_path = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -78,6 +82,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600, may_die: tuple[i
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if errors:
         raise RuntimeError("distributed test failed on " + "\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -55,7 +55,8 @@ def hf_reference(model_path):
     return out
 
 
-def _engine(model_path, tp, ep, train=False, pp=1, etp=1, dispatcher="alltoall", cp=1):
+def _engine(model_path, tp, ep, train=False, pp=1, etp=1, dispatcher="alltoall", cp=1, packed=True,
+            max_tokens=None):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
@@ -66,6 +67,8 @@ def _engine(model_path, tp, ep, train=False, pp=1, etp=1, dispatcher="alltoall",
         micro_batch_size=2,
         seed=1,
         moe_dispatcher=dispatcher,
+        pack_sequences=packed,
+        max_tokens_per_micro_batch=max_tokens,
     )
     engine = MegatronEngine(spec)
     engine.initialize()
@@ -101,11 +104,14 @@ def _last_stage(results) -> torch.Tensor:
     return found[0]
 
 
-def _train_on_rank(rank, model_path, tp, ep, pp=1, etp=1, dispatcher="alltoall", cp=1):
+def _train_on_rank(rank, model_path, tp, ep, pp=1, etp=1, dispatcher="alltoall", cp=1, packed=True,
+                   max_tokens=None):
     from megarl.algo.losses import policy_loss
 
-    engine = _engine(model_path, tp, ep, train=True, pp=pp, etp=etp, dispatcher=dispatcher, cp=cp)
+    engine = _engine(model_path, tp, ep, train=True, pp=pp, etp=etp, dispatcher=dispatcher, cp=cp,
+                     packed=packed, max_tokens=max_tokens)
     rows = make_rows()
+    before = engine.compute_log_prob(rows)
 
     def loss_fn(logp, ent, mb):
         mask = mb["response_mask"]
@@ -115,7 +121,27 @@ def _train_on_rank(rank, model_path, tp, ep, pp=1, etp=1, dispatcher="alltoall",
 
     metrics = engine.train_mini_batch(rows, loss_fn)
     weights = {k: v.clone() for k, v in engine.export_weights()}
-    return {"grad_norm": metrics["actor/grad_norm"], "weights": weights}
+    return {"grad_norm": metrics["actor/grad_norm"], "weights": weights,
+            "log_probs": None if before is None else before["log_probs"]}
+
+
+@pytest.fixture(scope="module")
+def train_results(tiny_model_path):
+    return {
+        "tp1": run_ranks(_train_on_rank, 1, tiny_model_path, 1, 1)[0],  # packed (the default)
+        "padded": run_ranks(_train_on_rank, 1, tiny_model_path, 1, 1, 1, 1, "alltoall", 1, False)[0],
+        # token budget of 12: the rows (8, 9, 4, 9 tokens) go in 3 micro-batches, not 2 x 2 rows
+        "budget": run_ranks(_train_on_rank, 1, tiny_model_path, 1, 1, 1, 1, "alltoall", 1, True, 12)[0],
+    }
+
+
+def test_packed_log_probs_equal_padded_and_hugging_face(train_results, tiny_model_path):
+    """THD packing (rows back to back, cu_seqlens, per-sequence RoPE and attention) against the
+    right-padded layout and against HF run row by row in float64."""
+    packed, padded = train_results["tp1"]["log_probs"], train_results["padded"]["log_probs"]
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed.double(), hf_reference(tiny_model_path), atol=1e-5, rtol=0)
+    torch.testing.assert_close(train_results["budget"]["log_probs"], packed, atol=1e-5, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -229,8 +255,8 @@ def test_mbridge_logits_equal_hugging_face_logits(forward_results, tiny_model_pa
         torch.testing.assert_close(forward_results[name]["logits"], ref, atol=1e-5, rtol=0)
 
 
-def test_train_step_tp2_ep2_pp2_etp2_cp2_and_allgather_match_tp1(tiny_model_path):
-    tp1 = run_ranks(_train_on_rank, 1, tiny_model_path, 1, 1)[0]
+def test_train_step_tp2_ep2_pp2_etp2_cp2_and_allgather_match_tp1(tiny_model_path, train_results):
+    tp1 = train_results["tp1"]
     tp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 2, 1)[0]
     ep2 = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 2)[0]
     pp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 1, 2)[0]  # every stage exports the whole model
@@ -240,7 +266,7 @@ def test_train_step_tp2_ep2_pp2_etp2_cp2_and_allgather_match_tp1(tiny_model_path
     # context parallel: each token's loss counted once over the CP ranks (engine.loss_func)
     cp2 = run_ranks(_train_on_rank, 2, tiny_model_path, 1, 1, 1, 1, "alltoall", 2)[0]
     assert tp1["grad_norm"] > 0
-    for other in (tp2, ep2, pp2, etp2, allgather, cp2):
+    for other in (tp2, ep2, pp2, etp2, allgather, cp2, train_results["padded"], train_results["budget"]):
         assert other["grad_norm"] == pytest.approx(tp1["grad_norm"], rel=1e-5)
         assert set(other["weights"]) == set(tp1["weights"])
         for name, w in tp1["weights"].items():

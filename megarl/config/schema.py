@@ -77,6 +77,8 @@ class ActorConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     ppo_mini_batch_size: int = 256        # rows per optimizer step (all data-parallel ranks)
     micro_batch_size: int = 32            # rows per forward/backward on one data-parallel rank
+    max_tokens_per_micro_batch: int | None = None  # set: micro-batches by token budget, not rows
+    pack_sequences: bool = True           # THD packing inside the engine; False: right-padded rows
     ppo_epochs: int = 1                   # passes over each step's rows
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -145,6 +147,7 @@ class TrainerConfig:
     log_every: int = 1
     tensorboard: bool = False
     val_every: int = 0                    # steps between validations; 0 = never
+    balance_batch: bool = True            # reorder rows so data-parallel ranks get equal tokens
     seed: int = 0
 
 

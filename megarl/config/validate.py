@@ -56,6 +56,10 @@ def check_ranges(cfg: RunConfig) -> None:
         _require(get(cfg, key) > 0, key, f"{key}={get(cfg, key)!r} must be > 0")
     for key in _NON_NEGATIVE:
         _require(get(cfg, key) >= 0, key, f"{key}={get(cfg, key)!r} must be >= 0")
+    budget = cfg.actor.max_tokens_per_micro_batch
+    _require(budget is None or budget > 0, "actor.max_tokens_per_micro_batch",
+             f"actor.max_tokens_per_micro_batch={budget!r} must be > 0 (or null: micro-batches by "
+             "actor.micro_batch_size rows)")
     low = cfg.actor.clip_ratio_low
     _require(low < 1, "actor.clip_ratio_low", f"actor.clip_ratio_low={low} must be < 1 "
              "(the ratio is clipped to [1 - low, 1 + high])")

@@ -53,7 +53,9 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
 def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
     return EngineSpec(model_path=model_path, parallel=cfg.actor.parallel, optim=cfg.actor.optim,
                       micro_batch_size=cfg.actor.micro_batch_size, seed=cfg.actor.seed,
-                      moe_dispatcher=cfg.actor.moe.dispatcher)
+                      moe_dispatcher=cfg.actor.moe.dispatcher,
+                      pack_sequences=cfg.actor.pack_sequences,
+                      max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch)
 
 
 def loss_spec(cfg: RunConfig) -> ActorLossSpec:

@@ -27,6 +27,7 @@ import torch
 from megarl.algo.advantages import grpo_advantages
 from megarl.algo.losses import masked_mean
 from megarl.bridge.spec import BridgeSpec
+from megarl.data.balance import balance_across_ranks
 from megarl.data.batch import Batch
 from megarl.reward import make_reward_function, score_rows
 from megarl.rollout.manager import SamplingSpec
@@ -73,6 +74,8 @@ class SyncTrainer:
                 self.rt.fleet.release_memory(["weights", "kv_cache"])
         with _timer(timing, "reward"):
             rows["scores"] = self._score(rows)
+        if cfg.trainer.balance_batch and self.dp_size > 1:
+            rows = rows[balance_across_ranks(self._token_lengths(rows), self.dp_size)]
         with _timer(timing, "old_log_prob"):
             rows = rows.union(self.rt.actor.compute_log_prob(self._trainer_view(rows),
                                                              cfg.rollout.temperature))
@@ -141,6 +144,10 @@ class SyncTrainer:
         scores = score_rows(self.reward_fn, rows["data_source"], rows["response_text"],
                             rows["ground_truth"], rows["extra_info"])
         return torch.as_tensor(np.asarray(scores, dtype=np.float32))
+
+    @staticmethod
+    def _token_lengths(rows: Batch) -> list[int]:
+        return (rows["prompt_lengths"].long() + rows["response_mask"].sum(1).long()).tolist()
 
     def _trainer_view(self, rows: Batch, *extra: str) -> Batch:
         """Only the tensors the engine reads travel to the workers."""

@@ -30,12 +30,27 @@ def all_positions(seq_len: int, cp_size: int) -> torch.Tensor:
     return torch.cat([cp_positions(seq_len, cp_size, r) for r in range(cp_size)])
 
 
-def split_for_cp(t: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """This rank's tokens of a full-sequence tensor (sequence on `dim`)."""
+def stream_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """cp_positions for a packed stream: every sequence [cu[i], cu[i+1]) is split on its own, and
+    this rank's pieces follow each other in sequence order (the THD layout Megatron's RoPE reads)."""
+    cu = cu_seqlens.tolist()
+    return torch.cat([start + cp_positions(end - start, cp_size, cp_rank)
+                      for start, end in zip(cu[:-1], cu[1:])])
+
+
+def _positions(seq_len: int, size: int, rank: int, cu_seqlens) -> torch.Tensor:
+    if cu_seqlens is None:
+        return cp_positions(seq_len, size, rank)
+    return stream_positions(cu_seqlens, size, rank)
+
+
+def split_for_cp(t: torch.Tensor, group, dim: int = 1, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's tokens of a full-sequence tensor (sequence on `dim`); with `cu_seqlens`, of a
+    packed stream of sequences, each split on its own."""
     size = _size(group)
     if size == 1:
         return t
-    pos = cp_positions(t.shape[dim], size, dist.get_rank(group))
+    pos = _positions(t.shape[dim], size, dist.get_rank(group), cu_seqlens)
     return t.index_select(dim, pos.to(t.device))
 
 
@@ -48,26 +63,28 @@ class _GatherSeq(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, cu_seqlens):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         seq_len = x.shape[1] * size
         full = x.new_empty(x.shape[0], seq_len, *x.shape[2:])
-        full[:, all_positions(seq_len, size).to(x.device)] = torch.cat(parts, dim=1)
-        ctx.own = cp_positions(seq_len, size, rank).to(x.device)
+        gathered = torch.cat([_positions(seq_len, size, r, cu_seqlens) for r in range(size)])
+        full[:, gathered.to(x.device)] = torch.cat(parts, dim=1)
+        ctx.own = _positions(seq_len, size, rank, cu_seqlens).to(x.device)
         return full
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[:, ctx.own], None
+        return grad[:, ctx.own], None, None
 
 
-def gather_from_cp(x: torch.Tensor, group) -> torch.Tensor:
-    """[b, s/c, ...] local (CP layout) -> [b, s, ...] global order; identity without CP."""
+def gather_from_cp(x: torch.Tensor, group, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, s/c, ...] local (CP layout) -> [b, s, ...] global order; identity without CP. With
+    `cu_seqlens`, x is this rank's part of a packed stream (split_for_cp's layout)."""
     if _size(group) == 1:
         return x
-    return _GatherSeq.apply(x, group)
+    return _GatherSeq.apply(x, group, cu_seqlens)
 
 
 def _size(group) -> int:

@@ -73,13 +73,15 @@ class CpuCoreAttention(torch.nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_):
-        if packed_seq_params is not None:
-            raise NotImplementedError("CpuCoreAttention: packed sequences (THD) are not wired yet; "
-                                      "run with unpacked (padded) batches")
         if attention_bias is not None:
             raise NotImplementedError("CpuCoreAttention: attention_bias is not supported")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = getattr(mask_type, "name", str(mask_type)) in ("causal", "padding_causal")
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd" or attention_mask is not None or not causal:
+                raise NotImplementedError("CpuCoreAttention: packed sequences must be THD, causal "
+                                          "and without an explicit attention_mask")
+            return self._forward_thd(query, key, value, packed_seq_params)
 
         sq = query.shape[0]
         if self.cp_group is not None:
@@ -114,6 +116,42 @@ class CpuCoreAttention(torch.nn.Module):
         # [b, np, sq, hv] -> [sq, b, np * hv]
         out = out.permute(2, 0, 1, 3).contiguous()
         return out.view(out.shape[0], out.shape[1], -1)
+
+    def _forward_thd(self, query, key, value, params):
+        """Packed sequences: [t, np, hk] x [t, ng, hk] x [t, ng, hv] -> [t, np * hv].
+
+        One fused causal attention per sequence (no [t, t] mask: a block-diagonal mask would cost
+        the whole stream's square). Under CP each sequence is split on its own (stream_positions):
+        this rank holds t/c tokens of the stream, and K/V are gathered over the CP group.
+        """
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu = cu.tolist()
+        c = 1 if self.cp_group is None else self.cp_group.size()
+        t_local = query.shape[0]
+        if self.cp_group is not None:
+            key = _GatherKV.apply(key, self.cp_group)
+            value = _GatherKV.apply(value, self.cp_group)
+        outs = []
+        for start, end in zip(cu[:-1], cu[1:]):
+            lo, hi = start // c, end // c  # this sequence's tokens on every rank
+            q = query[lo:hi]
+            if c == 1:
+                k, v, allowed = key[lo:hi], value[lo:hi], None
+            else:
+                k = torch.cat([key[r * t_local + lo:r * t_local + hi] for r in range(c)])
+                v = torch.cat([value[r * t_local + lo:r * t_local + hi] for r in range(c)])
+                q_pos = cp_positions(end - start, c, self.cp_group.rank())
+                allowed = (all_positions(end - start, c).unsqueeze(0) <= q_pos.unsqueeze(1)).to(q.device)
+            q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))  # [1, h, s, d]
+            groups = q.shape[1] // k.shape[1]
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0)
+            outs.append(out[0].permute(1, 0, 2).reshape(hi - lo, -1))
+        return torch.cat(outs)
 
 
 def use_cpu_core_attention(layer_spec):

@@ -24,6 +24,7 @@ from megarl.engine.megatron import cpu_compat
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge
+from megarl.engine.megatron.packing import pack_rows, padded_row_lengths, row_lengths
 from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_weights, load_hf_weights,
                                             sends_owned_weights)
 
@@ -36,6 +37,8 @@ class EngineSpec:
     micro_batch_size: int = 8
     seed: int = 0
     moe_dispatcher: str = "alltoall"  # actor.moe.dispatcher
+    pack_sequences: bool = True  # THD packing inside the engine (packing.py); False: right-padded rows
+    max_tokens_per_micro_batch: int | None = None  # micro-batches by token budget instead of rows
 
 
 # A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
@@ -160,9 +163,33 @@ class MegatronEngine:
             multiple *= 2 * p.cp
         return int(math.ceil(length / multiple) * multiple)
 
-    def _micro_batches(self, batch: Batch) -> list[Batch]:
-        n = max(1, math.ceil(len(batch) / self.spec.micro_batch_size))
-        return batch.chunk(n)
+    def _micro_batches(self, batch: Batch) -> tuple[list[Batch], torch.Tensor | None]:
+        """The micro-batches of one call, and the row order they hold (None: the batch's own).
+
+        By row count (`micro_batch_size`), or by token budget (`max_tokens_per_micro_batch`):
+        rows are grouped so every micro-batch's tokens stay within the budget and the groups are
+        balanced (data/balance.py). Every data-parallel rank runs the same number of micro-batches
+        (MoE expert-parallel collectives pair them up across ranks), so the count is agreed first.
+        """
+        budget = self.spec.max_tokens_per_micro_batch
+        if budget is None:
+            n = max(1, math.ceil(len(batch) / self.spec.micro_batch_size))
+            return batch.chunk(n), None
+        from megatron.core import parallel_state as ps
+
+        from megarl.data.balance import min_micro_batches, partition_micro_batches
+
+        lengths = row_lengths(batch["input_ids"], batch["prompt_lengths"], batch["response_mask"]).tolist()
+        k = torch.tensor(min_micro_batches(lengths, budget))
+        dist.all_reduce(k, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
+        k = int(k)
+        if k > len(batch):
+            raise ValueError(f"max_tokens_per_micro_batch={budget}: another data-parallel rank needs "
+                             f"{k} micro-batches but this rank holds only {len(batch)} rows; give "
+                             "every rank the same number of rows (a batch divisible by dp)")
+        parts = partition_micro_batches(lengths, k)
+        order = torch.tensor([i for p in parts for i in p])
+        return [batch[torch.tensor(p)] for p in parts], order
 
     def logprob_head(self, temperature: float) -> Head:
         """The policy head: vocab-parallel logits -> (log p(label), entropy) per position."""
@@ -181,35 +208,32 @@ class MegatronEngine:
 
         `head` turns the model's output into per-position tensors; the engine aligns them with the
         responses ([b, R] each) and hands them to `loss_fn`. Returns, on the last pipeline stage,
-        the per-micro-batch (tuple of [b, R] tensors, metrics); on other stages an empty list.
+        (the head's tensors [B, R] in the batch's row order, per-micro-batch metrics); on other
+        stages (None, []).
         """
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cpu_compat.activate()
-        micro = self._micro_batches(batch)
-        seq_len = self._padded_length(max(mb["input_ids"].shape[1] for mb in micro))
+        micro, order = self._micro_batches(batch)
+        inputs = self._packed_inputs(micro) if self.spec.pack_sequences else self._padded_inputs(micro)
         cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
         cp_rank = ps.get_context_parallel_rank()
         results = []
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            ids = mb["input_ids"]
-            if ids.shape[1] < seq_len:
-                ids = torch.nn.functional.pad(ids, (0, seq_len - ids.shape[1]), value=0)
-            position_ids = torch.arange(seq_len).unsqueeze(0).expand_as(ids)
-            # labels[t] = ids[t+1]: shifted on the full sequence, BEFORE the CP split, so a rank's
-            # last local token still gets its label from the next chunk (which another rank holds)
-            labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0)
-            output = model(split_for_cp(ids, cp_group), split_for_cp(position_ids, cp_group), None)
-            local_labels = split_for_cp(labels, cp_group)
+            mb, x = next(data_iterator)
+            cu = x.get("cu_seqlens")
+            output = model(split_for_cp(x["input_ids"], cp_group, cu_seqlens=cu),
+                           split_for_cp(x["position_ids"], cp_group, cu_seqlens=cu), None,
+                           packed_seq_params=x.get("packed_seq_params"))
+            local_labels = split_for_cp(x["labels"], cp_group, cu_seqlens=cu)
 
             def loss_func(output):
                 # Under CP every rank assembles the full sequence and computes the same loss on it;
                 # the gather's backward keeps only this rank's tokens, so each token's gradient
-                # flows once (context_parallel._GatherSeq). The last position has no label.
-                per_token = tuple(_response_slice(gather_from_cp(v, cp_group)[:, :-1], mb)
+                # flows once (context_parallel._GatherSeq).
+                per_token = tuple(_response_values(gather_from_cp(v, cp_group, cu_seqlens=cu), mb, x["offsets"])
                                   for v in head(output, local_labels))
                 detached = tuple(v.detach() for v in per_token)
                 if loss_fn is None:
@@ -227,26 +251,66 @@ class MegatronEngine:
 
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(micro),
+            data_iterator=iter(zip(micro, inputs)),
             model=[self.model],
             num_microbatches=len(micro),
-            seq_length=seq_len,
-            micro_batch_size=max(len(mb) for mb in micro),
+            seq_length=max(x["input_ids"].shape[1] for x in inputs),
+            micro_batch_size=max(x["input_ids"].shape[0] for x in inputs),
             forward_only=forward_only,
         )
-        return results
+        if not results:
+            return None, []
+        tensors = tuple(torch.cat(column) for column in zip(*(r[0] for r in results)))
+        if order is not None:  # back to the batch's row order
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(len(order))
+            tensors = tuple(t[inverse] for t in tensors)
+        return tensors, [r[1] for r in results]
+
+    def _padded_inputs(self, micro: list[Batch]) -> list[dict]:
+        """Right-padded rows [b, T], every micro-batch padded to the same T (the pipeline's
+        tensor shape), positions 0..T-1, labels[t] = ids[t+1] within the row."""
+        seq_len = self._padded_length(max(mb["input_ids"].shape[1] for mb in micro))
+        out = []
+        for mb in micro:
+            ids = torch.nn.functional.pad(mb["input_ids"], (0, seq_len - mb["input_ids"].shape[1]), value=0)
+            # shifted on the full sequence, BEFORE the CP split, so a rank's last local token still
+            # gets its label from the next chunk (which another rank holds)
+            out.append(dict(input_ids=ids,
+                            position_ids=torch.arange(seq_len).unsqueeze(0).expand_as(ids),
+                            labels=torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0),
+                            offsets=torch.arange(len(mb)) * seq_len))
+        return out
+
+    def _packed_inputs(self, micro: list[Batch]) -> list[dict]:
+        """One THD stream [1, t] per micro-batch (packing.py): rows back to back, each padded to a
+        multiple of 2*cp, the stream to a multiple of tp under sequence parallel. Without variable
+        sequence lengths in the pipeline (the allgather dispatcher) every stream has one length."""
+        p = self.spec.parallel
+        row_multiple = 2 * p.cp if p.cp > 1 else 1
+        total_multiple = p.tp if p.sequence_parallel else 1
+        lengths = [row_lengths(mb["input_ids"], mb["prompt_lengths"], mb["response_mask"]) for mb in micro]
+        padded = [padded_row_lengths(n, row_multiple, total_multiple) for n in lengths]
+        if not self.config.variable_seq_lengths:
+            total = max(int(x.sum()) for x in padded)
+            total = int(math.ceil(total / math.lcm(row_multiple, total_multiple)) * math.lcm(row_multiple, total_multiple))
+            padded = [padded_row_lengths(n, row_multiple, total_multiple, total=total) for n in lengths]
+        out = []
+        for mb, n, pad in zip(micro, lengths, padded):
+            packed = pack_rows(mb["input_ids"], n, pad)
+            out.append(dict(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                            labels=packed.labels, offsets=packed.offsets, cu_seqlens=packed.cu_seqlens,
+                            packed_seq_params=packed.packed_seq_params()))
+        return out
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
         """log-probs and entropy of `responses` under the current weights ([B, R] each)."""
         self.model.eval()
-        results = self._run(batch, None, self.logprob_head(temperature), forward_only=True)
-        if not results:
+        tensors, _ = self._run(batch, None, self.logprob_head(temperature), forward_only=True)
+        if tensors is None:
             return None
-        return Batch({
-            "log_probs": torch.cat([r[0][0] for r in results]),
-            "entropy": torch.cat([r[0][1] for r in results]),
-        })
+        return Batch({"log_probs": tensors[0], "entropy": tensors[1]})
 
     def train_mini_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0,
                          head: Head | None = None, prefix: str = "actor") -> dict:
@@ -255,9 +319,9 @@ class MegatronEngine:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        results = self._run(batch, loss_fn, head or self.logprob_head(temperature), forward_only=False)
+        _, per_micro_batch = self._run(batch, loss_fn, head or self.logprob_head(temperature), forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
-        metrics = mean_metrics([r[1] for r in results])
+        metrics = mean_metrics(per_micro_batch)
         metrics[f"{prefix}/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics[f"{prefix}/update_skipped"] = float(not ok)
         return metrics
@@ -285,16 +349,18 @@ class MegatronEngine:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
 
-def _response_slice(values: torch.Tensor, mb: Batch) -> torch.Tensor:
-    """Pick, per row, the positions that predict response tokens: [b, T-1] -> [b, R].
+def _response_values(values: torch.Tensor, mb: Batch, offsets: torch.Tensor) -> torch.Tensor:
+    """Pick, per row, the positions that predict response tokens: [b, T] or [1, t] -> [b, R].
 
-    values[:, t] scores token t+1, so response token j (at t+1 = prompt_len + j) is values[:,
-    prompt_len - 1 + j]. Positions past the row's response are zeroed by response_mask.
+    Row i starts at `offsets[i]` of the flattened values (i * T padded, its stream offset packed).
+    values at position t score token t+1, so response token j (at prompt_len + j) is read at
+    prompt_len - 1 + j. Positions past the row's response are zeroed by response_mask.
     """
     R = mb["responses"].shape[1]
-    start = mb["prompt_lengths"].long() - 1
-    index = (start.unsqueeze(1) + torch.arange(R).unsqueeze(0)).clamp(max=values.shape[1] - 1)
-    return values.gather(1, index) * mb["response_mask"].to(values.dtype)
+    flat = values.reshape(-1)
+    start = offsets.to(flat.device) + mb["prompt_lengths"].long() - 1
+    index = (start.unsqueeze(1) + torch.arange(R).unsqueeze(0)).clamp(max=flat.shape[0] - 1)
+    return flat[index] * mb["response_mask"].to(values.dtype)
 
 
 def mean_metrics(dicts: list[dict]) -> dict:
