@@ -109,7 +109,7 @@ def bench_packing(model_path: str, args) -> list[tuple]:
         engine = make_engine(model_path, packed, micro_batch_size=8)
         seconds = timed(lambda: engine.train_mini_batch(rows, pg_loss), args.steps)
         out.append(("packed" if packed else "padded", tokens / seconds, seconds))
-        del engine
+
     print(f"lengths: {len(lengths)} rows, median {statistics.median(lengths):.0f}, max {max(lengths)}, "
           f"{tokens} real tokens, {len(lengths) * max(lengths)} padded tokens")
     return out
