@@ -248,6 +248,8 @@ def _patch_torch_adam_checkpoints():
         # fresh optimizer (a run about to resume) cannot describe the state it wants to load.
         # Create what Adam would create itself (zero moments, step 0); the next step is unchanged.
         inner = self.optimizer
+        if not isinstance(inner, torch.optim.Adam):  # AdamW included; other optimizers untouched
+            return state_dict(self)
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
