@@ -143,3 +143,16 @@ class MegatronActor(Worker):
             self._transport = make_transport(spec, self.rank, self.world_size, self.get_node_ip())
             self._transport_spec = spec
         return self._transport.sync(self.actor, weight_version, server_urls or spec.server_urls)
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def save_checkpoint(self, path: str) -> dict:
+        """The policy's model, optimizer and RNG to `path` (every rank writes its own shards);
+        returns the checkpoint's metadata. The reference policy is not saved: it never changes and
+        is rebuilt from model.path."""
+        return self.actor.save_checkpoint(path)
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict:
+        """Restore the policy from a checkpoint saved in any TP / PP / EP layout; returns what was
+        restored (rank 0's view)."""
+        return self.actor.load_checkpoint(path, load_optimizer)

@@ -35,6 +35,7 @@ def activate() -> bool:
         _patch_rng()
         _patch_torch_norm()
         _patch_moe_splits()
+        _patch_torch_adam_checkpoints()
         _ACTIVE = True
     if not getattr(_THREAD, "mode_on", False):
         _CudaToCpu().__enter__()
@@ -224,6 +225,62 @@ def _patch_moe_splits():
 
     moe_utils.maybe_move_tensor_to_cpu = to_host
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints of the distributed optimizer around torch.optim.Adam. Without TransformerEngine or
+# apex megatron's DistributedOptimizer wraps torch's Adam, which keeps a `step` TENSOR in every
+# parameter's state (FusedAdam keeps it in the param groups), and megatron's checkpoint code
+# trips over it three times (checkpoint.py saves and loads through these paths):
+
+
+def _patch_torch_adam_checkpoints():
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if dopt.HAVE_APEX_OR_TE:
+        return
+    cls = dopt.DistributedOptimizer
+    state_dict, load_state_dict, set_states = (
+        cls.state_dict, cls.load_state_dict, cls._set_main_param_and_optimizer_states)
+
+    def materialised_state_dict(self):
+        # `assert len(steps) == 1`: torch's Adam creates its state lazily at the first step, so a
+        # fresh optimizer (a run about to resume) cannot describe the state it wants to load.
+        # Create what Adam would create itself (zero moments, step 0); the next step is unchanged.
+        inner = self.optimizer
+        if not isinstance(inner, torch.optim.Adam):  # AdamW included; other optimizers untouched
+            return state_dict(self)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p].update(step=torch.zeros((), dtype=torch.float32),
+                                          exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        return state_dict(self)
+
+    def unshared_load_state_dict(self, state):
+        # load_state_dict gives every parameter the SAME step tensor, and Adam increments each
+        # parameter's step in place: the next step would count once per parameter (a silently
+        # wrong bias correction). Give every parameter its own copy.
+        load_state_dict(self, state)
+        for param_state in self.optimizer.state.values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"] = param_state["step"].clone()
+
+    def set_states_without_step(self, model_param, tensors):
+        # KeyError: 'step': the reshardable loaders skip the step (it comes from the param
+        # groups) but this copies every tensor of the parameter's state, the step included.
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        param_state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = param_state.pop("step", None)
+        try:
+            set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                param_state["step"] = step
+
+    cls.state_dict = materialised_state_dict
+    cls.load_state_dict = unshared_load_state_dict
+    cls._set_main_param_and_optimizer_states = set_states_without_step
 
 
 def seed_model_parallel(seed: int) -> None:

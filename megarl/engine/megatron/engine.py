@@ -348,6 +348,23 @@ class MegatronEngine:
 
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str) -> dict:
+        """Model, optimizer and RNG to `path` (torch_dist, written atomically); a collective.
+        Returns the checkpoint's metadata (checkpoint.save)."""
+        from megarl.engine.megatron import checkpoint
+
+        cpu_compat.activate()
+        return checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict:
+        """Restore a checkpoint saved from any TP / PP / EP layout; a collective. RNG state is
+        restored only into the layout it was saved from. Returns what was restored."""
+        from megarl.engine.megatron import checkpoint
+
+        cpu_compat.activate()
+        return checkpoint.load(self, path, load_optimizer=load_optimizer)
+
 
 def _response_values(values: torch.Tensor, mb: Batch, offsets: torch.Tensor) -> torch.Tensor:
     """Pick, per row, the positions that predict response tokens: [b, T] or [1, t] -> [b, R].
