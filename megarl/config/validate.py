@@ -153,7 +153,8 @@ def check_virtual_pipeline(p, num_layers: int | None) -> None:
         _require(num_layers % (p.pp * p.vpp) == 0, "actor.parallel.vpp",
                  f"actor.parallel.pp*vpp={p.pp}*{p.vpp}={p.pp * p.vpp} does not divide "
                  f"model.num_hidden_layers={num_layers}; every virtual stage needs the same number "
-                 "of layers (choose vpp so that pp*vpp divides it)")
+                 "of layers (choose vpp so that pp*vpp divides it; a preset's depth is set by "
+                 "model.num_hidden_layers)")
 
 
 def check_model_fit(cfg: RunConfig, mc: dict) -> None:
