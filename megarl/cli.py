@@ -40,9 +40,9 @@ def _preset_model_config(cfg) -> dict | None:
     """The architecture a preset will have, so parallel sizes are checked against it too."""
     if cfg.model.path is not None:
         return None  # validate reads the checkpoint's config.json
-    from megarl.models.tiny import PRESETS
+    from megarl.models.tiny import PRESETS, preset_overrides
 
-    return PRESETS[cfg.model.preset]
+    return {**PRESETS[cfg.model.preset], **preset_overrides(cfg.model)}
 
 
 def _backend_unavailable(cfg) -> str | None:

@@ -82,7 +82,7 @@ def _full_logits(engine, ids):
     T = ids.shape[1]
     ids = torch.nn.functional.pad(ids, (0, engine._padded_length(T) - T))
     with torch.no_grad():
-        out = engine.model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)[:, :T]
+        out = engine.model[0](ids, torch.arange(ids.shape[1]).expand_as(ids), None)[:, :T]
     group = ps.get_tensor_model_parallel_group()
     parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, out.contiguous(), group=group)

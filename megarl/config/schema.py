@@ -19,6 +19,7 @@ class ModelConfig:
     path: str | None = None               # HF checkpoint dir; None builds `preset` from scratch
     preset: Literal["tiny-qwen3-moe"] = "tiny-qwen3-moe"
     seed: int = 0                         # init seed for a preset built from scratch
+    num_hidden_layers: int | None = None  # preset only: override its depth (None: the preset's)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class ParallelConfig:
     ep: int = 1                           # expert parallel
     etp: int = 1                          # expert tensor parallel
     cp: int = 1                           # context parallel
+    vpp: int = 1                          # virtual pipeline stages per pp rank (interleaved 1F1B)
     sequence_parallel: bool | None = None  # None: on when tp > 1
 
 

@@ -8,6 +8,8 @@ Parallel layout rules (Megatron-core's, for world = cluster.num_actor_ranks):
   * ep*etp divides world/pp (experts are laid out over the ranks of one pipeline stage)
   * tp divides num_attention_heads and num_key_value_heads; pp divides num_hidden_layers;
     ep divides num_experts; MoE with tp > 1 needs sequence parallel
+  * vpp > 1 (interleaved 1F1B) needs pp > 1, and pp*vpp divides num_hidden_layers (every virtual
+    stage holds the same number of layers)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from megarl.config.validate_rollout import check_rollout, resolve_rollout
 _POSITIVE = [
     "data.num_train", "data.max_prompt_length", "data.train_batch_size",
     "actor.parallel.tp", "actor.parallel.pp", "actor.parallel.ep", "actor.parallel.etp",
-    "actor.parallel.cp", "actor.ppo_mini_batch_size", "actor.micro_batch_size",
+    "actor.parallel.cp", "actor.parallel.vpp", "actor.ppo_mini_batch_size", "actor.micro_batch_size",
     "actor.ppo_epochs", "actor.optim.lr", "actor.optim.adam_eps", "algorithm.epsilon",
     "rollout.n", "rollout.max_new_tokens", "rollout.num_servers", "rollout.max_batch_size",
     "rollout.request_timeout_s", "bridge.bucket_size_mb", "bridge.parity_atol",
@@ -133,6 +135,7 @@ def check_parallel(cfg: RunConfig, model_config: dict | None) -> None:
     _require(not (p.sequence_parallel and p.tp == 1), "actor.parallel.sequence_parallel",
              "actor.parallel.sequence_parallel=true needs actor.parallel.tp > 1; set it to "
              "null (auto) or raise tp")
+    check_virtual_pipeline(p, None)
     is_moe = num_experts(model_config) > 0 or (model_config is None and p.ep > 1)
     _require(not (is_moe and p.tp > 1 and p.sequence_parallel is False),
              "actor.parallel.sequence_parallel",
@@ -140,6 +143,22 @@ def check_parallel(cfg: RunConfig, model_config: dict | None) -> None:
              "needs sequence parallel for MoE with tp > 1 (set it to null or true)")
     if model_config is not None:
         check_model_fit(cfg, model_config)
+
+
+def check_virtual_pipeline(p, num_layers: int | None) -> None:
+    """vpp's rules (ParallelConfig `p`); also called by the engine, which may be built without a
+    RunConfig. num_layers None: only the rules that do not depend on the model."""
+    if p.vpp == 1:
+        return
+    _require(p.pp > 1, "actor.parallel.vpp",
+             f"actor.parallel.vpp={p.vpp} needs actor.parallel.pp > 1 (virtual stages interleave "
+             "over pipeline ranks); set vpp=1 or raise pp")
+    if num_layers:
+        _require(num_layers % (p.pp * p.vpp) == 0, "actor.parallel.vpp",
+                 f"actor.parallel.pp*vpp={p.pp}*{p.vpp}={p.pp * p.vpp} does not divide "
+                 f"model.num_hidden_layers={num_layers}; every virtual stage needs the same number "
+                 "of layers (choose vpp so that pp*vpp divides it; a preset's depth is set by "
+                 "model.num_hidden_layers)")
 
 
 def check_model_fit(cfg: RunConfig, mc: dict) -> None:
@@ -155,6 +174,7 @@ def check_model_fit(cfg: RunConfig, mc: dict) -> None:
     if layers:
         _require(layers % p.pp == 0, "actor.parallel.pp",
                  f"actor.parallel.pp={p.pp} does not divide model.num_hidden_layers={layers}")
+        check_virtual_pipeline(p, layers)
     experts = num_experts(mc)
     if p.ep > 1:
         _require(experts > 0, "actor.parallel.ep",
@@ -177,6 +197,12 @@ def check_paths(cfg: RunConfig) -> None:
         _require(path.endswith(_DATA_SUFFIXES), key,
                  f"{key}={path!r} must end in {' or '.join(_DATA_SUFFIXES)}")
         _require(Path(path).is_file(), key, f"{key}={path!r} does not exist")
+    _require(cfg.model.path is None or cfg.model.num_hidden_layers is None, "model.num_hidden_layers",
+             f"model.num_hidden_layers={cfg.model.num_hidden_layers} overrides a preset's depth, but "
+             f"model.path={cfg.model.path!r} is set (its config.json decides); remove one of them")
+    _require(cfg.model.num_hidden_layers is None or cfg.model.num_hidden_layers >= 1,
+             "model.num_hidden_layers",
+             f"model.num_hidden_layers={cfg.model.num_hidden_layers} must be >= 1 or null (the preset's)")
     if cfg.model.path is not None:
         _require((Path(cfg.model.path) / "config.json").is_file(), "model.path",
                  f"model.path={cfg.model.path!r} is not a Hugging Face checkpoint directory "

@@ -57,6 +57,12 @@ TINY_QWEN3_MOE = dict(
 PRESETS = {"tiny-qwen3-moe": TINY_QWEN3_MOE}
 
 
+def preset_overrides(model_cfg) -> dict:
+    """The HF-config changes a run's `model` section asks of its preset (model.num_hidden_layers)."""
+    n = model_cfg.num_hidden_layers
+    return {} if n is None else {"num_hidden_layers": n}
+
+
 def build_tokenizer():
     """Character-level tokenizer with a chat template; ids 0..len(vocab)-1 (51 < vocab_size)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers

@@ -45,9 +45,10 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
             raise FileNotFoundError(f"model.path={cfg.model.path}: no config.json there; point it "
                                     "at a Hugging Face checkpoint directory")
         return cfg.model.path
-    from megarl.models.tiny import build_tiny_checkpoint
+    from megarl.models.tiny import build_tiny_checkpoint, preset_overrides
 
-    return str(build_tiny_checkpoint(run_dir / "init_model", seed=cfg.model.seed))
+    return str(build_tiny_checkpoint(run_dir / "init_model", seed=cfg.model.seed,
+                                     **preset_overrides(cfg.model)))
 
 
 def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:

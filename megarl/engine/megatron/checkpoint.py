@@ -39,7 +39,8 @@ def layout(engine) -> dict:
     """The mesh a checkpoint was written from; RNG states are restored only into the same one."""
     c = engine.mesh_coord()
     return dict(world_size=dist.get_world_size(), tp=c["tp_size"], pp=c["pp_size"], cp=c["cp_size"],
-                ep=c["ep_size"], etp=engine.spec.parallel.etp, dp=c["dp_size"])
+                ep=c["ep_size"], etp=engine.spec.parallel.etp, dp=c["dp_size"],
+                vpp=getattr(engine.spec.parallel, "vpp", 1))
 
 
 def read_metadata(path: str) -> dict:
@@ -137,7 +138,8 @@ def load(engine, path: str, load_optimizer: bool = True) -> dict:
     same_layout = meta["layout"] == layout(engine)
     state = _sharded_state_dict(engine, with_optimizer, rng=same_layout, is_loading=True)
     loaded = dist_checkpointing.load(state, path)
-    engine._bare_model().load_state_dict(loaded["model"], strict=True)
+    for i, chunk in enumerate(engine.bare_chunks()):
+        chunk.load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
     if with_optimizer:
         engine.optimizer.load_state_dict(_optimizer_state(state["optimizer"], loaded["optimizer"]))
     if same_layout:
@@ -159,8 +161,11 @@ def _sharded_state_dict(engine, with_optimizer: bool, rng: bool, is_loading: boo
     from megatron.core import parallel_state as ps
 
     metadata = dict(_content_metadata(), dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True))
-    # the bare GPTModel holds the same Parameter objects DDP and the optimizer refer to
-    state = {"model": engine._bare_model().sharded_state_dict(metadata=metadata)}
+    # the bare GPTModels hold the same Parameter objects DDP and the optimizer refer to. One entry
+    # per virtual pipeline chunk: the nesting is this run's own (tensors are found by their global
+    # sharded keys), so a checkpoint saved with one VPP size loads into another.
+    state = {"model": {f"chunk{i}": chunk.sharded_state_dict(metadata=metadata)
+                       for i, chunk in enumerate(engine.bare_chunks())}}
     if with_optimizer:
         state["optimizer"] = engine.optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
                                                                  metadata=metadata)

@@ -7,6 +7,9 @@ Row layout it consumes (one row per sample, right-padded, no left padding, so a 
 is the whole attention mask): `input_ids` [B, T] = prompt tokens followed by response tokens,
 `prompt_lengths` [B], `responses` [B, R], `response_mask` [B, R]. Outputs are [B, R] aligned with
 `responses`: position j of row i is the log-prob of responses[i, j].
+
+`self.model` is a list of model chunks, one per virtual pipeline stage (parallel.vpp; a list of
+one without it): Megatron's interleaved schedule, its optimizer and mbridge all take that list.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config.schema import OptimConfig, ParallelConfig
+from megarl.config.validate import check_virtual_pipeline
 from megarl.data.batch import Batch
 from megarl.engine.megatron import cpu_compat
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
@@ -73,9 +77,11 @@ class MegatronEngine:
                 context_parallel_size=p.cp,
                 expert_model_parallel_size=p.ep,
                 expert_tensor_parallel_size=p.etp,
+                virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
             )
         cpu_compat.seed_model_parallel(self.spec.seed)
         hf_config = AutoConfig.from_pretrained(self.spec.model_path)
+        check_virtual_pipeline(p, hf_config.num_hidden_layers)
         training = self.spec.optim is not None
         self.bridge = make_bridge(
             hf_config,
@@ -87,20 +93,36 @@ class MegatronEngine:
             # one call is padded to the same length here, so the pipeline's shapes are fixed anyway
             **({"variable_seq_lengths": False} if self.spec.moe_dispatcher == "allgather" else {}),
         )
-        model = self.bridge._model_provider([])(
-            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
-        )
-        load_hf_weights(self.bridge, model, self.spec.model_path)
+        chunks = self._build_chunks()
+        load_hf_weights(self.bridge, chunks, self.spec.model_path)
         if training:
-            model = self._wrap_ddp(model)
-            self.optimizer = self._build_optimizer(model)
+            chunks = self._wrap_ddp(chunks)
+            self.optimizer = self._build_optimizer(chunks)
         else:
-            for param in model.parameters():
-                param.requires_grad_(False)
-        self.model = model
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+        self.model = chunks
         self.config = self.bridge.config
 
-    def _wrap_ddp(self, model):
+    def _build_chunks(self) -> list:
+        """One GPTModel per virtual pipeline stage of this rank. With pp=2, vpp=2 and 4 layers,
+        rank 0 builds layers 0 and 2, rank 1 layers 1 and 3; the embedding lives in virtual stage 0
+        of the first rank, the output layer in the last virtual stage of the last rank."""
+        from megatron.core import parallel_state as ps
+
+        provider = self.bridge._model_provider([])
+        vpp = self.spec.parallel.vpp
+        chunks = []
+        for i in range(vpp):
+            stage = i if vpp > 1 else None
+            chunks.append(provider(
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                vp_stage=stage,
+            ))
+        return chunks
+
+    def _wrap_ddp(self, chunks: list) -> list:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
@@ -110,12 +132,14 @@ class MegatronEngine:
             use_distributed_optimizer=self.spec.optim.use_distributed_optimizer,
             average_in_collective=False,
         )
-        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-        model.config.finalize_model_grads_func = finalize_model_grads
-        model.config.no_sync_func = ddp.no_sync
-        return ddp
+        ddps = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c) for c in chunks]
+        config = chunks[0].config  # one TransformerConfig shared by all chunks
+        config.finalize_model_grads_func = finalize_model_grads
+        # the interleaved schedule enters every chunk's no_sync at once; the others take one
+        config.no_sync_func = [d.no_sync for d in ddps] if len(ddps) > 1 else ddps[0].no_sync
+        return ddps
 
-    def _build_optimizer(self, model):
+    def _build_optimizer(self, chunks: list):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         o = self.spec.optim
@@ -133,7 +157,7 @@ class MegatronEngine:
             params_dtype=torch.float32,
             use_distributed_optimizer=o.use_distributed_optimizer,
         )
-        return get_megatron_optimizer(config, [model])
+        return get_megatron_optimizer(config, chunks)
 
     # ---------------------------------------------------------------- mesh facts
     def mesh_coord(self) -> dict:
@@ -174,7 +198,7 @@ class MegatronEngine:
         budget = self.spec.max_tokens_per_micro_batch
         if budget is None:
             n = max(1, math.ceil(len(batch) / self.spec.micro_batch_size))
-            return batch.chunk(n), None
+            return batch.chunk(self._interleaved_micro_batch_count(n, len(batch))), None
         from megatron.core import parallel_state as ps
 
         from megarl.data.balance import min_micro_batches, partition_micro_batches
@@ -182,7 +206,7 @@ class MegatronEngine:
         lengths = row_lengths(batch["input_ids"], batch["prompt_lengths"], batch["response_mask"]).tolist()
         k = torch.tensor(min_micro_batches(lengths, budget))
         dist.all_reduce(k, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
-        k = int(k)
+        k = self._interleaved_micro_batch_count(int(k), len(batch))
         if k > len(batch):
             raise ValueError(f"max_tokens_per_micro_batch={budget}: another data-parallel rank needs "
                              f"{k} micro-batches but this rank holds only {len(batch)} rows; give "
@@ -190,6 +214,21 @@ class MegatronEngine:
         parts = partition_micro_batches(lengths, k)
         order = torch.tensor([i for p in parts for i in p])
         return [batch[torch.tensor(p)] for p in parts], order
+
+    def _interleaved_micro_batch_count(self, n: int, rows: int) -> int:
+        """`n` micro-batches adjusted for the interleaved schedule (vpp > 1), which runs them in
+        groups of pp per virtual stage and refuses fewer than pp or a last group smaller than pp:
+        round up to a multiple of pp, or down where rows are too few (micro-batches grow a little)."""
+        p = self.spec.parallel
+        if p.vpp == 1:
+            return n
+        if rows < p.pp:
+            raise ValueError(
+                f"actor.parallel.vpp={p.vpp}: the interleaved pipeline schedule needs at least "
+                f"pp={p.pp} micro-batches, but this call has {rows} row(s) on this data-parallel rank; "
+                f"send at least {p.pp} rows per rank or set actor.parallel.vpp=1")
+        up = math.ceil(n / p.pp) * p.pp
+        return up if up <= rows else rows // p.pp * p.pp
 
     def logprob_head(self, temperature: float) -> Head:
         """The policy head: vocab-parallel logits -> (log p(label), entropy) per position."""
@@ -251,8 +290,8 @@ class MegatronEngine:
 
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(zip(micro, inputs)),
-            model=[self.model],
+            data_iterator=[iter(list(zip(micro, inputs))) for _ in self.model],  # each chunk reads every micro-batch
+            model=self.model,
             num_microbatches=len(micro),
             seq_length=max(x["input_ids"].shape[1] for x in inputs),
             micro_batch_size=max(x["input_ids"].shape[0] for x in inputs),
@@ -306,7 +345,8 @@ class MegatronEngine:
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
         """log-probs and entropy of `responses` under the current weights ([B, R] each)."""
-        self.model.eval()
+        for chunk in self.model:
+            chunk.eval()
         tensors, _ = self._run(batch, None, self.logprob_head(temperature), forward_only=True)
         if tensors is None:
             return None
@@ -316,8 +356,9 @@ class MegatronEngine:
                          head: Head | None = None, prefix: str = "actor") -> dict:
         """One optimizer step over `batch` (this rank's share of a mini-batch); `head` defaults to
         the policy's log-prob head, so loss_fn receives (log_prob, entropy, micro-batch)."""
-        self.model.train()
-        self.model.zero_grad_buffer()
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         _, per_micro_batch = self._run(batch, loss_fn, head or self.logprob_head(temperature), forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
@@ -328,25 +369,26 @@ class MegatronEngine:
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) for every weight; a collective: call it on every rank."""
-        return export_hf_weights(self.bridge, self._bare_model())
+        return export_hf_weights(self.bridge, self.bare_chunks())
 
     def export_owned_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What this rank sends in the distributed transport (weights.export_owned_hf_weights)."""
-        return export_owned_hf_weights(self.bridge, self._bare_model())
+        return export_owned_hf_weights(self.bridge, self.bare_chunks())
 
     def sends_owned_weights(self) -> bool:
-        return sends_owned_weights(self._bare_model())
+        return sends_owned_weights(self.bare_chunks())
 
     def local_pieces(self) -> list:
         """The HF boxes this rank produces from its own shards (shards.local_hf_pieces)."""
         from megarl.engine.megatron.shards import local_hf_pieces
 
-        return local_hf_pieces(self.bridge, self._bare_model())
+        return local_hf_pieces(self.bridge, self.bare_chunks())
 
-    def _bare_model(self):
+    def bare_chunks(self) -> list:
+        """The GPTModel of every virtual pipeline stage, without the DDP wrapper (one without VPP)."""
         from megatron.core.distributed import DistributedDataParallel
 
-        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        return [c.module if isinstance(c, DistributedDataParallel) else c for c in self.model]
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> dict:

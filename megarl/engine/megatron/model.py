@@ -63,6 +63,10 @@ def _local_spec_mixin(base: type) -> type:
             from megarl.engine.megatron.cpu_attention import use_cpu_core_attention
 
             cfg = self.config
+            # mbridge's provider passes vp_stage on to GPTModel only when this is set (its own
+            # version of this method sets it); GPTModel then builds this virtual stage's layers.
+            # The local spec is one layer spec for every layer, so it needs no vp_stage itself.
+            self.has_vp_stage = True
             # our core attention: the stock local one refuses context parallelism and MLA widths
             return use_cpu_core_attention(get_gpt_layer_local_spec(
                 num_experts=cfg.num_moe_experts,

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from megarl.engine.megatron.weights import _is_tp_partitioned, _tp_split, local_to_global_names
+from megarl.engine.megatron.weights import _is_tp_partitioned, _tp_split, global_tensors
 
 Box = tuple[tuple[int, int], ...]
 
@@ -101,14 +101,13 @@ class _RowMaps:
         return [o.select(1 - dim, 0) if o.dim() == 2 else o.reshape(-1) for o in outs]
 
 
-def local_hf_pieces(bridge, model) -> list[LocalPiece]:
-    """Every HF box this rank can produce from its own parameters (replicas included: data-parallel
-    copies list the same boxes, and the planner picks who sends). A collective-free call."""
-    tensors = {**model.state_dict(), **dict(model.named_parameters())}
+def local_hf_pieces(bridge, models) -> list[LocalPiece]:
+    """Every HF box this rank can produce from its own parameters, over all its model chunks (virtual
+    pipeline stages); replicas included: data-parallel copies list the same boxes, and the planner
+    picks who sends. A collective-free call."""
     maps = _RowMaps(bridge)
     pieces: list[LocalPiece] = []
-    for local_name, global_name in local_to_global_names(model).items():
-        param = tensors[local_name]
+    for global_name, param in global_tensors(models):
         size, rank, _ = _tp_split(global_name)
         hf_names = bridge._weight_name_mapping_mcore_to_hf(global_name)
         if size == 1 or not _is_tp_partitioned(param):

@@ -4,6 +4,9 @@ mbridge supplies the facts about names and layouts (`_weight_name_mapping_mcore_
 QKV and gated-MLP formats, how a tensor splits across TP); this module owns the distributed part:
 which rank holds which slice, and the collectives that put full tensors back together. Every
 rank calls these functions (they contain collectives); all ranks see the same stream of names.
+
+A rank's model is a list of chunks, one per virtual pipeline stage (a list of one without VPP):
+functions taking `models` walk every chunk, each with its own layer offset.
 """
 
 from __future__ import annotations
@@ -55,6 +58,19 @@ def local_to_global_names(model) -> dict[str, str]:
     return names
 
 
+def global_tensors(models) -> list[tuple[str, torch.Tensor]]:
+    """(global mcore name, live tensor) for every weight of this rank's model chunks.
+
+    named_parameters keeps megatron's attributes (tensor_model_parallel, partition_dim); state_dict
+    adds buffers that are weights too (the router's expert_bias).
+    """
+    out = []
+    for model in models:
+        tensors = {**model.state_dict(), **dict(model.named_parameters())}
+        out.extend((g, tensors[local]) for local, g in local_to_global_names(model).items())
+    return out
+
+
 def _tp_split(global_name: str) -> tuple[int, int, object]:
     """(size, rank, group) of the tensor-parallel split that applies to this parameter."""
     ps = _mesh()
@@ -97,16 +113,14 @@ class SafetensorsDir:
 
 
 @torch.no_grad()
-def load_hf_weights(bridge, model, path: str | os.PathLike) -> None:
-    """Fill this rank's shards of `model` from the HF checkpoint at `path`.
+def load_hf_weights(bridge, models, path: str | os.PathLike) -> None:
+    """Fill this rank's shards of its model chunks from the HF checkpoint at `path`.
 
     Each rank reads what it needs from the (shared) filesystem and keeps its slice, so no
     collective is needed; shapes are checked so a wrong mapping fails loudly, never silently.
     """
     ckpt = SafetensorsDir(path)
-    state = model.state_dict()
-    for local_name, global_name in local_to_global_names(model).items():
-        param = state[local_name]
+    for global_name, param in global_tensors(models):
         hf_names = bridge._weight_name_mapping_mcore_to_hf(global_name)
         full = bridge._weight_to_mcore_format(global_name, [ckpt.get(n) for n in hf_names])
         size, rank, _ = _tp_split(global_name)
@@ -152,14 +166,11 @@ def _gather_ep(global_name: str, tensor: torch.Tensor, num_experts: int):
     return [(f"{prefix}weight{local_id + per_rank * r}", t) for r, t in enumerate(parts)]
 
 
-def _full_mcore_tensors(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
-    """This PP stage's parameters as full (TP- and EP-gathered) mcore tensors."""
-    # named_parameters keeps megatron's attributes (tensor_model_parallel, partition_dim);
-    # state_dict adds buffers that are weights too (the router's expert_bias).
-    tensors = {**model.state_dict(), **dict(model.named_parameters())}
-    num_experts = model.config.num_moe_experts or 0
-    for local_name, global_name in local_to_global_names(model).items():
-        tensor = _gather_tp(bridge, global_name, tensors[local_name])
+def _full_mcore_tensors(bridge, models) -> Iterator[tuple[str, torch.Tensor]]:
+    """This PP stage's parameters (all its virtual stages) as full (TP- and EP-gathered) mcore tensors."""
+    num_experts = models[0].config.num_moe_experts or 0
+    for global_name, local in global_tensors(models):
+        tensor = _gather_tp(bridge, global_name, local)
         if _is_expert(global_name):
             yield from _gather_ep(global_name, tensor, num_experts)
         else:
@@ -167,18 +178,18 @@ def _full_mcore_tensors(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def export_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(bridge, models) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for the whole model, on every rank.
 
-    Pipeline stages take turns: stage s announces its names and shapes, then broadcasts each
-    tensor from its rank in this rank's PP group.
+    Pipeline stages take turns: stage s announces its names and shapes (those of all its virtual
+    stages), then broadcasts each tensor from its rank in this rank's PP group.
     """
     ps = _mesh()
     pp_size = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
     pp_group = ps.get_pipeline_model_parallel_group()
     for stage in range(pp_size):
-        mine = list(_full_mcore_tensors(bridge, model)) if stage == pp_rank else None
+        mine = list(_full_mcore_tensors(bridge, models)) if stage == pp_rank else None
         if pp_size > 1:
             meta = [[(n, tuple(t.shape), t.dtype) for n, t in mine] if mine is not None else None]
             src = dist.get_global_rank(pp_group, stage)
@@ -192,32 +203,31 @@ def export_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
             yield from zip(hf_names, hf_tensors)
 
 
-def _owned_params(model) -> list[tuple[str, str, bool]]:
-    """(local name, global name, expert?) of the parameters this rank takes part in sending in the
+def _owned_params(models) -> list[tuple[str, torch.Tensor, bool]]:
+    """(global name, live tensor, expert?) of the parameters this rank takes part in sending in the
     distributed transport: dense ones on the data-parallel-0 replica of its stage, experts on the
     expert-data-parallel-0 replica. Dense first, then experts (as slime): a rank that helps gather
     dense tensors for its TP-0 peer never waits on the bucket lock while that peer needs it."""
     ps = _mesh()
     dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     experts = ps.get_expert_data_parallel_rank() == 0
-    names = [(local, g, _is_expert(g)) for local, g in local_to_global_names(model).items()]
+    names = [(g, t, _is_expert(g)) for g, t in global_tensors(models)]
     return ([n for n in names if not n[2] and dense] + [n for n in names if n[2] and experts])
 
 
-def sends_owned_weights(model) -> bool:
+def sends_owned_weights(models) -> bool:
     """Whether export_owned_hf_weights yields anything on this rank (no communication)."""
-    return any(_tp_split(g)[1] == 0 for _, g, _ in _owned_params(model))
+    return any(_tp_split(g)[1] == 0 for g, _, _ in _owned_params(models))
 
 
 @torch.no_grad()
-def export_owned_hf_weights(bridge, model) -> Iterator[tuple[str, torch.Tensor]]:
+def export_owned_hf_weights(bridge, models) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) of what this rank owns: its stage's dense weights on the TP-0 rank of
     the data-parallel-0 replica, each EP rank's own experts on its expert-TP-0 rank. Tensors are
     gathered over TP / expert-TP as the stream is consumed (bucket by bucket), nothing crosses
     pipeline stages or EP ranks, and no rank ever holds more than its stage's share."""
-    tensors = {**model.state_dict(), **dict(model.named_parameters())}
-    for local_name, global_name, _ in _owned_params(model):
-        tensor = _gather_tp(bridge, global_name, tensors[local_name])
+    for global_name, local, _ in _owned_params(models):
+        tensor = _gather_tp(bridge, global_name, local)
         if _tp_split(global_name)[1] != 0:
             continue  # a gather helper: its TP-0 peer sends
         hf_names, hf_tensors = bridge._weight_to_hf_format(global_name, tensor.detach())
