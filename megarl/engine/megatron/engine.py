@@ -24,6 +24,8 @@ from megarl.engine.megatron import cpu_compat
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge
+from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
+from megarl.engine.megatron import value_head as vh
 from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_weights, load_hf_weights,
                                             sends_owned_weights)
 
@@ -36,6 +38,7 @@ class EngineSpec:
     micro_batch_size: int = 8
     seed: int = 0
     moe_dispatcher: str = "alltoall"  # actor.moe.dispatcher
+    value_head: bool = False  # a critic: scalar value head instead of the vocab output (value_head.py)
 
 
 # A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
@@ -53,6 +56,7 @@ class MegatronEngine:
         self.spec = spec
         self.model = None
         self.optimizer = None
+        self._offloaded: dict[str, HostCopy] = {}
 
     # ---------------------------------------------------------------- set-up
     def initialize(self) -> None:
@@ -73,6 +77,8 @@ class MegatronEngine:
             )
         cpu_compat.seed_model_parallel(self.spec.seed)
         hf_config = AutoConfig.from_pretrained(self.spec.model_path)
+        if self.spec.value_head:
+            vh.untie_embeddings(hf_config)
         training = self.spec.optim is not None
         self.bridge = make_bridge(
             hf_config,
@@ -84,10 +90,14 @@ class MegatronEngine:
             # one call is padded to the same length here, so the pipeline's shapes are fixed anyway
             **({"variable_seq_lengths": False} if self.spec.moe_dispatcher == "allgather" else {}),
         )
-        model = self.bridge._model_provider([])(
+        model = self.bridge._model_provider(vh.value_model_callbacks() if self.spec.value_head else [])(
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
         )
-        load_hf_weights(self.bridge, model, self.spec.model_path)
+        if self.spec.value_head:  # the head is not in the checkpoint
+            load_hf_weights(self.bridge, model, self.spec.model_path, skip_prefix=vh.VALUE_HEAD_PREFIX)
+            vh.init_value_head(model, self.spec.seed, self.bridge.config.init_method_std)
+        else:
+            load_hf_weights(self.bridge, model, self.spec.model_path)
         if training:
             model = self._wrap_ddp(model)
             self.optimizer = self._build_optimizer(model)
@@ -248,6 +258,15 @@ class MegatronEngine:
             "entropy": torch.cat([r[0][1] for r in results]),
         })
 
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch | None:
+        """The value model's estimate at each position that predicts a response token ([B, R])."""
+        self.model.eval()
+        results = self._run(batch, None, vh.value_head, forward_only=True)
+        if not results:
+            return None
+        return Batch({"values": torch.cat([r[0][0] for r in results])})
+
     def train_mini_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0,
                          head: Head | None = None, prefix: str = "actor") -> dict:
         """One optimizer step over `batch` (this rank's share of a mini-batch); `head` defaults to
@@ -261,6 +280,30 @@ class MegatronEngine:
         metrics[f"{prefix}/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics[f"{prefix}/update_skipped"] = float(not ok)
         return metrics
+
+    # ---------------------------------------------------------------- offload (colocation)
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
+        """Move the chosen parts to host memory and free their device storage (offload.py).
+
+        Parts already offloaded, and grads / optimizer of a forward-only engine, are skipped.
+        Returns the bytes moved.
+        """
+        groups = offload_groups(self.model, self.optimizer)
+        moved = 0
+        for part, wanted in zip(PARTS, (params, grads, optimizer)):
+            if wanted and part not in self._offloaded:
+                self._offloaded[part] = HostCopy(groups[part])
+                moved += self._offloaded[part].nbytes
+        return moved
+
+    def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Bring back (bit for bit) the chosen parts that are offloaded."""
+        for part, wanted in zip(PARTS, (params, grads, optimizer)):
+            if wanted and part in self._offloaded:
+                self._offloaded.pop(part).restore()
+
+    def offloaded(self) -> set[str]:
+        return set(self._offloaded)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) for every weight; a collective: call it on every rank."""
