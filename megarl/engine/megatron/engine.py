@@ -285,13 +285,13 @@ class MegatronEngine:
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
         """Move the chosen parts to host memory and free their device storage (offload.py).
 
-        Parts already offloaded, and grads / optimizer of a forward-only engine, are skipped.
-        Returns the bytes moved.
+        Parts already offloaded, and parts without tensors (grads / optimizer of a forward-only
+        engine, Adam's moments before the first step) are skipped. Returns the bytes moved.
         """
         groups = offload_groups(self.model, self.optimizer)
         moved = 0
         for part, wanted in zip(PARTS, (params, grads, optimizer)):
-            if wanted and part not in self._offloaded:
+            if wanted and part not in self._offloaded and groups[part]:
                 self._offloaded[part] = HostCopy(groups[part])
                 moved += self._offloaded[part].nbytes
         return moved
