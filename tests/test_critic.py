@@ -1,5 +1,8 @@
 """The critic: clipped value loss, value model on TP=1 and TP=2, learning fixed returns.
 
+The TP=1 critic offloads its parameters, gradients and Adam moments between calls (offload.py),
+so its agreement with TP=2 (no offload) also covers the round trips.
+
 Tolerances: the value loss against a float64 hand computation at 1e-12 (float64 inputs); values
 at TP=2 (sequence parallel: each rank scores half the sequence, the head's gradient all-reduced
 over TP) against TP=1 at 1e-5 absolute, before training and after every update (fp32, observed
@@ -41,11 +44,11 @@ def make_batch():
                   "prompt_lengths": torch.tensor([len(p) for p, _ in ROWS]), "returns": returns})
 
 
-def _critic_on_rank(rank, model_path, world, tp, port):
+def _critic_on_rank(rank, model_path, world, tp, port, offload=False):
     """Drive a real MegatronCritic worker: values, then STEPS of (compute_values, update_critic)."""
     import torch.distributed as dist
 
-    from megarl.config.schema import OptimConfig, ParallelConfig
+    from megarl.config.schema import OffloadConfig, OptimConfig, ParallelConfig
     from megarl.data.batch import Batch
     from megarl.engine.megatron.critic import CriticLossSpec, MegatronCritic
     from megarl.engine.megatron.engine import EngineSpec
@@ -54,8 +57,9 @@ def _critic_on_rank(rank, model_path, world, tp, port):
     spec = EngineSpec(model_path=str(model_path), value_head=True, micro_batch_size=2, seed=3,
                       parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1),
                       optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0))
-    critic = MegatronCritic(spec, CriticLossSpec(cliprange_value=0.5), rank=rank, world_size=world,
-                            master_addr="127.0.0.1", master_port=port)
+    critic = MegatronCritic(spec, CriticLossSpec(cliprange_value=0.5),
+                            offload=OffloadConfig(params=offload, grads=offload, optimizer=offload),
+                            rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port)
     critic.init_distributed()
     batch = make_batch()
     values, metrics = [], []
@@ -64,14 +68,18 @@ def _critic_on_rank(rank, model_path, world, tp, port):
         values.append(v)
         metrics.append(critic.update_critic(batch.union(Batch({"values": v})), mini_batch_size=4, seed=step))
     values.append(critic.compute_values(batch)["values"])
+    offloaded = critic.engine.offloaded()
+    critic.engine.onload()
     head = critic.engine._bare_model().output_layer
     return {"values": values, "metrics": metrics, "head_shape": tuple(head.weight.shape),
+            "offloaded_between_calls": offloaded,
             "head_tp_attr": bool(getattr(head.weight, "tensor_model_parallel", False))}
 
 
 @pytest.fixture(scope="module")
 def critic_runs(tiny_model_path):
-    return {"tp1": run_ranks(_critic_on_rank, 1, tiny_model_path, 1, 1, free_port())[0],
+    # TP=1 with everything offloaded between calls; TP=2 (sequence parallel) without
+    return {"tp1": run_ranks(_critic_on_rank, 1, tiny_model_path, 1, 1, free_port(), True)[0],
             "tp2": run_ranks(_critic_on_rank, 2, tiny_model_path, 2, 2, free_port())}
 
 
@@ -96,6 +104,12 @@ def test_critic_learns_fixed_returns(critic_runs):
     vf = [m["critic/vf_loss"] for m in critic_runs["tp1"]["metrics"]]
     assert vf[-1] < vf[0]
     assert all(m["critic/grad_norm"] > 0 for m in critic_runs["tp1"]["metrics"])
+
+
+def test_critic_offloads_between_calls(critic_runs):
+    assert critic_runs["tp1"]["offloaded_between_calls"] == {"params", "grads", "optimizer"}
+    assert critic_runs["tp2"][0]["offloaded_between_calls"] == set()
+    assert all(m["perf/critic_onload_s"] > 0 for m in critic_runs["tp1"]["metrics"])
 
 
 def test_tp2_values_equal_tp1_before_and_after_training(critic_runs):
@@ -157,3 +171,22 @@ def test_value_loss_rejects_mismatched_shapes():
 
     with pytest.raises(ValueError, match="share a shape"):
         value_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 2), torch.ones(2, 3), 0.2)
+
+
+def test_critic_engine_spec_from_config():
+    """The critic group's spec: the actor's checkpoint unless critic.model.path, its own layout."""
+    from megarl.config import load_config, validate
+    from megarl.models.tiny import TINY_QWEN3_MOE
+    from megarl.trainer.runtime import critic_engine_spec, critic_loss_spec
+    from tests.test_config import QUICKSTART
+
+    cfg = validate(load_config(QUICKSTART, ["critic.enabled=true", "critic.parallel.tp=2",
+                                            "critic.optim.lr=2e-5", "critic.cliprange_value=0.2"]),
+                   dict(TINY_QWEN3_MOE))
+    spec = critic_engine_spec(cfg, "/actor/ckpt")
+    assert spec.value_head and spec.model_path == "/actor/ckpt"
+    assert spec.parallel.tp == 2 and spec.parallel.sequence_parallel is True
+    assert spec.optim.lr == 2e-5 and spec.micro_batch_size == cfg.critic.micro_batch_size
+    assert critic_loss_spec(cfg).cliprange_value == 0.2
+    cfg.critic.model.path = "/critic/ckpt"
+    assert critic_engine_spec(cfg, "/actor/ckpt").model_path == "/critic/ckpt"
