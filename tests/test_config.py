@@ -1,5 +1,6 @@
 """Config: schema defaults, YAML + overrides, type checks, cross-field validation messages."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,24 @@ BAD_CONFIGS = [
     (["reward.custom_function=/nonexistent/reward.py:score"], "reward.custom_function",
      "does not exist"),
     (["trainer.output_dir=' '"], "trainer.output_dir", "must not be empty"),
+    # the critic: its own layout on the actor ranks, its own batch sizes and loss
+    (["critic.enabled=true", "critic.parallel.tp=2"], None, None),  # MoE: SP auto-enabled (control)
+    (["critic.enabled=true", "critic.parallel.tp=3"], "critic.parallel",
+     "critic.parallel tp*pp*cp=3*1*1=3 does not divide cluster.num_actor_ranks=2"),
+    (["critic.enabled=true", "critic.parallel.tp=2", "critic.parallel.sequence_parallel=false"],
+     "critic.parallel.sequence_parallel", "needs sequence parallel for MoE"),
+    (["critic.enabled=true", "critic.parallel.pp=2", "cluster.num_actor_ranks=4",
+      "critic.parallel.ep=4"], "critic.parallel.ep", "does not divide the ranks of one pipeline stage"),
+    (["critic.enabled=true", "critic.ppo_mini_batch_size=100"], "critic.ppo_mini_batch_size",
+     "must divide the rows per step data.train_batch_size*rollout.n=256"),
+    (["critic.enabled=true", "critic.ppo_mini_batch_size=1"], "critic.ppo_mini_batch_size",
+     "divisible by the critic's data-parallel size 2"),
+    (["critic.cliprange_value=0"], "critic.cliprange_value", "must be > 0"),
+    (["critic.optim.lr=-1e-5"], "critic.optim.lr", "must be > 0"),
+    (["critic.optim.adam_beta1=1.0"], "critic.optim.adam_beta1", "must be in [0, 1)"),
+    (["critic.parallel.tp=0"], "critic.parallel.tp", "must be > 0"),
+    (["critic.micro_batch_size=0"], "critic.micro_batch_size", "must be > 0"),
+    (["critic.model.path=/nonexistent/ckpt"], "critic.model.path", "no config.json"),
 ]
 
 
@@ -197,6 +216,26 @@ def test_model_config_read_from_checkpoint_dir(tmp_path):
     (ckpt / "config.json").write_text('{"num_attention_heads": 5}')
     with pytest.raises(ConfigError, match="model.num_attention_heads=5"):
         validate(cfg)
+
+
+def test_critic_checkpoint_is_checked_against_its_own_config(tmp_path):
+    ckpt = tmp_path / "critic"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({**TINY, "num_attention_heads": 6,
+                                                  "num_key_value_heads": 6}))
+    cfg = load_config(QUICKSTART, ["critic.enabled=true", f"critic.model.path={ckpt}",
+                                   "critic.parallel.tp=2"])
+    out = validate(cfg, TINY)  # the actor's 4 heads would also split over tp=2; 6 heads do too
+    assert out.critic.parallel.sequence_parallel is True and out.actor.parallel.sequence_parallel is False
+    cfg = load_config(QUICKSTART, ["critic.enabled=true", f"critic.model.path={ckpt}",
+                                   "critic.parallel.tp=4", "cluster.num_actor_ranks=4",
+                                   "actor.parallel.ep=4"])
+    with pytest.raises(ConfigError, match=r"^critic\.parallel\.tp=4 does not divide model\.num_attention_heads=6"):
+        validate(cfg, TINY)
+    (ckpt / "config.json").write_text(json.dumps({**TINY, "vocab_size": 128}))
+    cfg = load_config(QUICKSTART, ["critic.enabled=true", f"critic.model.path={ckpt}"])
+    with pytest.raises(ConfigError, match="has vocab_size=128 but the actor's model has 64"):
+        validate(cfg, TINY)
 
 
 def test_config_built_in_code_is_type_checked():

@@ -29,18 +29,31 @@ def three_steps(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("loop")
     # TP=2 + sequence parallel here (the quickstart runs EP=2), KL loss on so the colocated
-    # reference policy runs, validation on the last step.
+    # reference policy runs, validation on the last step; the actor offloads everything between
+    # steps and the reference between calls (the sync parity below then covers the round trips);
+    # a critic group (EP=2, its own layout) is built from the config next to the actor.
     cfg = validate(load_config(ROOT / "configs/quickstart.yaml", [
         f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.val_every=3",
         "trainer.tensorboard=true", "data.num_train=64", "data.num_val=16",
         "actor.parallel.ep=1", "actor.parallel.tp=2", "actor.use_kl_loss=true",
         "actor.kl_loss_coef=0.01", "rollout.n=4", "actor.ppo_mini_batch_size=32",
-        "actor.micro_batch_size=16"]))
+        "actor.micro_batch_size=16", "actor.offload.params=true", "actor.offload.grads=true",
+        "actor.offload.optimizer=true", "ref.offload=true", "critic.enabled=true",
+        "critic.parallel.ep=2", "critic.ppo_mini_batch_size=32"]))
     stream = io.StringIO()
     summary = train(cfg, stream=stream)
     run_dir = out / "quickstart"
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return summary, [json.loads(x) for x in lines], run_dir, stream.getvalue()
+
+
+def test_offloaded_actor_and_reference_and_a_critic_group(three_steps):
+    _, steps, _, out = three_steps
+    for m in steps:
+        for key in ("perf/actor_offload_s", "perf/actor_onload_s", "perf/ref_offload_s",
+                    "perf/ref_onload_s"):
+            assert m[key] > 0, (m["step"], key)
+    assert "critic mesh" in out
 
 
 def test_three_steps_have_finite_metrics(three_steps):

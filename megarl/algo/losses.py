@@ -78,3 +78,29 @@ def entropy_loss(logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mod
                  global_denominator: float | torch.Tensor | None = None) -> torch.Tensor:
     """Aggregated entropy of the response tokens (subtract coeff * this to encourage exploration)."""
     return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode, global_denominator)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               response_mask: torch.Tensor, cliprange_value: float, loss_agg_mode: str = "token-mean",
+               global_denominator: float | torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss: 1/2 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2).
+
+    The clipped branch keeps one update from moving the value estimate more than `cliprange_value`
+    from the estimate the batch was collected with. Returns (loss, metrics): vf_clipfrac (fraction
+    of response tokens where the clipped branch is the larger) and vpred_mean.
+    """
+    if not (values.shape == old_values.shape == returns.shape == response_mask.shape):
+        raise ValueError("values, old_values, returns and response_mask must share a shape; got "
+                         f"{tuple(values.shape)}, {tuple(old_values.shape)}, "
+                         f"{tuple(returns.shape)}, {tuple(response_mask.shape)}")
+    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    unclipped_loss = (values - returns) ** 2
+    clipped_loss = (clipped - returns) ** 2
+    per_token = 0.5 * torch.maximum(unclipped_loss, clipped_loss)
+    loss = agg_loss(per_token, response_mask, loss_agg_mode, global_denominator)
+    metrics = {
+        "vf_clipfrac": masked_mean((clipped_loss > unclipped_loss).to(values.dtype), response_mask).detach(),
+        "vpred_mean": masked_mean(values.detach(), response_mask),
+    }
+    return loss, metrics

@@ -73,6 +73,15 @@ class MoEConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """What leaves the device between calls (colocation): host memory, pinned on GPU machines.
+    Parameters come back for every forward, gradients and optimizer state only for updates."""
+    params: bool = False
+    grads: bool = False
+    optimizer: bool = False
+
+
+@dataclass
 class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -89,12 +98,37 @@ class ActorConfig:
     kl_loss_type: KlLossType = "low_var_kl"
     entropy_coeff: float = 0.0
     loss_agg_mode: LossAggMode = "token-mean"
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     seed: int = 0
 
 
 @dataclass
 class RefConfig:
     enabled: bool | None = None           # None: on exactly when actor.use_kl_loss
+    offload: bool = False                 # the reference's weights leave the device between calls
+
+
+@dataclass
+class CriticModelConfig:
+    path: str | None = None               # HF checkpoint the value model starts from; None = the
+                                          # actor's (model.path, or the preset built from scratch)
+
+
+@dataclass
+class CriticConfig:
+    """The value function (PPO / GAE): its own worker group, colocated with the actor ranks
+    (cluster.num_actor_ranks of them), with its own parallel layout and optimizer."""
+    enabled: bool = False                 # build the critic worker group
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    micro_batch_size: int = 32            # rows per forward/backward on one data-parallel rank
+    ppo_mini_batch_size: int = 256        # rows per optimizer step (all data-parallel ranks)
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5          # |v - v_old| beyond this is clipped in the value loss
+    loss_agg_mode: LossAggMode = "token-mean"
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    seed: int = 0                         # also seeds the value head's initialisation
 
 
 @dataclass
@@ -178,6 +212,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     bridge: BridgeConfig = field(default_factory=BridgeConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

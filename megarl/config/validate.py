@@ -32,11 +32,15 @@ _POSITIVE = [
     "rollout.n", "rollout.max_new_tokens", "rollout.num_servers", "rollout.max_batch_size",
     "rollout.request_timeout_s", "bridge.bucket_size_mb", "bridge.parity_atol",
     "trainer.total_steps", "trainer.log_every", "cluster.num_actor_ranks",
+    "critic.parallel.tp", "critic.parallel.pp", "critic.parallel.ep", "critic.parallel.etp",
+    "critic.parallel.cp", "critic.ppo_mini_batch_size", "critic.micro_batch_size",
+    "critic.ppo_epochs", "critic.optim.lr", "critic.optim.adam_eps", "critic.cliprange_value",
 ]
 _NON_NEGATIVE = [
     "data.num_val", "actor.optim.weight_decay", "actor.optim.clip_grad", "actor.clip_ratio_low",
     "actor.clip_ratio_high", "actor.kl_loss_coef", "actor.entropy_coeff", "rollout.temperature",
     "rollout.val_temperature", "rollout.max_retries", "trainer.val_every",
+    "critic.optim.weight_decay", "critic.optim.clip_grad",
 ]
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _DATA_SUFFIXES = (".parquet", ".jsonl")
@@ -65,7 +69,8 @@ def check_ranges(cfg: RunConfig) -> None:
     low = cfg.actor.clip_ratio_low
     _require(low < 1, "actor.clip_ratio_low", f"actor.clip_ratio_low={low} must be < 1 "
              "(the ratio is clipped to [1 - low, 1 + high])")
-    for key in ("actor.optim.adam_beta1", "actor.optim.adam_beta2"):
+    for key in ("actor.optim.adam_beta1", "actor.optim.adam_beta2", "critic.optim.adam_beta1",
+                "critic.optim.adam_beta2"):
         _require(0 <= get(cfg, key) < 1, key, f"{key}={get(cfg, key)} must be in [0, 1)")
     top_p = cfg.rollout.top_p
     _require(0 < top_p <= 1, "rollout.top_p", f"rollout.top_p={top_p} must be in (0, 1]")
@@ -123,24 +128,7 @@ def num_experts(model_config: dict | None) -> int:
 
 
 def check_parallel(cfg: RunConfig, model_config: dict | None) -> None:
-    p, world = cfg.actor.parallel, cfg.cluster.num_actor_ranks
-    model_parallel = p.tp * p.pp * p.cp
-    _require(world % model_parallel == 0, "actor.parallel",
-             f"actor.parallel tp*pp*cp={p.tp}*{p.pp}*{p.cp}={model_parallel} does not divide "
-             f"cluster.num_actor_ranks={world}")
-    per_stage = world // p.pp
-    _require(per_stage % (p.ep * p.etp) == 0, "actor.parallel.ep",
-             f"actor.parallel.ep={p.ep} times etp={p.etp} does not divide the ranks of one "
-             f"pipeline stage cluster.num_actor_ranks/pp={per_stage}")
-    _require(not (p.sequence_parallel and p.tp == 1), "actor.parallel.sequence_parallel",
-             "actor.parallel.sequence_parallel=true needs actor.parallel.tp > 1; set it to "
-             "null (auto) or raise tp")
-    check_virtual_pipeline(p, None)
-    is_moe = num_experts(model_config) > 0 or (model_config is None and p.ep > 1)
-    _require(not (is_moe and p.tp > 1 and p.sequence_parallel is False),
-             "actor.parallel.sequence_parallel",
-             f"actor.parallel.sequence_parallel=false with tp={p.tp} on an MoE model; Megatron "
-             "needs sequence parallel for MoE with tp > 1 (set it to null or true)")
+    check_layout("actor", cfg.actor.parallel, cfg.cluster.num_actor_ranks, model_config)
     if model_config is not None:
         check_model_fit(cfg, model_config)
 
@@ -161,32 +149,86 @@ def check_virtual_pipeline(p, num_layers: int | None) -> None:
                  "model.num_hidden_layers)")
 
 
-def check_model_fit(cfg: RunConfig, mc: dict) -> None:
-    p = cfg.actor.parallel
+def check_layout(section: str, p, world: int, model_config: dict | None) -> None:
+    """`{section}.parallel` = p on `world` ranks: Megatron's divisibility rules and the model's."""
+    key = f"{section}.parallel"
+    model_parallel = p.tp * p.pp * p.cp
+    _require(world % model_parallel == 0, key,
+             f"{key} tp*pp*cp={p.tp}*{p.pp}*{p.cp}={model_parallel} does not divide "
+             f"cluster.num_actor_ranks={world}")
+    per_stage = world // p.pp
+    _require(per_stage % (p.ep * p.etp) == 0, f"{key}.ep",
+             f"{key}.ep={p.ep} times etp={p.etp} does not divide the ranks of one "
+             f"pipeline stage cluster.num_actor_ranks/pp={per_stage}")
+    _require(not (p.sequence_parallel and p.tp == 1), f"{key}.sequence_parallel",
+             f"{key}.sequence_parallel=true needs {key}.tp > 1; set it to "
+             "null (auto) or raise tp")
+    check_virtual_pipeline(p, None)
+    is_moe = num_experts(model_config) > 0 or (model_config is None and p.ep > 1)
+    _require(not (is_moe and p.tp > 1 and p.sequence_parallel is False),
+             f"{key}.sequence_parallel",
+             f"{key}.sequence_parallel=false with tp={p.tp} on an MoE model; Megatron "
+             "needs sequence parallel for MoE with tp > 1 (set it to null or true)")
+    if model_config is not None:
+        check_layout_fits_model(key, p, model_config)
+
+
+def check_layout_fits_model(key: str, p, mc: dict) -> None:
     heads = mc.get("num_attention_heads")
     kv_heads = mc.get("num_key_value_heads") or heads
     for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if value:
-            _require(value % p.tp == 0, "actor.parallel.tp",
-                     f"actor.parallel.tp={p.tp} does not divide model.{name}={value}; "
+            _require(value % p.tp == 0, f"{key}.tp",
+                     f"{key}.tp={p.tp} does not divide model.{name}={value}; "
                      "choose a divisor")
     layers = mc.get("num_hidden_layers")
     if layers:
-        _require(layers % p.pp == 0, "actor.parallel.pp",
-                 f"actor.parallel.pp={p.pp} does not divide model.num_hidden_layers={layers}")
+        _require(layers % p.pp == 0, f"{key}.pp",
+                 f"{key}.pp={p.pp} does not divide model.num_hidden_layers={layers}")
         check_virtual_pipeline(p, layers)
     experts = num_experts(mc)
     if p.ep > 1:
-        _require(experts > 0, "actor.parallel.ep",
-                 f"actor.parallel.ep={p.ep} but the model has no experts; use ep=1")
-        _require(experts % p.ep == 0, "actor.parallel.ep",
-                 f"actor.parallel.ep={p.ep} does not divide model.num_experts={experts}")
+        _require(experts > 0, f"{key}.ep",
+                 f"{key}.ep={p.ep} but the model has no experts; use ep=1")
+        _require(experts % p.ep == 0, f"{key}.ep",
+                 f"{key}.ep={p.ep} does not divide model.num_experts={experts}")
+
+
+def check_model_fit(cfg: RunConfig, mc: dict) -> None:
     max_pos = mc.get("max_position_embeddings")
     total = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     if max_pos:
         _require(total <= max_pos, "data.max_prompt_length",
                  f"data.max_prompt_length + rollout.max_new_tokens = {total} exceeds "
                  f"model.max_position_embeddings={max_pos}")
+
+
+def check_critic(cfg: RunConfig, model_config: dict | None) -> None:
+    """The critic group: colocated with the actor ranks, so the same world, its own layout and
+    batch sizes; its own checkpoint (critic.model.path) must share the actor's vocabulary."""
+    c = cfg.critic
+    if not c.enabled:
+        return
+    critic_model = model_config
+    if c.model.path is not None:
+        critic_model = json.loads((Path(c.model.path) / "config.json").read_text())
+        actor_vocab = (model_config or {}).get("vocab_size")
+        _require(actor_vocab is None or critic_model.get("vocab_size") == actor_vocab,
+                 "critic.model.path",
+                 f"critic.model.path={c.model.path!r} has vocab_size={critic_model.get('vocab_size')} "
+                 f"but the actor's model has {actor_vocab}; the critic scores the actor's tokens, "
+                 "so it needs the same tokenizer")
+    check_layout("critic", c.parallel, cfg.cluster.num_actor_ranks, critic_model)
+    rows = cfg.data.train_batch_size * cfg.rollout.n
+    mini = c.ppo_mini_batch_size
+    _require(rows % mini == 0, "critic.ppo_mini_batch_size",
+             f"critic.ppo_mini_batch_size={mini} must divide the rows per step "
+             f"data.train_batch_size*rollout.n={rows}")
+    p = c.parallel
+    dp = max(cfg.cluster.num_actor_ranks // (p.tp * p.pp * p.cp), 1)
+    _require(mini % dp == 0, "critic.ppo_mini_batch_size",
+             f"critic.ppo_mini_batch_size={mini} must be divisible by the critic's data-parallel "
+             f"size {dp} (cluster.num_actor_ranks / (critic tp*pp*cp)) so every rank gets equal rows")
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -207,6 +249,11 @@ def check_paths(cfg: RunConfig) -> None:
         _require((Path(cfg.model.path) / "config.json").is_file(), "model.path",
                  f"model.path={cfg.model.path!r} is not a Hugging Face checkpoint directory "
                  "(no config.json); set it to null to build model.preset")
+    critic_path = cfg.critic.model.path
+    if critic_path is not None:
+        _require((Path(critic_path) / "config.json").is_file(), "critic.model.path",
+                 f"critic.model.path={critic_path!r} is not a Hugging Face checkpoint directory "
+                 "(no config.json); set it to null to start the critic from the actor's model")
     fn = cfg.reward.custom_function
     if fn is not None and ".py:" in fn:
         path = fn.rpartition(":")[0]
@@ -234,9 +281,9 @@ def read_model_config(cfg: RunConfig) -> dict | None:
 def resolve(cfg: RunConfig) -> RunConfig:
     """A copy with auto fields decided: sequence parallel on iff tp > 1; ref iff KL loss."""
     out = copy.deepcopy(cfg)
-    p = out.actor.parallel
-    if p.sequence_parallel is None:
-        p.sequence_parallel = p.tp > 1
+    for p in (out.actor.parallel, out.critic.parallel):
+        if p.sequence_parallel is None:
+            p.sequence_parallel = p.tp > 1
     if out.ref.enabled is None:
         out.ref.enabled = out.actor.use_kl_loss
     resolve_rollout(out)
@@ -255,6 +302,7 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
         model_config = read_model_config(cfg)
     check_parallel(cfg, model_config)
     check_batch_sizes(cfg)
+    check_critic(cfg, model_config)
     check_rollout(cfg, model_config)
     check_algorithm(cfg)
     return resolve(cfg)

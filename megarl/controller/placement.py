@@ -21,6 +21,9 @@ CPU_DEVICE_RESOURCE = "megarl_device"
 # engine node, so on GPU Ray tells it which physical GPU that bundle is (probes read the others).
 RANK_DEVICE_SHARE = 0.9
 LAUNCHER_DEVICE_SHARE = 0.01
+# A critic rank shares its actor rank's device (colocated groups take turns on it, each offloading
+# what it does not need); a sliver is enough for Ray to give it the same GPU.
+CRITIC_DEVICE_SHARE = 0.05
 
 
 @dataclass(frozen=True)

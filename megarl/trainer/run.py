@@ -23,10 +23,12 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
                            jsonl_path=run_dir / "metrics.jsonl")
     try:
         with start_runtime(cfg) as runtime:
+            critic = (f"; critic mesh {runtime.critic.mesh[0].describe()} x{len(runtime.critic.mesh)}"
+                      if runtime.critic is not None else "")
             router = f" behind router {runtime.fleet.router_url}" if runtime.fleet.router_url else ""
             stream.write(f"megarl: run dir {run_dir}; {runtime.placement.describe()}; rollout engines "
                          f"{runtime.server_urls}{router}; actor mesh {runtime.actor.mesh[0].describe()} "
-                         f"x{len(runtime.actor.mesh)}\n")
+                         f"x{len(runtime.actor.mesh)}{critic}\n")
             SyncTrainer(runtime, logger).fit()
     finally:
         logger.close()

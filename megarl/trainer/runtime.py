@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megarl.config.schema import RunConfig
 from megarl.engine.megatron.actor import ActorLossSpec, MegatronActor
+from megarl.engine.megatron.critic import CriticLossSpec, MegatronCritic
 from megarl.engine.megatron.engine import EngineSpec
 
 
@@ -28,6 +29,7 @@ class Runtime:
     rollout: object  # RolloutManager
     fleet: object  # RolloutFleet: the engines (and router) the rollout talks to
     placement: object  # PlacementPlan
+    critic: object | None = None  # RayWorkerGroup of MegatronCritic (critic.enabled)
 
     @property
     def server_urls(self) -> list[str]:
@@ -57,6 +59,19 @@ def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
                       moe_dispatcher=cfg.actor.moe.dispatcher,
                       pack_sequences=cfg.actor.pack_sequences,
                       max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch)
+
+
+def critic_engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
+    """The value model starts from critic.model.path, else from the actor's checkpoint."""
+    c = cfg.critic
+    return EngineSpec(model_path=c.model.path or model_path, parallel=c.parallel, optim=c.optim,
+                      micro_batch_size=c.micro_batch_size, seed=c.seed,
+                      moe_dispatcher=cfg.actor.moe.dispatcher, value_head=True)
+
+
+def critic_loss_spec(cfg: RunConfig) -> CriticLossSpec:
+    return CriticLossSpec(cliprange_value=cfg.critic.cliprange_value,
+                          loss_agg_mode=cfg.critic.loss_agg_mode)
 
 
 def loss_spec(cfg: RunConfig) -> ActorLossSpec:
@@ -113,8 +128,9 @@ def start_runtime(cfg: RunConfig):
     from transformers import AutoTokenizer
 
     from megarl.controller.cluster import RayCluster
-    from megarl.controller.placement import (CPU_DEVICE_RESOURCE, RANK_DEVICE_SHARE, ResourcePool,
-                                             device_resource, plan_placement)
+    from megarl.controller.placement import (CPU_DEVICE_RESOURCE, CRITIC_DEVICE_SHARE,
+                                             RANK_DEVICE_SHARE, ResourcePool, device_resource,
+                                             plan_placement)
     from megarl.controller.worker_group import RayWorkerGroup
     from megarl.data.dataset import build_datasets
     from megarl.rollout.manager import RolloutManager
@@ -141,21 +157,35 @@ def start_runtime(cfg: RunConfig):
         stack.callback(fleet.close)
         fleet.launch()  # engines start while the Megatron ranks initialise
         with_ref = bool(cfg.ref.enabled)
-        device_share = ({"num_gpus_per_worker": RANK_DEVICE_SHARE} if resource == "GPU" else
-                        {"resources_per_worker": {resource: RANK_DEVICE_SHARE}})
+        def device_share(share: float) -> dict:
+            return ({"num_gpus_per_worker": share} if resource == "GPU" else
+                    {"resources_per_worker": {resource: share}})
+
+        rank_env = {"MEGARL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                    "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}
+        actor_bundles = [pools["actor"].bundle_of(s) for s in plan.actor_slots]
         actor = RayWorkerGroup(
             MegatronActor, cfg.cluster.num_actor_ranks,
             init_args=(engine_spec(cfg, model_path), loss_spec(cfg), with_ref),
-            num_cpus_per_worker=0, bundles=[pools["actor"].bundle_of(s) for s in plan.actor_slots],
-            env_vars={"MEGARL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                      "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")},
-            name_prefix="actor", **device_share,
+            init_kwargs={"offload": cfg.actor.offload, "ref_offload": cfg.ref.offload},
+            num_cpus_per_worker=0, bundles=actor_bundles, env_vars=rank_env,
+            name_prefix="actor", **device_share(RANK_DEVICE_SHARE),
         )
         stack.callback(actor.shutdown)
+        critic = None
+        if cfg.critic.enabled:  # on the actor ranks' devices, a mesh of its own
+            critic = RayWorkerGroup(
+                MegatronCritic, cfg.cluster.num_actor_ranks,
+                init_args=(critic_engine_spec(cfg, model_path), critic_loss_spec(cfg)),
+                init_kwargs={"offload": cfg.critic.offload},
+                num_cpus_per_worker=0, bundles=actor_bundles, env_vars=rank_env,
+                name_prefix="critic", **device_share(CRITIC_DEVICE_SHARE),
+            )
+            stack.callback(critic.shutdown)
         fleet.wait_started()
         rollout = RolloutManager(fleet=fleet, timeout_s=cfg.rollout.request_timeout_s,
                                  max_retries=cfg.rollout.max_retries, api_key=fleet.api_key)
         stack.callback(rollout.close)
         yield Runtime(cfg=cfg, run_dir=run_dir, model_path=model_path, tokenizer=tokenizer,
                       train_data=train_data, val_data=val_data, actor=actor, rollout=rollout,
-                      fleet=fleet, placement=plan)
+                      fleet=fleet, placement=plan, critic=critic)

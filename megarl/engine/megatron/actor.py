@@ -17,11 +17,13 @@ import torch
 from megarl.algo.kl import kl_penalty
 from megarl.bridge.spec import BridgeSpec
 from megarl.algo.losses import agg_loss, masked_mean, policy_loss
+from megarl.config.schema import OffloadConfig
 from megarl.controller.decorator import register
 from megarl.controller.dispatch import Dispatch, MeshCoord
 from megarl.controller.worker import Worker
 from megarl.data.batch import Batch
 from megarl.engine.megatron.engine import EngineSpec, MegatronEngine, mean_metrics
+from megarl.engine.megatron.offload_policy import OffloadPolicy
 
 
 @dataclass
@@ -65,13 +67,19 @@ def actor_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
 
 class MegatronActor(Worker):
     def __init__(self, engine_spec: EngineSpec, loss_spec: ActorLossSpec, with_ref: bool = False,
-                 **dist):
+                 offload: OffloadConfig | None = None, ref_offload: bool = False, **dist):
         super().__init__(**dist)
         self.engine_spec = engine_spec
         self.loss_spec = loss_spec
         self.with_ref = with_ref
+        self.offload_config = offload
+        self.ref_offload = ref_offload
         self.actor = None
         self.ref = None
+        # the actor's configured parts are off the device from the end of one step (after the
+        # weight sync) to the next step's first call; the reference's weights between its calls
+        self.actor_offload: OffloadPolicy | None = None
+        self.ref_offload_policy: OffloadPolicy | None = None
         self._transport = None  # the weight bridge, kept across syncs
         self._transport_spec: BridgeSpec | None = None
 
@@ -79,10 +87,14 @@ class MegatronActor(Worker):
         super().init_distributed()
         self.actor = MegatronEngine(self.engine_spec)
         self.actor.initialize()
+        self.actor_offload = OffloadPolicy(self.actor, self.offload_config)
+        self.actor_offload.release()
         if self.with_ref:
             ref_spec = dataclasses.replace(self.engine_spec, optim=None)
             self.ref = MegatronEngine(ref_spec)
             self.ref.initialize()
+            self.ref_offload_policy = OffloadPolicy(self.ref, OffloadConfig(params=self.ref_offload))
+            self.ref_offload_policy.release()
 
     def get_mesh_coord(self) -> MeshCoord:
         return MeshCoord(**self.actor.mesh_coord())
@@ -90,7 +102,8 @@ class MegatronActor(Worker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
         """`old_log_probs` and `entropy` of the responses under the current policy."""
-        out = self.actor.compute_log_prob(batch, temperature)
+        with self.actor_offload.forward(release_after=False):  # the update comes next
+            out = self.actor.compute_log_prob(batch, temperature)
         if out is None:
             return None
         return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
@@ -100,7 +113,8 @@ class MegatronActor(Worker):
         if self.ref is None:
             raise RuntimeError("compute_ref_log_prob: this actor group was built without a "
                                "reference policy (ref.enabled=false)")
-        out = self.ref.compute_log_prob(batch, temperature)
+        with self.ref_offload_policy.forward():
+            out = self.ref.compute_log_prob(batch, temperature)
         return None if out is None else Batch({"ref_log_probs": out["log_probs"]})
 
     @register(dispatch=Dispatch.DP_COMPUTE)
@@ -117,15 +131,19 @@ class MegatronActor(Worker):
         gen = torch.Generator().manual_seed(seed)
         start = time.perf_counter()
         collected: list[dict] = []
-        for _ in range(epochs):
-            order = torch.randperm(len(batch), generator=gen)
-            shuffled = batch[order]
-            for mini in shuffled.chunk(n_mini):
-                collected.append(self.actor.train_mini_batch(
-                    mini, lambda lp, ent, mb: actor_loss(self.loss_spec, lp, ent, mb), temperature))
+        with self.actor_offload.update(keep_params=True):  # the weight sync comes next
+            for _ in range(epochs):
+                order = torch.randperm(len(batch), generator=gen)
+                shuffled = batch[order]
+                for mini in shuffled.chunk(n_mini):
+                    collected.append(self.actor.train_mini_batch(
+                        mini, lambda lp, ent, mb: actor_loss(self.loss_spec, lp, ent, mb), temperature))
         metrics = mean_metrics(collected)
         metrics["actor/num_updates"] = float(len(collected))
         metrics["perf/update_s"] = time.perf_counter() - start
+        metrics.update(self.actor_offload.metrics("actor"))
+        if self.ref_offload_policy is not None:
+            metrics.update(self.ref_offload_policy.metrics("ref"))
         return metrics
 
     @register(dispatch=Dispatch.RANK_ZERO)
@@ -142,7 +160,8 @@ class MegatronActor(Worker):
                 self._transport.close()
             self._transport = make_transport(spec, self.rank, self.world_size, self.get_node_ip())
             self._transport_spec = spec
-        return self._transport.sync(self.actor, weight_version, server_urls or spec.server_urls)
+        with self.actor_offload.forward():  # the step is over: the actor leaves the device
+            return self._transport.sync(self.actor, weight_version, server_urls or spec.server_urls)
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str) -> dict:

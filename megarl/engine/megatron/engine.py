@@ -28,6 +28,8 @@ from megarl.engine.megatron import cpu_compat
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge
+from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
+from megarl.engine.megatron import value_head as vh
 from megarl.engine.megatron.packing import pack_rows, padded_row_lengths, row_lengths
 from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_weights, load_hf_weights,
                                             sends_owned_weights)
@@ -43,6 +45,7 @@ class EngineSpec:
     moe_dispatcher: str = "alltoall"  # actor.moe.dispatcher
     pack_sequences: bool = True  # THD packing inside the engine (packing.py); False: right-padded rows
     max_tokens_per_micro_batch: int | None = None  # micro-batches by token budget instead of rows
+    value_head: bool = False  # a critic: scalar value head instead of the vocab output (value_head.py)
 
 
 # A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
@@ -60,6 +63,7 @@ class MegatronEngine:
         self.spec = spec
         self.model = None
         self.optimizer = None
+        self._offloaded: dict[str, HostCopy] = {}
 
     # ---------------------------------------------------------------- set-up
     def initialize(self) -> None:
@@ -82,6 +86,8 @@ class MegatronEngine:
         cpu_compat.seed_model_parallel(self.spec.seed)
         hf_config = AutoConfig.from_pretrained(self.spec.model_path)
         check_virtual_pipeline(p, hf_config.num_hidden_layers)
+        if self.spec.value_head:
+            vh.untie_embeddings(hf_config)
         training = self.spec.optim is not None
         self.bridge = make_bridge(
             hf_config,
@@ -94,7 +100,12 @@ class MegatronEngine:
             **({"variable_seq_lengths": False} if self.spec.moe_dispatcher == "allgather" else {}),
         )
         chunks = self._build_chunks()
-        load_hf_weights(self.bridge, chunks, self.spec.model_path)
+        if self.spec.value_head:  # the head is not in the checkpoint
+            load_hf_weights(self.bridge, chunks, self.spec.model_path, skip_prefix=vh.VALUE_HEAD_PREFIX)
+            for chunk in chunks:
+                vh.init_value_head(chunk, self.spec.seed, self.bridge.config.init_method_std)
+        else:
+            load_hf_weights(self.bridge, chunks, self.spec.model_path)
         if training:
             chunks = self._wrap_ddp(chunks)
             self.optimizer = self._build_optimizer(chunks)
@@ -110,7 +121,7 @@ class MegatronEngine:
         of the first rank, the output layer in the last virtual stage of the last rank."""
         from megatron.core import parallel_state as ps
 
-        provider = self.bridge._model_provider([])
+        provider = self.bridge._model_provider(vh.value_model_callbacks() if self.spec.value_head else [])
         vpp = self.spec.parallel.vpp
         chunks = []
         for i in range(vpp):
@@ -352,6 +363,16 @@ class MegatronEngine:
             return None
         return Batch({"log_probs": tensors[0], "entropy": tensors[1]})
 
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch | None:
+        """The value model's estimate at each position that predicts a response token ([B, R])."""
+        for chunk in self.model:
+            chunk.eval()
+        tensors, _ = self._run(batch, None, vh.value_head, forward_only=True)
+        if tensors is None:
+            return None
+        return Batch({"values": tensors[0]})
+
     def train_mini_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0,
                          head: Head | None = None, prefix: str = "actor") -> dict:
         """One optimizer step over `batch` (this rank's share of a mini-batch); `head` defaults to
@@ -366,6 +387,30 @@ class MegatronEngine:
         metrics[f"{prefix}/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics[f"{prefix}/update_skipped"] = float(not ok)
         return metrics
+
+    # ---------------------------------------------------------------- offload (colocation)
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> int:
+        """Move the chosen parts to host memory and free their device storage (offload.py).
+
+        Parts already offloaded, and parts without tensors (grads / optimizer of a forward-only
+        engine, Adam's moments before the first step) are skipped. Returns the bytes moved.
+        """
+        groups = offload_groups(self.model, self.optimizer)
+        moved = 0
+        for part, wanted in zip(PARTS, (params, grads, optimizer)):
+            if wanted and part not in self._offloaded and groups[part]:
+                self._offloaded[part] = HostCopy(groups[part])
+                moved += self._offloaded[part].nbytes
+        return moved
+
+    def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Bring back (bit for bit) the chosen parts that are offloaded."""
+        for part, wanted in zip(PARTS, (params, grads, optimizer)):
+            if wanted and part in self._offloaded:
+                self._offloaded.pop(part).restore()
+
+    def offloaded(self) -> set[str]:
+        return set(self._offloaded)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) for every weight; a collective: call it on every rank."""

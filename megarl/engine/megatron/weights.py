@@ -113,14 +113,17 @@ class SafetensorsDir:
 
 
 @torch.no_grad()
-def load_hf_weights(bridge, models, path: str | os.PathLike) -> None:
+def load_hf_weights(bridge, models, path: str | os.PathLike, skip_prefix: str | None = None) -> None:
     """Fill this rank's shards of its model chunks from the HF checkpoint at `path`.
 
     Each rank reads what it needs from the (shared) filesystem and keeps its slice, so no
     collective is needed; shapes are checked so a wrong mapping fails loudly, never silently.
+    Parameters whose local name starts with `skip_prefix` (a critic's value head) are left alone.
     """
     ckpt = SafetensorsDir(path)
     for global_name, param in global_tensors(models):
+        if skip_prefix is not None and global_name.startswith(skip_prefix):
+            continue
         hf_names = bridge._weight_name_mapping_mcore_to_hf(global_name)
         full = bridge._weight_to_mcore_format(global_name, [ckpt.get(n) for n in hf_names])
         size, rank, _ = _tp_split(global_name)
