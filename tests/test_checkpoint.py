@@ -192,7 +192,7 @@ def test_save_writes_complete_checkpoints_atomically(runs):
         assert {"megarl_ckpt.json", "metadata.json", ".metadata"} <= set(listing[name])
     meta = json.loads((runs["root"] / "tp2" / "megarl_ckpt.json").read_text())
     assert meta["complete"] is True and meta["optimizer"] == "fully_reshardable"
-    assert meta["layout"] == dict(world_size=2, tp=2, pp=1, cp=1, ep=1, etp=1, dp=1)
+    assert meta["layout"] == dict(world_size=2, tp=2, pp=1, cp=1, ep=1, etp=1, dp=1, vpp=1)
     assert runs["saved"][0]["meta"] == meta  # what MegatronActor.save_checkpoint returned
     ep2 = json.loads((runs["root"] / "ep2" / "megarl_ckpt.json").read_text())
     assert (ep2["layout"]["ep"], ep2["layout"]["dp"]) == (2, 2)
