@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
+from tests.test_bridge import _check_pieces_rebuild_the_model
 from tests.test_megatron_engine import SEQ_ROWS, make_rows
 
 DENSE = ["tiny-qwen2", "tiny-qwen3", "tiny-llama"]
@@ -61,7 +62,9 @@ def _engine(path, tp=1, ep=1, train=False, sequence_parallel=None):
 def _forward(path, **layout):
     engine = _engine(path, **layout)
     return {"log_probs": engine.compute_log_prob(make_rows())["log_probs"],
-            "weights": dict(engine.export_weights())}
+            "weights": dict(engine.export_weights()),
+            # what the reshard bridge plans from: the HF boxes this rank's shards produce
+            "pieces": [(p.name, p.box, p.fetch().clone()) for p in engine.local_pieces()]}
 
 
 def _hf_gradients(engine) -> dict:
@@ -119,8 +122,16 @@ def _two_ranks(rank, paths):
 
 
 @pytest.fixture(scope="module")
-def results(arch_paths) -> dict:
-    return {**run_ranks(_one_rank, 1, arch_paths)[0], **run_ranks(_two_ranks, 2, arch_paths)[0]}
+def per_rank(arch_paths) -> list[dict]:
+    """The two-rank results of both ranks; the one-rank results merged into rank 0's."""
+    one = run_ranks(_one_rank, 1, arch_paths)[0]
+    two = run_ranks(_two_ranks, 2, arch_paths)
+    return [{**one, **two[0]}, two[1]]
+
+
+@pytest.fixture(scope="module")
+def results(per_rank) -> dict:
+    return per_rank[0]
 
 
 # ------------------------------------------------------------------ references
@@ -168,6 +179,13 @@ def test_weight_round_trip_is_exact(results, arch_paths, layout, name):
     assert set(exported) == set(original)
     for key, tensor in original.items():
         assert torch.equal(exported[key], tensor), key
+
+
+@pytest.mark.parametrize("layout,name", [("tp2", n) for n in DENSE + [DSV3]] + [("ep2", DSV3)])
+def test_reshard_pieces_rebuild_the_model(per_rank, layout, name):
+    """shards.local_hf_pieces (mbridge's layouts through index tensors) for MLA and the rest."""
+    _check_pieces_rebuild_the_model([{"full": per_rank[0][f"{layout}/{name}"]["weights"],
+                                      "pieces": r[f"{layout}/{name}"]["pieces"]} for r in per_rank])
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
