@@ -16,8 +16,10 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
 @dataclass
 class ModelConfig:
-    path: str | None = None               # HF checkpoint dir; None builds `preset` from scratch
-    preset: Literal["tiny-qwen3-moe"] = "tiny-qwen3-moe"
+    path: str | None = None               # HF checkpoint dir (any model_type mbridge knows: qwen2,
+                                          # qwen3, qwen3_moe, llama, deepseek_v3); None builds `preset`
+    preset: Literal["tiny-qwen3-moe", "tiny-qwen2", "tiny-qwen3", "tiny-llama",
+                    "tiny-deepseek-v3"] = "tiny-qwen3-moe"  # megarl/models/tiny*.py
     seed: int = 0                         # init seed for a preset built from scratch
     num_hidden_layers: int | None = None  # preset only: override its depth (None: the preset's)
 

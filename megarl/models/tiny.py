@@ -1,4 +1,7 @@
-"""A tiny Qwen3-MoE checkpoint built in code: HF config, a character tokenizer, random weights.
+"""Tiny checkpoints built in code: HF config, a character tokenizer, random weights.
+
+Presets: tiny-qwen3-moe (here, the default) and the architectures of tiny_archs.py (Qwen2, Qwen3,
+Llama, DeepSeek-V3).
 
 The result is an ordinary Hugging Face model directory (config.json, tokenizer files,
 model.safetensors), so every consumer loads it the way it would load a real checkpoint:
@@ -12,6 +15,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from megarl.models.tiny_archs import ARCH_PRESETS, perturb_constant_tensors
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz +-*=?:,.\n")
@@ -54,7 +59,7 @@ TINY_QWEN3_MOE = dict(
     pad_token_id=0,
 )
 
-PRESETS = {"tiny-qwen3-moe": TINY_QWEN3_MOE}
+PRESETS = {"tiny-qwen3-moe": TINY_QWEN3_MOE, **ARCH_PRESETS}
 
 
 def preset_overrides(model_cfg) -> dict:
@@ -78,26 +83,31 @@ def build_tokenizer():
     return fast
 
 
-def build_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, **overrides) -> Path:
-    """Write a randomly initialised tiny Qwen3-MoE HF checkpoint to `out_dir` and return it.
+def build_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, preset: str = "tiny-qwen3-moe",
+                          **overrides) -> Path:
+    """Write a randomly initialised tiny HF checkpoint of `preset` to `out_dir` and return it.
 
-    Deterministic for a given seed and overrides. Written to a temporary sibling and renamed, so
-    a crash never leaves a half-written checkpoint that a later run would trust.
+    Deterministic for a given preset, seed and overrides. Written to a temporary sibling and
+    renamed, so a crash never leaves a half-written checkpoint that a later run would trust.
     """
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if preset not in PRESETS:
+        raise ValueError(f"model.preset={preset!r} is not a preset; choose one of {sorted(PRESETS)}")
     out = Path(out_dir)
-    cfg_dict = {**TINY_QWEN3_MOE, **overrides}
+    cfg_dict = {**PRESETS[preset], **overrides}
     marker = out / "megarl_tiny.json"
     if marker.exists() and json.loads(marker.read_text()) == {"seed": seed, "config": cfg_dict}:
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures",)})
+    config = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     config.architectures = cfg_dict["architectures"]
     with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG stream
         torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config).float().eval()
+        model = AutoModelForCausalLM.from_config(config).float().eval()
+        if preset in ARCH_PRESETS:  # tiny-qwen3-moe keeps its init: the reference curve depends on it
+            perturb_constant_tensors(model, torch.Generator().manual_seed(seed + 1))
     model.save_pretrained(tmp, safe_serialization=True)
     build_tokenizer().save_pretrained(tmp)
     (tmp / "megarl_tiny.json").write_text(json.dumps({"seed": seed, "config": cfg_dict}))

@@ -49,7 +49,7 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
         return cfg.model.path
     from megarl.models.tiny import build_tiny_checkpoint, preset_overrides
 
-    return str(build_tiny_checkpoint(run_dir / "init_model", seed=cfg.model.seed,
+    return str(build_tiny_checkpoint(run_dir / "init_model", seed=cfg.model.seed, preset=cfg.model.preset,
                                      **preset_overrides(cfg.model)))
 
 

@@ -4,6 +4,12 @@ mbridge owns the architecture facts (TransformerConfig from the HF config, param
 fused-QKV / gated-MLP formats). This module adapts it to what megarl runs: the local
 (TransformerEngine-free) layer spec, fusions off where no CUDA kernels exist, and SequentialMLP
 experts (named `local_experts.{i}.linear_fcX.weight`) instead of grouped-GEMM ones.
+
+mbridge's DeepSeek-V3 bridge assumes the TransformerEngine spec; with the local spec it needs
+(megatron-cpu-depth.md): the MLA config's name for the RoPE length, names for the q/kv latent
+norms (TE fuses them into the up projections), the block spec so the first k layers are dense,
+group-limited routing passed on (mbridge drops n_group / topk_group: SILENTLY different routing),
+and LocalMLASelfAttention (mla.py: otherwise TP>1 gradients are SILENTLY wrong).
 """
 
 from __future__ import annotations
@@ -28,7 +34,17 @@ NO_FUSION_ARGS = dict(
     moe_permute_fusion=False,
     moe_grouped_gemm=False,
     cross_entropy_loss_fusion=False,
+    moe_shared_expert_overlap=False,  # overlaps on a second CUDA stream
+    # The spec is local whatever mbridge asks for (DeepSeek-V3: "fused"). Megatron pins the choice
+    # in process-wide NVTE_* variables and asserts when a later model in the process differs.
+    attention_backend="local",
 )
+
+# The local spec keeps MLA's latent norms as modules of their own.
+_MLA_NORM_MAPPING = {
+    "self_attention.q_layernorm.weight": ["model.layers.{layer_number}.self_attn.q_a_layernorm.weight"],
+    "self_attention.kv_layernorm.weight": ["model.layers.{layer_number}.self_attn.kv_a_layernorm.weight"],
+}
 
 
 def local_expert_to_grouped(name: str) -> str:
@@ -42,6 +58,10 @@ def grouped_expert_index(name: str) -> int | None:
 
 
 def _local_spec_mixin(base: type) -> type:
+    from megatron.core.transformer import MLATransformerConfig
+
+    is_mla = issubclass(getattr(base, "TransformerConfigClass", object), MLATransformerConfig)
+
     class LocalSpecBridge(base):
         # The local spec keeps layer norms as modules of their own (TE fuses them into linears).
         _OTHER_MAPPING = {
@@ -53,30 +73,68 @@ def _local_spec_mixin(base: type) -> type:
             "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
         }
 
+        if is_mla:
+            _ATTENTION_MAPPING = {**base._ATTENTION_MAPPING, **_MLA_NORM_MAPPING}
+
         def _build_config(self):
-            self.extra_args = {**NO_FUSION_ARGS, **self._megarl_overrides, **self.extra_args}
+            self.extra_args = {**NO_FUSION_ARGS, **_routing_args(self.hf_config), **_mtp_args(self.hf_config),
+                               **self._megarl_overrides, **self.extra_args}
             return super()._build_config()
 
+        def _build_base_config(self, text_config_key=None, **kwargs):
+            if is_mla and "max_position_embeddings" in kwargs:
+                # mbridge passes the rope's original length under the dense config's name
+                kwargs["original_max_position_embeddings"] = kwargs.pop("max_position_embeddings")
+            return super()._build_base_config(text_config_key, **kwargs)
+
         def _get_transformer_layer_spec(self, vp_stage=None):
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
             from megarl.engine.megatron.cpu_attention import use_cpu_core_attention
 
-            cfg = self.config
-            # mbridge's provider passes vp_stage on to GPTModel only when this is set (its own
-            # version of this method sets it); GPTModel then builds this virtual stage's layers.
-            # The local spec is one layer spec for every layer, so it needs no vp_stage itself.
-            self.has_vp_stage = True
-            # our core attention: the stock local one refuses context parallelism and MLA widths
-            return use_cpu_core_attention(get_gpt_layer_local_spec(
-                num_experts=cfg.num_moe_experts,
-                moe_grouped_gemm=False,
-                qk_layernorm=cfg.qk_layernorm,
-                normalization="RMSNorm",
-            ))
+            self.has_vp_stage = True  # read by mbridge's model providers (megatron-core >= 0.13)
+            # the block spec follows moe_layer_freq (DeepSeek-V3's first k layers are dense); our
+            # core attention: the stock local one refuses context parallelism and MLA widths
+            spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False,
+                                              normalization="RMSNorm", vp_stage=vp_stage)
+            return use_local_mla(use_cpu_core_attention(spec))
 
     LocalSpecBridge.__name__ = f"Local{base.__name__}"
     return LocalSpecBridge
+
+
+def _routing_args(hf_config) -> dict:
+    """Group-limited routing (DeepSeek-V3's n_group / topk_group), which mbridge does not pass."""
+    n_group, topk_group = getattr(hf_config, "n_group", None), getattr(hf_config, "topk_group", None)
+    if not n_group or not topk_group or topk_group >= n_group:
+        return {}  # every group selected: no restriction
+    topk = hf_config.num_experts_per_tok
+    if topk // topk_group != 2:
+        # HF scores a group by its top-2 experts, Megatron by its top (topk // topk_group)
+        raise ValueError(
+            f"model.path: num_experts_per_tok={topk} / topk_group={topk_group} != 2: Megatron would "
+            "score expert groups differently from Hugging Face (by their top "
+            f"{max(topk // topk_group, 1)} experts instead of 2); use a config where they agree "
+            "(DeepSeek-V3: 8 / 4)")
+    return dict(moe_router_num_groups=n_group, moe_router_group_topk=topk_group)
+
+
+def _mtp_args(hf_config) -> dict:
+    # mbridge builds multi-token-prediction layers with the TransformerEngine spec; RL does not
+    # train them, so they are not built (their checkpoint tensors are not loaded or exported).
+    return {"mtp_num_layers": None} if getattr(hf_config, "num_nextn_predict_layers", 0) else {}
+
+
+def use_local_mla(block_spec):
+    """Swap MLASelfAttention for LocalMLASelfAttention (mla.py) in every layer, in place."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megarl.engine.megatron.mla import LocalMLASelfAttention
+
+    for spec in block_spec.layer_specs:
+        if spec.submodules.self_attention.module is MLASelfAttention:
+            spec.submodules.self_attention.module = LocalMLASelfAttention
+    return block_spec
 
 
 def make_bridge(hf_config, dtype: torch.dtype = torch.float32, **config_overrides):
