@@ -71,7 +71,7 @@ def _forward(path, **layout):
 
 def _hf_gradients(engine) -> dict:
     """The reduced gradients (DDP's main_grad) as full HF-named tensors, via the weight export."""
-    params = list(engine._bare_model().parameters())
+    params = [p for chunk in engine.bare_chunks() for p in chunk.parameters()]
     saved = [p.data for p in params]
     try:
         for p in params:
