@@ -52,11 +52,17 @@ def partition_micro_batches(lengths: Sequence[int], k: int) -> list[list[int]]:
     return sorted(parts, key=lambda p: p[0])
 
 
+# Rows are moved only when the ranks' largest load drops by more than this fraction: a near-even
+# batch keeps its order (and its mini-batches), since moving rows there buys nothing.
+REBALANCE_GAIN = 0.05
+
+
 def balance_across_ranks(lengths: Sequence[int], n_ranks: int) -> list[int]:
     """A row order whose consecutive `Batch.chunk(n_ranks)` pieces carry balanced token counts.
 
     The pieces keep the sizes chunk() gives them (differing by at most one row, larger first),
-    so the rows per rank do not change, only which rows.
+    so the rows per rank do not change, only which rows. The identity order when balancing would
+    lower the largest load by REBALANCE_GAIN or less.
     """
     n = len(lengths)
     base, extra = divmod(n, n_ranks)
@@ -67,4 +73,7 @@ def balance_across_ranks(lengths: Sequence[int], n_ranks: int) -> list[int]:
         r = min((r for r in range(n_ranks) if len(ranks[r]) < sizes[r]), key=lambda r: (loads[r], r))
         ranks[r].append(i)
         loads[r] += lengths[i]
-    return [i for part in ranks for i in sorted(part)]
+    order = [i for part in ranks for i in sorted(part)]
+    starts = [sum(sizes[:r]) for r in range(n_ranks)]
+    naive = max((sum(lengths[s:s + size]) for s, size in zip(starts, sizes)), default=0)
+    return order if max(loads, default=0) < naive * (1 - REBALANCE_GAIN) else list(range(n))
