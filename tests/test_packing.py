@@ -28,6 +28,7 @@ def test_pack_rows_puts_rows_back_to_back_with_their_own_positions_and_labels():
     assert packed.labels.tolist() == [[6, 7, 0, 0, 9, 0, 2, 3, 4, 0]]
     assert packed.cu_seqlens.tolist() == [0, 4, 6, 10] and packed.offsets.tolist() == [0, 4, 6]
     assert packed.max_seqlen == 4
+    assert packed.padding_mask.tolist() == [[False, False, False, True, False, False, False, False, False, False]]
 
 
 def test_padded_row_lengths_meet_the_cp_and_sp_multiples():

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megarl.config.schema import OptimConfig, ParallelConfig
 from megarl.config.validate import check_virtual_pipeline
 from megarl.data.batch import Batch
-from megarl.engine.megatron import cpu_compat
+from megarl.engine.megatron import cpu_compat, mcore_fixes
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge
@@ -73,6 +73,7 @@ class MegatronEngine:
         if not dist.is_initialized():
             raise RuntimeError("MegatronEngine.initialize: join torch.distributed first")
         cpu_compat.activate()
+        mcore_fixes.apply()
         p = self.spec.parallel
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(
@@ -276,7 +277,8 @@ class MegatronEngine:
             cu = x.get("cu_seqlens")
             output = model(split_for_cp(x["input_ids"], cp_group, cu_seqlens=cu),
                            split_for_cp(x["position_ids"], cp_group, cu_seqlens=cu), None,
-                           packed_seq_params=x.get("packed_seq_params"))
+                           packed_seq_params=x.get("packed_seq_params"),
+                           padding_mask=self._local_padding_mask(model, x, cp_group))
             local_labels = split_for_cp(x["labels"], cp_group, cu_seqlens=cu)
 
             def loss_func(output):
@@ -317,6 +319,20 @@ class MegatronEngine:
             tensors = tuple(t[inverse] for t in tensors)
         return tensors, [r[1] for r in results]
 
+    def _local_padding_mask(self, model, x: dict, cp_group) -> torch.Tensor:
+        """This rank's part of the padding mask (True = padding), which keeps padding tokens out of
+        the MoE router's statistics (the expert-bias load counts and the aux / z losses): counted,
+        they change DeepSeek-V3's expert bias with the layout's padding. GPTModel scatters the mask
+        for sequence parallel only on the first pipeline stage; later stages get it pre-sliced."""
+        mask = split_for_cp(x["padding_mask"], cp_group, cu_seqlens=x.get("cu_seqlens"))
+        if self.spec.parallel.sequence_parallel and not getattr(model, "module", model).pre_process:
+            from megatron.core import parallel_state as ps
+
+            n = mask.shape[1] // ps.get_tensor_model_parallel_world_size()
+            rank = ps.get_tensor_model_parallel_rank()
+            mask = mask[:, rank * n:(rank + 1) * n]
+        return mask
+
     def _padded_inputs(self, micro: list[Batch]) -> list[dict]:
         """Right-padded rows [b, T], every micro-batch padded to the same T (the pipeline's
         tensor shape), positions 0..T-1, labels[t] = ids[t+1] within the row."""
@@ -326,9 +342,11 @@ class MegatronEngine:
             ids = torch.nn.functional.pad(mb["input_ids"], (0, seq_len - mb["input_ids"].shape[1]), value=0)
             # shifted on the full sequence, BEFORE the CP split, so a rank's last local token still
             # gets its label from the next chunk (which another rank holds)
+            lengths = row_lengths(mb["input_ids"], mb["prompt_lengths"], mb["response_mask"])
             out.append(dict(input_ids=ids,
                             position_ids=torch.arange(seq_len).unsqueeze(0).expand_as(ids),
                             labels=torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0),
+                            padding_mask=torch.arange(seq_len).unsqueeze(0) >= lengths.unsqueeze(1),
                             offsets=torch.arange(len(mb)) * seq_len))
         return out
 
@@ -349,7 +367,8 @@ class MegatronEngine:
         for mb, n, pad in zip(micro, lengths, padded):
             packed = pack_rows(mb["input_ids"], n, pad)
             out.append(dict(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                            labels=packed.labels, offsets=packed.offsets, cu_seqlens=packed.cu_seqlens,
+                            labels=packed.labels, padding_mask=packed.padding_mask,
+                            offsets=packed.offsets, cu_seqlens=packed.cu_seqlens,
                             packed_seq_params=packed.packed_seq_params()))
         return out
 

@@ -34,6 +34,7 @@ class PackedRows:
     input_ids: torch.Tensor      # [1, t]
     position_ids: torch.Tensor   # [1, t], restarting at 0 for every row
     labels: torch.Tensor         # [1, t], the next token within the same row (0 at a row's end)
+    padding_mask: torch.Tensor   # [1, t] bool, True at padding (kept out of MoE routing statistics)
     offsets: torch.Tensor        # [b], where each row starts in the stream
     cu_seqlens: torch.Tensor     # [b + 1] int32, the padded layout (what attention and RoPE use)
     max_seqlen: int
@@ -87,6 +88,7 @@ def pack_rows(input_ids: torch.Tensor, lengths: torch.Tensor, padded: torch.Tens
         input_ids=ids.unsqueeze(0),
         position_ids=col.unsqueeze(0),
         labels=labels.unsqueeze(0),
+        padding_mask=~real.unsqueeze(0),
         offsets=offsets,
         cu_seqlens=cu.to(torch.int32),
         max_seqlen=int(padded.max()),
