@@ -63,7 +63,7 @@ def test_arith_rows_are_deterministic_and_score_through_the_registry():
     for row in rows:
         info, truth = row["extra_info"], row["reward_model"]["ground_truth"]
         assert row["data_source"] == ARITH_DATA_SOURCE
-        assert row["prompt"][0]["content"] == f"What is {info['a']} {info['op']} {info['b']}?"
+        assert row["prompt"][0]["content"].startswith(f"What is {info['a']} {info['op']} {info['b']}? ")
         assert int(truth) == (info["a"] + info["b"] if info["op"] == "+" else info["a"] - info["b"])
         assert score(row["data_source"], f"The answer is {truth}.", truth) == 1.0
         assert score(row["data_source"], f"{truth} plus one is {int(truth) + 1}", truth) == 0.0

@@ -6,9 +6,11 @@ GRPO on a CPU in ~100-200 steps, yet the answer depends on the prompt: answering
 fixed digit scores 0.1 on average, so a rising reward proves the policy reads the prompt.
 Scored by megarl.reward.rule under data_source "megarl/digits".
 
-`arith`: "What is 23 + 58?" -> "81", two-digit addition and subtraction in words a pretrained
-instruct model (SmolLM2) reads; the reward is 1 when the last integer in the response is the
-answer (data_source "megarl/arith"), so a worked solution ending in the result scores.
+`arith`: "What is 23 + 58? Answer with the number only." -> "81", two-digit addition and
+subtraction for a pretrained instruct model (SmolLM2); the reward is 1 when the last integer in
+the response is the answer (data_source "megarl/arith"), so a worked solution ending in the result
+scores too. The instruction keeps answers short: without it SmolLM2-135M explains at length and
+scores 3% (sampled at temperature 1 from 8 prompts x 4), with it 6%.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ def make_digits_rows(num: int, seed: int = 0, length: int = DIGITS_LENGTH) -> li
 
 
 ARITH_DATA_SOURCE = "megarl/arith"
+ARITH_INSTRUCTION = "Answer with the number only."
 
 
 def make_arith_rows(num: int, seed: int = 0) -> list[dict]:
-    """`num` rows of two-operand integer arithmetic ("What is 23 + 58?"), deterministic in `seed`."""
+    """`num` rows of two-operand integer arithmetic ("What is 23 + 58? ..."), deterministic in `seed`."""
     if num < 0:
         raise ValueError(f"make_arith_rows needs num >= 0, got {num}")
     rng = random.Random(seed)
@@ -57,7 +60,7 @@ def make_arith_rows(num: int, seed: int = 0) -> list[dict]:
         a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
         answer = a + b if op == "+" else a - b
         rows.append({
-            "prompt": [{"role": "user", "content": f"What is {a} {op} {b}?"}],
+            "prompt": [{"role": "user", "content": f"What is {a} {op} {b}? {ARITH_INSTRUCTION}"}],
             "data_source": ARITH_DATA_SOURCE,
             "reward_model": {"ground_truth": str(answer), "style": "rule"},
             "extra_info": {"index": index, "a": a, "b": b, "op": op},
