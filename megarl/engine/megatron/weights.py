@@ -107,7 +107,7 @@ def load_hf_weights(bridge, model, path: str | os.PathLike) -> None:
     state = model.state_dict()
     for local_name, global_name in local_to_global_names(model).items():
         param = state[local_name]
-        hf_names = bridge._weight_name_mapping_mcore_to_hf(global_name)
+        hf_names = _checkpoint_names(bridge, global_name, ckpt)
         full = bridge._weight_to_mcore_format(global_name, [ckpt.get(n) for n in hf_names])
         size, rank, _ = _tp_split(global_name)
         if size > 1 and (_is_tp_partitioned(param) or full.shape != param.shape):
@@ -117,6 +117,17 @@ def load_hf_weights(bridge, model, path: str | os.PathLike) -> None:
                 f"{global_name} (from {hf_names}): checkpoint shape {tuple(full.shape)} does not "
                 f"match the Megatron shard {tuple(param.shape)}")
         param.copy_(full)
+
+
+def _checkpoint_names(bridge, global_name: str, ckpt: SafetensorsDir) -> list[str]:
+    """The HF tensors `global_name` is read from. With tied embeddings transformers saves only
+    the embedding, but under PP the last stage has an output layer of its own (Megatron keeps it
+    equal to the first stage's embedding): it is read from the embedding."""
+    hf_names = bridge._weight_name_mapping_mcore_to_hf(global_name)
+    if (global_name == "output_layer.weight" and hf_names[0] not in ckpt.weight_map
+            and getattr(bridge.hf_config, "tie_word_embeddings", False)):
+        return bridge._weight_name_mapping_mcore_to_hf("embedding.word_embeddings.weight")
+    return hf_names
 
 
 def _gather_tp(bridge, global_name: str, tensor: torch.Tensor) -> torch.Tensor:
