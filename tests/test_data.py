@@ -12,8 +12,9 @@ from megarl.config.loader import field_types
 from megarl.data.batch import Batch
 from megarl.data.dataset import (DatasetError, PromptBatches, RLDataset, build_datasets,
                                  read_rows, validate_row)
-from megarl.data.tasks import (DIGITS_DATA_SOURCE, TASKS, digits_answer, generate_task,
-                               make_digits_rows, write_rows, write_task)
+from megarl.data.tasks import (ARITH_DATA_SOURCE, DIGITS_DATA_SOURCE, TASKS, digits_answer,
+                               generate_task, make_arith_rows, make_digits_rows, write_rows,
+                               write_task)
 from megarl.models.tiny import build_tokenizer
 from megarl.reward import score
 
@@ -55,13 +56,26 @@ def test_digits_answers_score_through_the_reward_registry():
     assert score(row["data_source"], wrong, truth) == 0.0
 
 
+def test_arith_rows_are_deterministic_and_score_through_the_registry():
+    rows = make_arith_rows(100, seed=3)
+    assert rows == make_arith_rows(100, seed=3) and rows != make_arith_rows(100, seed=4)
+    assert {r["extra_info"]["op"] for r in rows} == {"+", "-"}
+    for row in rows:
+        info, truth = row["extra_info"], row["reward_model"]["ground_truth"]
+        assert row["data_source"] == ARITH_DATA_SOURCE
+        assert row["prompt"][0]["content"].startswith(f"What is {info['a']} {info['op']} {info['b']}? ")
+        assert int(truth) == (info["a"] + info["b"] if info["op"] == "+" else info["a"] - info["b"])
+        assert score(row["data_source"], f"The answer is {truth}.", truth) == 1.0
+        assert score(row["data_source"], f"{truth} plus one is {int(truth) + 1}", truth) == 0.0
+
+
 def test_config_task_choices_match_the_task_registry():
     choices = typing.get_args(field_types(DataConfig)["task"])
     assert set(choices) == set(TASKS)
 
 
 def test_unknown_task_is_named():
-    with pytest.raises(ValueError, match=r"unknown procedural task 'nope'; known tasks: \['digits'\]"):
+    with pytest.raises(ValueError, match=r"unknown procedural task 'nope'; known tasks: \['arith', 'digits'\]"):
         generate_task("nope", 3)
 
 

@@ -32,6 +32,18 @@ def test_digits_score_depends_on_the_ground_truth():
     assert [score("megarl/digits", "4", str(d)) for d in range(10)] == [0.0] * 4 + [1.0] + [0.0] * 5
 
 
+@pytest.mark.parametrize("response,truth,expected", [
+    ("23 + 58 = 81.", "81", 1.0),           # the last integer counts
+    ("81 is wrong, it is 80", "81", 0.0),
+    ("23 - 58 = -35", "-35", 1.0),          # a sign attached to the number
+    ("the answer is 1,234", "1234", 1.0),   # thousands separators
+    ("no number here", "5", 0.0),
+    ("", "5", 0.0),
+])
+def test_arith_score(response, truth, expected):
+    assert score("megarl/arith", response, truth, {}) == expected
+
+
 def test_unknown_data_source_names_it_and_the_known_ones():
     with pytest.raises(RewardError) as info:
         score("openai/gsm8k", "42", "42")

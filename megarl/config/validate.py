@@ -242,6 +242,10 @@ def check_paths(cfg: RunConfig) -> None:
     _require(cfg.model.path is None or cfg.model.num_hidden_layers is None, "model.num_hidden_layers",
              f"model.num_hidden_layers={cfg.model.num_hidden_layers} overrides a preset's depth, but "
              f"model.path={cfg.model.path!r} is set (its config.json decides); remove one of them")
+    _require(cfg.model.num_hidden_layers is None or cfg.model.preset.startswith("tiny-"),
+             "model.num_hidden_layers",
+             f"model.num_hidden_layers overrides the depth of a tiny preset built from scratch; "
+             f"model.preset={cfg.model.preset!r} is pretrained, so its depth is fixed; remove it")
     _require(cfg.model.num_hidden_layers is None or cfg.model.num_hidden_layers >= 1,
              "model.num_hidden_layers",
              f"model.num_hidden_layers={cfg.model.num_hidden_layers} must be >= 1 or null (the preset's)")

@@ -5,6 +5,12 @@
 GRPO on a CPU in ~100-200 steps, yet the answer depends on the prompt: answering with one
 fixed digit scores 0.1 on average, so a rising reward proves the policy reads the prompt.
 Scored by megarl.reward.rule under data_source "megarl/digits".
+
+`arith`: "What is 23 + 58? Answer with the number only." -> "81", two-digit addition and
+subtraction for a pretrained instruct model (SmolLM2); the reward is 1 when the last integer in
+the response is the answer (data_source "megarl/arith"), so a worked solution ending in the result
+scores too. The instruction keeps answers short: without it SmolLM2-135M explains at length and
+scores 3% (sampled at temperature 1 from 8 prompts x 4), with it 6%.
 """
 
 from __future__ import annotations
@@ -40,7 +46,29 @@ def make_digits_rows(num: int, seed: int = 0, length: int = DIGITS_LENGTH) -> li
     return rows
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"digits": make_digits_rows}
+ARITH_DATA_SOURCE = "megarl/arith"
+ARITH_INSTRUCTION = "Answer with the number only."
+
+
+def make_arith_rows(num: int, seed: int = 0) -> list[dict]:
+    """`num` rows of two-operand integer arithmetic ("What is 23 + 58? ..."), deterministic in `seed`."""
+    if num < 0:
+        raise ValueError(f"make_arith_rows needs num >= 0, got {num}")
+    rng = random.Random(seed)
+    rows = []
+    for index in range(num):
+        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
+        answer = a + b if op == "+" else a - b
+        rows.append({
+            "prompt": [{"role": "user", "content": f"What is {a} {op} {b}? {ARITH_INSTRUCTION}"}],
+            "data_source": ARITH_DATA_SOURCE,
+            "reward_model": {"ground_truth": str(answer), "style": "rule"},
+            "extra_info": {"index": index, "a": a, "b": b, "op": op},
+        })
+    return rows
+
+
+TASKS: dict[str, Callable[..., list[dict]]] = {"digits": make_digits_rows, "arith": make_arith_rows}
 
 
 def generate_task(name: str, num: int, seed: int = 0) -> list[dict]:

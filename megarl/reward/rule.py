@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -120,3 +121,13 @@ def digits_score(solution_str: str, ground_truth: str, extra_info: dict) -> floa
         raise RewardError("megarl/digits row has an empty ground_truth")
     hits = sum(a == b for a, b in zip(solution_str, ground_truth))
     return hits / len(ground_truth)
+
+
+_INTEGER = re.compile(r"-?\d[\d,]*")
+
+
+@register_scorer("megarl/arith")
+def arith_score(solution_str: str, ground_truth: str, extra_info: dict) -> float:
+    """1 when the last integer in the response (thousands commas allowed) is the answer, else 0."""
+    found = _INTEGER.findall(solution_str)
+    return float(bool(found) and found[-1].replace(",", "") == ground_truth.strip())

@@ -47,6 +47,10 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
             raise FileNotFoundError(f"model.path={cfg.model.path}: no config.json there; point it "
                                     "at a Hugging Face checkpoint directory")
         return cfg.model.path
+    from megarl.models import smollm2
+
+    if cfg.model.preset == smollm2.PRESET:
+        return str(smollm2.materialize())
     from megarl.models.tiny import build_tiny_checkpoint, preset_overrides
 
     return str(build_tiny_checkpoint(run_dir / "init_model", seed=cfg.model.seed, preset=cfg.model.preset,

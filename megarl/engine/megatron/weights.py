@@ -124,7 +124,7 @@ def load_hf_weights(bridge, models, path: str | os.PathLike, skip_prefix: str | 
     for global_name, param in global_tensors(models):
         if skip_prefix is not None and global_name.startswith(skip_prefix):
             continue
-        hf_names = bridge._weight_name_mapping_mcore_to_hf(global_name)
+        hf_names = _checkpoint_names(bridge, global_name, ckpt)
         full = bridge._weight_to_mcore_format(global_name, [ckpt.get(n) for n in hf_names])
         size, rank, _ = _tp_split(global_name)
         if size > 1 and (_is_tp_partitioned(param) or full.shape != param.shape):
@@ -134,6 +134,17 @@ def load_hf_weights(bridge, models, path: str | os.PathLike, skip_prefix: str | 
                 f"{global_name} (from {hf_names}): checkpoint shape {tuple(full.shape)} does not "
                 f"match the Megatron shard {tuple(param.shape)}")
         param.copy_(full)
+
+
+def _checkpoint_names(bridge, global_name: str, ckpt: SafetensorsDir) -> list[str]:
+    """The HF tensors `global_name` is read from. With tied embeddings transformers saves only
+    the embedding, but under PP the last stage has an output layer of its own (Megatron keeps it
+    equal to the first stage's embedding): it is read from the embedding."""
+    hf_names = bridge._weight_name_mapping_mcore_to_hf(global_name)
+    if (global_name == "output_layer.weight" and hf_names[0] not in ckpt.weight_map
+            and getattr(bridge.hf_config, "tie_word_embeddings", False)):
+        return bridge._weight_name_mapping_mcore_to_hf("embedding.word_embeddings.weight")
+    return hf_names
 
 
 def _gather_tp(bridge, global_name: str, tensor: torch.Tensor) -> torch.Tensor:
