@@ -15,8 +15,9 @@ warm-up step; tokens/s counts real tokens only (prompt + response, never padding
    (`train_mini_batch`: forward, log-probs of the tokens, backward, distributed-optimizer Adam step)
    against Hugging Face `Qwen3MoeForCausalLM` doing the same work in plain torch (forward,
    log_softmax + gather, the same loss, backward, torch.optim.AdamW) on the same weights and
-   tokens; and forward only (`compute_log_prob` vs `torch.no_grad()` forward + log-probs).
-   ratio = megarl tokens/s / peer tokens/s (1.0 = as fast as the peer).
+   tokens; and forward only (`compute_log_prob` vs `torch.no_grad()` forward + log-probs). Both
+   sides live in the process at once and their steps are timed alternately, so drift in the
+   machine's speed hits both alike. ratio = megarl tokens/s / peer tokens/s (1.0 = as fast).
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def bench_packing(model_path: str, args) -> list[tuple]:
     out = []
     for packed in (False, True):
         engine = make_engine(model_path, packed, micro_batch_size=8)
-        seconds = timed(lambda: engine.train_mini_batch(rows, pg_loss), args.steps)
+        head = engine.logprob_head(1.0, entropy_grad=False)
+        seconds = timed(lambda: engine.train_mini_batch(rows, pg_loss, head=head), args.steps)
         out.append(("packed" if packed else "padded", tokens / seconds, seconds))
 
     print(f"lengths: {len(lengths)} rows, median {statistics.median(lengths):.0f}, max {max(lengths)}, "
@@ -115,8 +117,8 @@ def bench_packing(model_path: str, args) -> list[tuple]:
     return out
 
 
-def hf_peer(model_path: str, rows, steps: int) -> tuple[float, float]:
-    """Seconds per training step and per forward of plain HF + torch on `rows` (no padding)."""
+def hf_peer(model_path: str, rows):
+    """Plain HF + torch on `rows` (no padding): (training step, forward) callables."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
@@ -142,18 +144,31 @@ def hf_peer(model_path: str, rows, steps: int) -> tuple[float, float]:
         with torch.no_grad():
             logp()
 
-    return timed(step, steps), timed(forward, steps)
+    return step, forward
+
+
+def interleaved(ours, peer, steps: int) -> tuple[float, float]:
+    """Median seconds of each, timed alternately (one warm-up each) so drift hits both alike."""
+    ours(), peer()
+    t_ours, t_peer = [], []
+    for _ in range(steps):
+        for fn, out in ((ours, t_ours), (peer, t_peer)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(t_ours), statistics.median(t_peer)
 
 
 def bench_peer(model_path: str, args) -> list[tuple]:
     rows = make_rows([256] * 16, MODEL["vocab_size"], seed=1)
     tokens = 16 * 256
-    peer_train, peer_fwd = hf_peer(model_path, rows, args.steps)
+    peer_step, peer_forward = hf_peer(model_path, rows)
     engine = make_engine(model_path, packed=True, micro_batch_size=16)
-    train = timed(lambda: engine.train_mini_batch(rows, pg_loss), args.steps)
-    del engine
+    # as MegatronActor.update_actor runs it: the entropy is a metric (no backward) without entropy_coeff
+    head = engine.logprob_head(1.0, entropy_grad=False)
+    train, peer_train = interleaved(lambda: engine.train_mini_batch(rows, pg_loss, head=head), peer_step, args.steps)
     ref = make_engine(model_path, packed=True, micro_batch_size=16, train=False)
-    fwd = timed(lambda: ref.compute_log_prob(rows), args.steps)
+    fwd, peer_fwd = interleaved(lambda: ref.compute_log_prob(rows), peer_forward, args.steps)
     return [("train", tokens / train, tokens / peer_train), ("forward", tokens / fwd, tokens / peer_fwd)]
 
 

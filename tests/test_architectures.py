@@ -45,13 +45,13 @@ def arch_paths(tmp_path_factory) -> dict:
 
 
 # ------------------------------------------------------------------ rank-side work
-def _engine(path, tp=1, ep=1, train=False, sequence_parallel=None):
+def _engine(path, tp=1, ep=1, train=False, sequence_parallel=None, cp=1):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
     engine = MegatronEngine(EngineSpec(
-        model_path=path, parallel=ParallelConfig(tp=tp, ep=ep, sequence_parallel=sp),
+        model_path=path, parallel=ParallelConfig(tp=tp, ep=ep, cp=cp, sequence_parallel=sp),
         # the distributed optimizer leaves a rank only its shard of the reduced gradient in
         # main_grad; the plain one all-reduces it whole, which _hf_gradients reads
         optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0, use_distributed_optimizer=False)
@@ -120,6 +120,9 @@ def _two_ranks(rank, paths):
     ps.destroy_model_parallel()
     out[f"ep2/{DSV3}"] = _forward(paths[DSV3], ep=2)
     out["ep2/train"] = _train(paths[DSV3], ep=2)
+    ps.destroy_model_parallel()
+    # MLA under context parallel, packed: each sequence split into 4 chunks, K/V gathered over CP
+    out["cp2/train"] = _train(paths[DSV3], cp=2)
     return out
 
 
@@ -190,7 +193,7 @@ def test_reshard_pieces_rebuild_the_model(per_rank, layout, name):
                                       "pieces": r[f"{layout}/{name}"]["pieces"]} for r in per_rank])
 
 
-@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+@pytest.mark.parametrize("layout", ["tp2", "ep2", "cp2"])
 def test_deepseek_v3_train_step_equals_tp1(results, arch_paths, layout):
     from safetensors.torch import load_file
 

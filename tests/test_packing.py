@@ -114,3 +114,23 @@ def test_cpu_core_attention_thd_equals_each_sequence_alone():
     out = attn(q, k, v, None, packed_seq_params=params)
     assert out.shape == (13, 4 * 12)
     torch.testing.assert_close(out.double(), _reference_attention(q, k, v, cu, 8 ** -0.5), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("cp_size,cp_rank", [(1, 0), (2, 0), (2, 1)])
+def test_vectorized_thd_rope_equals_megatrons_loop(cp_size, cp_rank):
+    """mcore_fixes._vectorize_thd_rope against megatron's per-sequence loop, bit for bit."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.engine.megatron import mcore_fixes
+
+    mcore_fixes.apply()
+    group = SimpleNamespace(size=lambda: cp_size, rank=lambda: cp_rank)
+    cu = torch.tensor([0, 8, 12, 24], dtype=torch.int32)  # every length divides by 2 * cp
+    torch.manual_seed(0)
+    t = torch.randn(24 // cp_size, 3, 10)  # rotary dim 8 of head dim 10: two dims pass through
+    freqs = torch.randn(16, 1, 1, 8)  # max_seqlen positions (not the whole stream)
+    for interleaved in (False, True):
+        kwargs = dict(rotary_interleaved=interleaved, mscale=0.9, cp_group=group)
+        fast = rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs, **kwargs)
+        assert rope_utils._apply_rotary_pos_emb_thd is not mcore_fixes.megatron_thd_rope
+        torch.testing.assert_close(fast, mcore_fixes.megatron_thd_rope(t, cu, freqs, **kwargs), atol=0, rtol=0)

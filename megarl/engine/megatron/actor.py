@@ -131,13 +131,16 @@ class MegatronActor(Worker):
         gen = torch.Generator().manual_seed(seed)
         start = time.perf_counter()
         collected: list[dict] = []
+        # the entropy is a metric unless the loss uses it: then it needs no backward
+        head = self.actor.logprob_head(temperature, entropy_grad=bool(self.loss_spec.entropy_coeff))
         with self.actor_offload.update(keep_params=True):  # the weight sync comes next
             for _ in range(epochs):
                 order = torch.randperm(len(batch), generator=gen)
                 shuffled = batch[order]
                 for mini in shuffled.chunk(n_mini):
                     collected.append(self.actor.train_mini_batch(
-                        mini, lambda lp, ent, mb: actor_loss(self.loss_spec, lp, ent, mb), temperature))
+                        mini, lambda lp, ent, mb: actor_loss(self.loss_spec, lp, ent, mb), temperature,
+                        head=head))
         metrics = mean_metrics(collected)
         metrics["actor/num_updates"] = float(len(collected))
         metrics["perf/update_s"] = time.perf_counter() - start

@@ -242,15 +242,17 @@ class MegatronEngine:
         up = math.ceil(n / p.pp) * p.pp
         return up if up <= rows else rows // p.pp * p.pp
 
-    def logprob_head(self, temperature: float) -> Head:
-        """The policy head: vocab-parallel logits -> (log p(label), entropy) per position."""
+    def logprob_head(self, temperature: float, entropy_grad: bool = True) -> Head:
+        """The policy head: vocab-parallel logits -> (log p(label), entropy) per position.
+        entropy_grad=False: the entropy is a metric only (detached; saves its backward)."""
         from megatron.core import parallel_state as ps
 
         tp_group = ps.get_tensor_model_parallel_group()
 
         def head(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-            return vocab_parallel_logprob_entropy(logits, labels, vocab_start, tp_group, temperature)
+            return vocab_parallel_logprob_entropy(logits, labels, vocab_start, tp_group, temperature,
+                                                  entropy_grad=entropy_grad)
 
         return head
 

@@ -40,6 +40,7 @@ def vocab_parallel_logprob_entropy(
     group=None,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    entropy_grad: bool = True,
 ):
     """log p(label) and entropy per position for logits sharded on the last dim.
 
@@ -65,7 +66,10 @@ def vocab_parallel_logprob_entropy(
     log_prob = chosen - log_z
 
     entropy = None
-    if with_entropy:
+    if with_entropy and not entropy_grad:  # a metric only: no graph through [tokens, vocab]
+        with torch.no_grad():
+            entropy = log_z - _allreduce_sum((exp * shifted).sum(dim=-1), group) / sum_exp
+    elif with_entropy:
         # H = log Z - sum_v p_v * shifted_v
         p_shifted = _allreduce_sum((exp * shifted).sum(dim=-1), group) / sum_exp
         entropy = log_z - p_shifted
