@@ -246,4 +246,7 @@ def test_schema_presets_are_the_built_presets():
     from megarl.config.schema import ModelConfig
     from megarl.models.tiny import PRESETS
 
-    assert set(typing.get_args(typing.get_type_hints(ModelConfig)["preset"])) == set(PRESETS)
+    from megarl.models import smollm2
+
+    # every preset the schema offers is built in code, or materialised from a package (SmolLM2)
+    assert set(typing.get_args(typing.get_type_hints(ModelConfig)["preset"])) == set(PRESETS) | {smollm2.PRESET}
