@@ -277,3 +277,35 @@ def test_train_step_tp2_ep2_pp2_etp2_cp2_and_allgather_match_tp1(tiny_model_path
     before = load_file(str(tiny_model_path / "model.safetensors"))
     changed = sum(int(not torch.equal(before[k], tp1["weights"][k])) for k in before)
     assert changed > len(before) // 2
+
+
+def _train_uneven_on_rank(rank, model_path, world):
+    """Token-budget micro-batches with data-parallel ranks holding different rows: rank 0 needs 3
+    micro-batches under the budget of 12 tokens, rank 1 only 2, so the count must be agreed (an
+    EP all-to-all pairs the micro-batches up). One rank on all the rows is the reference."""
+    from megarl.algo.losses import policy_loss
+    from megarl.data.batch import Batch
+
+    rows = make_rows()
+    extra = rows[[0, 2, 3]]  # 8 + 4 + 9 tokens
+    if world == 1:
+        rows = Batch.concat([rows, extra])
+    elif rank == 1:
+        rows = extra
+    engine = _engine(model_path, 1, world, train=True, max_tokens=12)
+
+    def loss_fn(logp, ent, mb):
+        mask = mb["response_mask"]
+        loss, _ = policy_loss(logp, logp.detach(), mb["advantages"], mask, global_denominator=1.0)
+        return loss, mask.sum(), {}
+
+    metrics = engine.train_mini_batch(rows, loss_fn)
+    return {"grad_norm": metrics["actor/grad_norm"], "weights": {k: v.clone() for k, v in engine.export_weights()}}
+
+
+def test_token_budget_micro_batch_count_is_agreed_across_data_parallel_ranks(tiny_model_path):
+    one = run_ranks(_train_uneven_on_rank, 1, tiny_model_path, 1)[0]
+    two = run_ranks(_train_uneven_on_rank, 2, tiny_model_path, 2)[0]  # EP=2: DP=2 for the dense part
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], w, atol=1e-6, rtol=0, msg=name)
