@@ -4,7 +4,7 @@ setup(
     name="megarl",
     version="0.1.0",
     description="Megatron-native RL post-training for large MoE language models",
-    packages=find_packages(include=["megarl", "megarl.*"]),
+    packages=find_packages(include=["megarl", "megarl.*", "checkpoint_convert", "checkpoint_convert.*"]),
     package_data={"megarl": ["../configs/*.yaml"]},
     python_requires=">=3.11",
     # Exact pins live in requirements.lock and are installed by scripts/setup_env.sh;

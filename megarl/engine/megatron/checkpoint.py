@@ -71,8 +71,11 @@ def read_metadata(path: str) -> dict:
 # ------------------------------------------------------------------------------------ save
 
 
-def save(engine, path: str) -> dict:
-    """Write `engine`'s model, optimizer (if it trains) and RNG to `path`. A collective."""
+def save(engine, path: str, rng: bool = True, extra: dict | None = None) -> dict:
+    """Write `engine`'s model, optimizer (if it trains) and RNG to `path`. A collective.
+
+    rng=False: weights only (checkpoint_convert), marked so `load` does not look for RNG state.
+    `extra` is merged into the marker (the converter's source config)."""
     from megatron.core import dist_checkpointing
 
     path = os.path.abspath(path)
@@ -83,11 +86,12 @@ def save(engine, path: str) -> dict:
         os.makedirs(partial)
     dist.barrier()
     with_optimizer = engine.optimizer is not None
-    state = _sharded_state_dict(engine, with_optimizer, rng=True, is_loading=False)
+    state = _sharded_state_dict(engine, with_optimizer, rng=rng, is_loading=False)
     dist_checkpointing.save(state, partial, content_metadata=_content_metadata())
     dist.barrier()  # every rank's shards are on disk
     meta = dict(version=FORMAT_VERSION, complete=True, format="torch_dist", layout=layout(engine),
-                optimizer=OPTIM_SHARDING if with_optimizer else None, model_path=engine.spec.model_path)
+                optimizer=OPTIM_SHARDING if with_optimizer else None, model_path=engine.spec.model_path,
+                rng=rng, **(extra or {}))
     if rank == 0:
         _write_json(os.path.join(partial, MARKER), meta)
         _replace_dir(partial, path)
@@ -135,7 +139,7 @@ def load(engine, path: str, load_optimizer: bool = True) -> dict:
         raise CheckpointError(
             f"{path} holds no optimizer state (saved by a forward-only engine); load it with "
             "load_optimizer=False to take the weights and start the optimizer fresh")
-    same_layout = meta["layout"] == layout(engine)
+    same_layout = meta["layout"] == layout(engine) and meta.get("rng", True)
     state = _sharded_state_dict(engine, with_optimizer, rng=same_layout, is_loading=True)
     loaded = dist_checkpointing.load(state, path)
     for i, chunk in enumerate(engine.bare_chunks()):

@@ -46,6 +46,9 @@ class EngineSpec:
     pack_sequences: bool = True  # THD packing inside the engine (packing.py); False: right-padded rows
     max_tokens_per_micro_batch: int | None = None  # micro-batches by token budget instead of rows
     value_head: bool = False  # a critic: scalar value head instead of the vocab output (value_head.py)
+    # False: model_path needs only config.json; the weights stay as built until a checkpoint is
+    # loaded into them (checkpoint_convert's mcore-to-hf has no Hugging Face weights to read)
+    load_hf: bool = True
 
 
 # A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
@@ -102,10 +105,11 @@ class MegatronEngine:
         )
         chunks = self._build_chunks()
         if self.spec.value_head:  # the head is not in the checkpoint
-            load_hf_weights(self.bridge, chunks, self.spec.model_path, skip_prefix=vh.VALUE_HEAD_PREFIX)
+            if self.spec.load_hf:
+                load_hf_weights(self.bridge, chunks, self.spec.model_path, skip_prefix=vh.VALUE_HEAD_PREFIX)
             for chunk in chunks:
                 vh.init_value_head(chunk, self.spec.seed, self.bridge.config.init_method_std)
-        else:
+        elif self.spec.load_hf:
             load_hf_weights(self.bridge, chunks, self.spec.model_path)
         if training:
             chunks = self._wrap_ddp(chunks)
