@@ -4,6 +4,8 @@
     megarl show-config configs/quickstart.yaml [overrides...]   # print the resolved config
 
 Bad configuration exits with status 2 and one line naming the key, before any process starts.
+show-config needs neither the model's weights (a directory with only its config.json will do, as
+configs/models/* for the scale configs) nor a GPU or SGLang; train checks both.
 """
 
 from __future__ import annotations
@@ -48,6 +50,23 @@ def _preset_model_config(cfg) -> dict | None:
     return {**PRESETS[cfg.model.preset], **preset_overrides(cfg.model)}
 
 
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def _missing_weights(cfg) -> str | None:
+    """A model dir may hold only config.json (configs/models/*: the architecture of a scale config,
+    enough for show-config); training needs the checkpoint's weights."""
+    from pathlib import Path
+
+    for key, path in (("model.path", cfg.model.path), ("critic.model.path", cfg.critic.model.path)):
+        if path is None or any(next(Path(path).glob(p), None) for p in _WEIGHT_FILES):
+            continue
+        return (f"{key}={path!r} holds a config.json but no weights (*.safetensors); it is enough for "
+                f"show-config, but training needs the checkpoint: download it (huggingface-cli download "
+                f"ORG/MODEL --local-dir DIR) and set {key}=DIR")
+    return None
+
+
 def _backend_unavailable(cfg) -> str | None:
     """Real SGLang needs CUDA and the sglang package on this machine (checked before starting)."""
     if cfg.rollout.backend != "sglang":
@@ -73,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "show-config":
         print(dump(cfg), end="")
         return 0
-    reason = _backend_unavailable(cfg)
+    reason = _missing_weights(cfg) or _backend_unavailable(cfg)
     if reason:
         print(f"megarl: config error: {reason}", file=sys.stderr)
         return 2

@@ -55,6 +55,11 @@ class ParallelConfig:
     etp: int = 1                          # expert tensor parallel
     cp: int = 1                           # context parallel
     vpp: int = 1                          # virtual pipeline stages per pp rank (interleaved 1F1B)
+    # uneven pipelines (Megatron's num_layers_in_first/last_pipeline_stage): layers of the first /
+    # last stage; the rest split evenly over the middle stages. None: an even split. DeepSeek-V3's
+    # 61 layers (a prime) need it for any pp other than 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
     sequence_parallel: bool | None = None  # None: on when tp > 1
 
 

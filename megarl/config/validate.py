@@ -9,7 +9,8 @@ Parallel layout rules (Megatron-core's, for world = cluster.num_actor_ranks):
   * tp divides num_attention_heads and num_key_value_heads; pp divides num_hidden_layers;
     ep divides num_experts; MoE with tp > 1 needs sequence parallel
   * vpp > 1 (interleaved 1F1B) needs pp > 1, and pp*vpp divides num_hidden_layers (every virtual
-    stage holds the same number of layers)
+    stage holds the same number of layers); uneven first/last stages: validate_pipeline.py
+  * with cluster.devices_per_node, tensor (and context) parallel groups stay inside one node
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any
 
 from megarl.config.loader import ConfigError, check_types
 from megarl.config.schema import RunConfig
+from megarl.config.validate_pipeline import check_stage_options, check_virtual_pipeline, stage_layers
 from megarl.config.validate_rollout import check_rollout, resolve_rollout
+
 
 _POSITIVE = [
     "data.num_train", "data.max_prompt_length", "data.train_batch_size",
@@ -129,24 +132,23 @@ def num_experts(model_config: dict | None) -> int:
 
 def check_parallel(cfg: RunConfig, model_config: dict | None) -> None:
     check_layout("actor", cfg.actor.parallel, cfg.cluster.num_actor_ranks, model_config)
+    check_nodes(cfg)
     if model_config is not None:
         check_model_fit(cfg, model_config)
 
 
-def check_virtual_pipeline(p, num_layers: int | None) -> None:
-    """vpp's rules (ParallelConfig `p`); also called by the engine, which may be built without a
-    RunConfig. num_layers None: only the rules that do not depend on the model."""
-    if p.vpp == 1:
-        return
-    _require(p.pp > 1, "actor.parallel.vpp",
-             f"actor.parallel.vpp={p.vpp} needs actor.parallel.pp > 1 (virtual stages interleave "
-             "over pipeline ranks); set vpp=1 or raise pp")
-    if num_layers:
-        _require(num_layers % (p.pp * p.vpp) == 0, "actor.parallel.vpp",
-                 f"actor.parallel.pp*vpp={p.pp}*{p.vpp}={p.pp * p.vpp} does not divide "
-                 f"model.num_hidden_layers={num_layers}; every virtual stage needs the same number "
-                 "of layers (choose vpp so that pp*vpp divides it; a preset's depth is set by "
-                 "model.num_hidden_layers)")
+def check_nodes(cfg: RunConfig) -> None:
+    """Megatron numbers ranks tp fastest (order tp-cp-ep-dp-pp) and placement fills one node after
+    another, so a tensor-parallel group stays inside a node exactly when tp divides the node's
+    devices; across nodes its per-layer all-reduces would leave NVLink for the network."""
+    per_node = cfg.cluster.devices_per_node
+    if per_node is None or per_node < 1:
+        return  # validate_rollout names a bad value
+    sections = [("actor", cfg.actor.parallel)] + ([("critic", cfg.critic.parallel)] if cfg.critic.enabled else [])
+    for section, p in sections:
+        _require(per_node % p.tp == 0, f"{section}.parallel.tp",
+                 f"{section}.parallel.tp={p.tp} does not divide cluster.devices_per_node={per_node}: "
+                 "a tensor-parallel group would span nodes; lower tp (raise pp or ep instead)")
 
 
 def check_layout(section: str, p, world: int, model_config: dict | None) -> None:
@@ -163,7 +165,8 @@ def check_layout(section: str, p, world: int, model_config: dict | None) -> None
     _require(not (p.sequence_parallel and p.tp == 1), f"{key}.sequence_parallel",
              f"{key}.sequence_parallel=true needs {key}.tp > 1; set it to "
              "null (auto) or raise tp")
-    check_virtual_pipeline(p, None)
+    check_virtual_pipeline(p, None, key)
+    check_stage_options(p, key)
     is_moe = num_experts(model_config) > 0 or (model_config is None and p.ep > 1)
     _require(not (is_moe and p.tp > 1 and p.sequence_parallel is False),
              f"{key}.sequence_parallel",
@@ -183,9 +186,7 @@ def check_layout_fits_model(key: str, p, mc: dict) -> None:
                      "choose a divisor")
     layers = mc.get("num_hidden_layers")
     if layers:
-        _require(layers % p.pp == 0, f"{key}.pp",
-                 f"{key}.pp={p.pp} does not divide model.num_hidden_layers={layers}")
-        check_virtual_pipeline(p, layers)
+        stage_layers(p, layers, key)
     experts = num_experts(mc)
     if p.ep > 1:
         _require(experts > 0, f"{key}.ep",

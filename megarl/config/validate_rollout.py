@@ -57,6 +57,8 @@ def check_rollout(cfg: RunConfig, model_config: dict | None) -> None:
         _require(r.tp % r.ep == 0, "rollout.ep", f"rollout.ep={r.ep} must divide rollout.tp={r.tp} "
                  "(SGLang lays expert parallel over the tensor-parallel ranks)")
         _require(r.tp % r.dp == 0, "rollout.dp", f"rollout.dp={r.dp} must divide rollout.tp={r.tp}")
+        if model_config is not None:
+            _check_sglang_fits_model(r, model_config)
     _require(r.router_policy != "power_of_two" or r.num_servers >= 2, "rollout.router_policy",
              f"rollout.router_policy=power_of_two needs rollout.num_servers >= 2 (sglang-router refuses "
              f"to start it with fewer workers), got {r.num_servers}; use round_robin")
@@ -73,6 +75,27 @@ def _check_engine_fits_model(tp: int, mc: dict) -> None:
             _require(value % tp == 0, "rollout.tp",
                      f"rollout.tp={tp} does not divide model.{name}={value}: each engine rank holds "
                      "an equal shard; choose a divisor")
+
+
+def _check_sglang_fits_model(r, mc: dict) -> None:
+    """SGLang's start-up assertions on the model: attention heads split over the tp/dp ranks of
+    an attention group (key-value heads may instead be replicated: then the ranks are a multiple
+    of them), routed experts over rollout.ep."""
+    attn_tp = r.tp // r.dp
+    heads = mc.get("num_attention_heads")
+    kv = mc.get("num_key_value_heads") or heads
+    if heads:
+        _require(heads % attn_tp == 0, "rollout.tp",
+                 f"rollout.tp/rollout.dp={r.tp}/{r.dp}={attn_tp} attention ranks do not divide "
+                 f"model.num_attention_heads={heads}; choose tp (or raise rollout.dp) so they do")
+    if kv:
+        _require(kv % attn_tp == 0 or attn_tp % kv == 0, "rollout.tp",
+                 f"rollout.tp/rollout.dp={attn_tp} attention ranks and model.num_key_value_heads={kv}: "
+                 "one must divide the other (SGLang splits or replicates key-value heads)")
+    experts = next((int(mc[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts") if mc.get(k)), 0)
+    if r.ep > 1:
+        _require(experts > 0 and experts % r.ep == 0, "rollout.ep",
+                 f"rollout.ep={r.ep} does not divide the model's {experts} routed experts; choose a divisor")
 
 
 def _check_pools(cfg: RunConfig) -> None:

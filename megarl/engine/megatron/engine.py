@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from megarl.config.schema import OptimConfig, ParallelConfig
-from megarl.config.validate import check_virtual_pipeline
+from megarl.config.validate import stage_layers
 from megarl.data.batch import Batch
 from megarl.engine.megatron import cpu_compat, mcore_fixes
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
-from megarl.engine.megatron.model import make_bridge
+from megarl.engine.megatron.model import make_bridge, pipeline_split_args
 from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
 from megarl.engine.megatron import value_head as vh
 from megarl.engine.megatron.packing import pack_rows, padded_row_lengths, row_lengths
@@ -89,7 +89,7 @@ class MegatronEngine:
             )
         cpu_compat.seed_model_parallel(self.spec.seed)
         hf_config = AutoConfig.from_pretrained(self.spec.model_path)
-        check_virtual_pipeline(p, hf_config.num_hidden_layers)
+        stage_layers(p, hf_config.num_hidden_layers)  # ConfigError if the pipeline split does not exist
         if self.spec.value_head:
             vh.untie_embeddings(hf_config)
         training = self.spec.optim is not None
@@ -99,6 +99,7 @@ class MegatronEngine:
             calculate_per_token_loss=True,
             expert_tensor_parallel_size=p.etp,
             moe_token_dispatcher_type=self.spec.moe_dispatcher,
+            **pipeline_split_args(p),
             # Megatron's allgather dispatcher refuses variable sequence lengths; every micro-batch of
             # one call is padded to the same length here, so the pipeline's shapes are fixed anyway
             **({"variable_seq_lengths": False} if self.spec.moe_dispatcher == "allgather" else {}),

@@ -125,6 +125,14 @@ def _mtp_args(hf_config) -> dict:
     return {"mtp_num_layers": None} if getattr(hf_config, "num_nextn_predict_layers", 0) else {}
 
 
+def pipeline_split_args(p) -> dict:
+    """Megatron's uneven pipeline split from a ParallelConfig (validate_pipeline.py checks it).
+    Layer numbers, and so every weight name, follow from it (weights.py reads layer_number)."""
+    args = {"num_layers_in_first_pipeline_stage": p.first_stage_layers,
+            "num_layers_in_last_pipeline_stage": p.last_stage_layers}
+    return {k: v for k, v in args.items() if v is not None}
+
+
 def use_local_mla(block_spec):
     """Swap MLASelfAttention for LocalMLASelfAttention (mla.py) in every layer, in place."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
