@@ -79,19 +79,36 @@ stop_job() {
 trap stop_job INT TERM
 
 echo "ray_job.sh: submitting $submission_id to $RAY_ADDRESS: $entrypoint_str" >&2
-# In the background + wait, so a signal reaches the trap while the logs stream.
-"$ray_cmd" job submit --address "$RAY_ADDRESS" --submission-id "$submission_id" \
-  --runtime-env-json "$runtime_env" -- "$entrypoint_str" &
+# Submitted through the SDK with the entrypoint as one shell string: `ray job submit -- ARGS`
+# re-joins its arguments with subprocess.list2cmdline (Windows quoting), which wraps any argument
+# holding a space in double quotes, so neither one %q-quoted string nor the raw words survive
+# /bin/sh intact. The SDK uploads the working dir and reads Ray's auth token as the CLI does.
+if ! "$json_python" - "$RAY_ADDRESS" "$submission_id" "$runtime_env" "$entrypoint_str" <<'PY'
+import json, sys
+try:
+    from ray.job_submission import JobSubmissionClient
+except ImportError:
+    sys.exit(f"ray_job.sh: {sys.executable} cannot import ray; run bash scripts/setup_env.sh")
+address, submission_id, runtime_env, entrypoint = sys.argv[1:]
+JobSubmissionClient(address).submit_job(entrypoint=entrypoint, submission_id=submission_id,
+                                        runtime_env=json.loads(runtime_env))
+PY
+then
+  echo "ray_job.sh: submitting $submission_id to $RAY_ADDRESS failed (above)" >&2
+  exit 1
+fi
+# Follow the logs in the background + wait, so a signal reaches the trap while they stream.
+"$ray_cmd" job logs --address "$RAY_ADDRESS" --follow "$submission_id" &
 submit_pid=$!
 set +e
 wait "$submit_pid"
 rc=$?
 set -e
 trap - INT TERM
-# `ray job submit` exits 1 only for FAILED; a job stopped from elsewhere also exits 0, so ask.
+# The log stream ends when the job does, whatever its end; ask for the status.
 status=$("$ray_cmd" job status --address "$RAY_ADDRESS" "$submission_id" 2>&1 || true)
 if grep -q "Job '$submission_id' succeeded" <<<"$status"; then
   exit 0
 fi
-echo "ray_job.sh: job $submission_id did not succeed (ray job submit exited $rc): $(grep -iE 'stopped|failed|status' <<<"$status" | head -n 3)" >&2
+echo "ray_job.sh: job $submission_id did not succeed (log stream exited $rc): $(grep -iE 'stopped|failed|status' <<<"$status" | head -n 3)" >&2
 exit 1

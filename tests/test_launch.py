@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import socket
+import secrets
 import subprocess
 import tempfile
 import time
@@ -107,6 +108,18 @@ def _metric_steps(run_dir: Path) -> list[int]:
 
 # ---- 1. ray job submit -----------------------------------------------------------------------------
 
+# Ray >= 2.5x turns token authentication on for a new cluster once a token exists in ~/.ray (any
+# earlier `ray.init()` on the machine writes one), and its job server then answers 401 to requests
+# without the token. The test pins the mode and its own token, so it runs the same on a fresh
+# machine and on one where Ray ran before, and it exercises the authenticated path users meet.
+RAY_AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
+def _get(url: str, timeout: float):
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {RAY_AUTH['RAY_AUTH_TOKEN']}"})
+    return urllib.request.urlopen(request, timeout=timeout)
+
+
 @pytest.fixture(scope="session")
 def ray_head():
     """A one-node Ray cluster as a user starts it, with the job server and 2 CPU devices."""
@@ -122,13 +135,14 @@ def ray_head():
          f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
          "--include-dashboard=true", f"--temp-dir={tmp / 'r'}", "--num-cpus=2",
          '--resources={"megarl_device": 2}'],
-        cwd=tmp, env={**os.environ, MARKER: run_id, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"},
+        cwd=tmp, env={**os.environ, **RAY_AUTH, MARKER: run_id,
+                      "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"},
         stdout=log, stderr=subprocess.STDOUT)
     address = f"http://127.0.0.1:{dashboard}"
 
     def job_server_up() -> bool:
         try:
-            with urllib.request.urlopen(f"{address}/api/version", timeout=2) as r:
+            with _get(f"{address}/api/version", timeout=2) as r:
                 return r.status == 200
         except OSError:
             return False
@@ -151,7 +165,7 @@ def test_ray_job_submit_runs_quickstart_on_the_cluster(ray_head):
     result = subprocess.run(
         ["bash", "launch/ray_job.sh", "configs/quickstart.yaml", *SMALL],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
-        env={**os.environ, "RAY_ADDRESS": address, "MEGARL_OUTPUT_DIR": str(out_dir),
+        env={**os.environ, **RAY_AUTH, "RAY_ADDRESS": address, "MEGARL_OUTPUT_DIR": str(out_dir),
              "MEGARL_PYTHON": PYTHON, "MEGARL_SUBMISSION_ID": f"megarl-test-{run_id[:8]}"})
     elapsed = time.monotonic() - start
     output = result.stdout + result.stderr
@@ -160,7 +174,7 @@ def test_ray_job_submit_runs_quickstart_on_the_cluster(ray_head):
     assert _metric_steps(out_dir / "quickstart") == [1, 2, 3, 4, 5]
     # The Megatron ranks were actors of this cluster: the run joined it.
     query = "filter_keys=class_name&filter_predicates=%3D&filter_values=MegatronActor&detail=false"
-    with urllib.request.urlopen(f"{address}/api/v0/actors?{query}", timeout=30) as r:
+    with _get(f"{address}/api/v0/actors?{query}", timeout=30) as r:
         actors = json.load(r)["data"]["result"]["result"]
     assert len(actors) == 2, actors
     print(f"ray_job.sh 5-step quickstart: {elapsed:.1f}s")
@@ -217,8 +231,9 @@ def slurm_cluster():
     procs: list[subprocess.Popen] = []
     logs = []
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; munged (user munge) must reach its dir below
         munge_dir = tmp / "munge"
-        munge_dir.mkdir(mode=0o700)
+        munge_dir.mkdir(mode=0o755)  # munged wants its socket dir reachable by all
         for sub in ("state", "spool/n1", "spool/n2", "log"):
             (tmp / sub).mkdir(parents=True)
         key, sock = munge_dir / "munge.key", munge_dir / "munge.socket"
