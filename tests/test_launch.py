@@ -120,7 +120,7 @@ def _get(url: str, timeout: float):
     return urllib.request.urlopen(request, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # torn down with this module: other modules count Ray processes
 def ray_head():
     """A one-node Ray cluster as a user starts it, with the job server and 2 CPU devices."""
     tmp = Path(tempfile.mkdtemp(prefix="mrl-ray-"))  # short: Ray's unix sockets live below it
@@ -218,7 +218,7 @@ PartitionName=debug Nodes={','.join(f'n{i + 1}' for i in range(len(node_ports)))
 """
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # torn down with this module: other modules count Ray processes
 def slurm_cluster():
     """slurmctld + slurmd n1, n2 + munged, all foreground children of this process, all files
     under one temp dir; stopped by pid."""
