@@ -275,6 +275,10 @@ class MegatronEngine:
         cpu_compat.activate()
         micro, order = self._micro_batches(batch)
         inputs = self._packed_inputs(micro) if self.spec.pack_sequences else self._padded_inputs(micro)
+        device = _model_device(self.model)
+        if device.type != "cpu":  # rows arrive on the host; the model and the loss run on its device
+            micro = [mb.to(device) for mb in micro]
+            inputs = [_inputs_to(x, device) for x in inputs]
         cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
         cp_rank = ps.get_context_parallel_rank()
         results = []
@@ -319,7 +323,7 @@ class MegatronEngine:
         )
         if not results:
             return None, []
-        tensors = tuple(torch.cat(column) for column in zip(*(r[0] for r in results)))
+        tensors = tuple(torch.cat(column).cpu() for column in zip(*(r[0] for r in results)))
         if order is not None:  # back to the batch's row order
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(len(order))
@@ -489,8 +493,25 @@ def _response_values(values: torch.Tensor, mb: Batch, offsets: torch.Tensor) -> 
     R = mb["responses"].shape[1]
     flat = values.reshape(-1)
     start = offsets.to(flat.device) + mb["prompt_lengths"].long() - 1
-    index = (start.unsqueeze(1) + torch.arange(R).unsqueeze(0)).clamp(max=flat.shape[0] - 1)
+    index = (start.unsqueeze(1) + torch.arange(R, device=flat.device).unsqueeze(0)).clamp(max=flat.shape[0] - 1)
     return flat[index] * mb["response_mask"].to(values.dtype)
+
+
+def _model_device(chunks: list) -> torch.device:
+    return next(p for chunk in chunks for p in chunk.parameters()).device
+
+
+def _inputs_to(x: dict, device: torch.device) -> dict:
+    """A micro-batch's model inputs on `device`, PackedSeqParams' cu_seqlens included."""
+    import dataclasses
+
+    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    params = out.get("packed_seq_params")
+    if params is not None:
+        out["packed_seq_params"] = dataclasses.replace(params, **{
+            f.name: getattr(params, f.name).to(device) for f in dataclasses.fields(params)
+            if isinstance(getattr(params, f.name), torch.Tensor)})
+    return out
 
 
 def mean_metrics(dicts: list[dict]) -> dict:
