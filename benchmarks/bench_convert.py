@@ -24,6 +24,8 @@ SIZES = {
                      num_key_value_heads=8, head_dim=64),
     "h1024-L8": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                      num_key_value_heads=8, head_dim=64),
+    "h1024-L32": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=32, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=64),
 }
 
 
@@ -40,11 +42,13 @@ def _peak(cmd: list[str]) -> tuple[float, int]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", default="/tmp/bench_convert")
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     args = p.parse_args()
     from megarl.models.tiny import build_tiny_checkpoint
 
     py = [sys.executable, "-m", "checkpoint_convert"]
-    for name, overrides in SIZES.items():
+    for name in args.sizes.split(","):
+        overrides = SIZES[name]
         hf = build_tiny_checkpoint(os.path.join(args.root, name), seed=0, preset="tiny-qwen3", **overrides)
         size = os.path.getsize(os.path.join(hf, "model.safetensors"))
         mcore, back = os.path.join(args.root, f"{name}-mcore"), os.path.join(args.root, f"{name}-back")

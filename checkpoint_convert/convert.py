@@ -1,9 +1,10 @@
-"""hf-to-mcore and mcore-to-hf on one gloo rank, through the engine's own loader and exporter.
+"""hf-to-mcore and mcore-to-hf on one gloo rank, one piece of the model at a time (streaming.py).
 
-Memory: the whole model is built on one rank (fp32) and torch_dist is written from it in one call,
-so peak host memory grows with the model, not with its largest tensor (benchmarks/RESULTS.md has
-the measured figures). Outputs are staged in a sibling directory and renamed into place, so a
-failed conversion never leaves a partial target.
+Memory: the Megatron model is built on the `meta` device and only one piece (the embedding, a
+decoder layer, or the final norm with the output layer) has real storage at a time, so peak host
+memory follows the largest piece (plus one safetensors shard when writing HF), not the model
+(benchmarks/RESULTS.md has the measured figures). Outputs are staged in a sibling directory and
+renamed into place, so a failed conversion never leaves a partial target.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 import torch
 
 from checkpoint_convert import ConvertError
-from checkpoint_convert import hf_files
+from checkpoint_convert import hf_files, streaming
 
 HF_SUBDIR = "hf"  # config and tokenizer files kept next to a converted checkpoint's shards
 DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
@@ -65,14 +66,6 @@ def staged(target: str, overwrite: bool):
         shutil.rmtree(stage + ".partial", ignore_errors=True)
 
 
-def _engine(model_path: str, load_hf: bool):
-    from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
-
-    engine = MegatronEngine(EngineSpec(model_path=model_path, optim=None, load_hf=load_hf))
-    engine.initialize()
-    return engine
-
-
 def hf_to_mcore(hf: str, out: str, overwrite: bool = False) -> dict:
     """Convert the Hugging Face checkpoint `hf` into a model-only torch_dist checkpoint at `out`."""
     from megarl.engine.megatron import checkpoint
@@ -82,7 +75,7 @@ def hf_to_mcore(hf: str, out: str, overwrite: bool = False) -> dict:
     config = hf_files.load_config(hf)
     dropped = hf_files.check_tensors(hf, config)
     with staged(out, overwrite) as stage, one_rank():
-        engine = _engine(hf, load_hf=True)
+        engine = streaming.meta_engine(hf)
         read = {n for g, _ in global_tensors(engine.bare_chunks())
                 for n in engine.bridge._weight_name_mapping_mcore_to_hf(g)}
         unread = sorted(set(hf_files.tensor_shapes(hf)) - read - set(dropped) - {"lm_head.weight"})
@@ -92,8 +85,14 @@ def hf_to_mcore(hf: str, out: str, overwrite: bool = False) -> dict:
         source = dict(kind="huggingface", path=hf, model_type=config.model_type,
                       dtype=str(getattr(config, "torch_dtype", None) or "float32").replace("torch.", ""),
                       dropped_tensors=dropped)
-        meta = checkpoint.save(engine, stage, rng=False, extra=dict(contents="model", source=source))
+        os.makedirs(stage)
+        parts = streaming.hf_to_mcore_pieces(engine, hf, stage)
+        streaming.merge_torch_dist(parts, stage)
         hf_files.copy_side_files(hf, os.path.join(stage, HF_SUBDIR))
+        meta = dict(version=checkpoint.FORMAT_VERSION, complete=True, format="torch_dist",
+                    layout=checkpoint.layout(engine), optimizer=None, model_path=hf, rng=False,
+                    contents="model", source=source, pieces=len(parts))
+        checkpoint._write_json(os.path.join(stage, checkpoint.MARKER), meta)  # last: the dir is complete
     return dict(meta, path=os.path.abspath(out))
 
 
@@ -129,13 +128,12 @@ def mcore_to_hf(mcore: str, out: str, hf_config: str | None = None, overwrite: b
     config = hf_files.load_config(config_dir)
     out_dtype = _dtype(dtype or str(getattr(config, "torch_dtype", None) or "float32"))
     with staged(out, overwrite) as stage, one_rank():
-        engine = _engine(config_dir, load_hf=False)
+        engine = streaming.meta_engine(config_dir)
+        os.makedirs(stage)
         try:
-            engine.load_checkpoint(mcore, load_optimizer=False)
+            names = _write_safetensors(streaming.mcore_to_hf_tensors(engine, mcore), stage, max_shard_bytes, out_dtype)
         except checkpoint.CheckpointError as e:
             raise ConvertError(str(e)) from None
-        os.makedirs(stage)
-        names = _write_safetensors(engine.export_weights(), stage, max_shard_bytes, out_dtype)
         hf_files.check_exported(names, config)
         hf_files.copy_side_files(config_dir, stage)
     return dict(path=os.path.abspath(out), tensors=len(names), config=config_dir)
