@@ -4,7 +4,7 @@ Builds random Qwen3 checkpoints (tiny preset with wider / deeper overrides), run
 as its own process under /usr/bin/time -v, and prints one line per (size, direction):
 parameters, checkpoint bytes, wall seconds, peak RSS.
 
-    .venv/bin/python benchmarks/bench_convert.py --root /tmp/bench_convert
+    .venv/bin/python benchmarks/bench_convert.py --root /tmp/bench_convert [--sizes tiny,h1024-L8] [--max-shard-gib 0.25]
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def _peak(cmd: list[str]) -> tuple[float, int]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", default="/tmp/bench_convert")
+    p.add_argument("--max-shard-gib", type=float, default=5.0,
+                   help="mcore-to-hf's --max-shard-size: the writer holds up to one shard")
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     args = p.parse_args()
     from megarl.models.tiny import build_tiny_checkpoint
@@ -56,7 +58,7 @@ def main() -> None:
         shutil.rmtree(back, ignore_errors=True)
         baseline = _peak([sys.executable, "-c", "import megarl.engine.megatron.engine, transformers, mbridge"])
         t1, m1 = _peak(py + ["hf-to-mcore", "--hf", str(hf), "--out", mcore])
-        t2, m2 = _peak(py + ["mcore-to-hf", "--mcore", mcore, "--out", back])
+        t2, m2 = _peak(py + ["mcore-to-hf", "--mcore", mcore, "--out", back, "--max-shard-size", str(args.max_shard_gib)])
         print(f"{name}: safetensors {size / 2**20:.1f} MiB | imports only {baseline[1] / 2**20:.0f} MiB | "
               f"hf-to-mcore {t1:.1f} s, peak RSS {m1 / 2**20:.0f} MiB | "
               f"mcore-to-hf {t2:.1f} s, peak RSS {m2 / 2**20:.0f} MiB", flush=True)
