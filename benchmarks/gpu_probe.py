@@ -16,8 +16,9 @@ Stages
   engine    MegatronEngine on one GPU over NCCL (world size 1): the tiny Qwen3-MoE's log-probs
             against Hugging Face in float64 on the CPU (tests/test_megatron_engine.py's rows), then one
             `train_mini_batch` step (finite grad norm, log-probs move).
-  engine_speed  the engine's fp32 training step and forward against a plain HF + AdamW peer on
-            the same weights and tokens (a mid-size Qwen3-MoE), alternating timed steps.
+  engine_speed  the engine's training step and forward against a plain HF + AdamW peer on the
+            same weights and tokens (a Qwen3-MoE sized by --speed-*), alternating timed steps, in
+            --precision fp32 (TF32 matmuls) or bf16 (engine: Megatron mixed precision; HF: bf16).
   hf_speed  a plain HF Qwen3-MoE training step in bf16 on the GPU at a realistic width, as the
             peer a later MFU comparison needs (tokens/s, model TFLOP/s by 6 x active params x tokens).
 """
@@ -183,24 +184,29 @@ def stage_engine_speed(tmp: str, args) -> dict:
     _init_dist()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    cfg = Qwen3MoeConfig(vocab_size=32768, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
-                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                         num_experts=32, num_experts_per_tok=4, max_position_embeddings=8192,
-                         tie_word_embeddings=False)
+    h = args.speed_hidden
+    cfg = Qwen3MoeConfig(vocab_size=32768, hidden_size=h, intermediate_size=3 * h, moe_intermediate_size=h * 3 // 8,
+                         num_hidden_layers=args.speed_layers, num_attention_heads=h // 64, num_key_value_heads=4,
+                         head_dim=64 if h <= 1024 else 128, num_experts=args.speed_experts,
+                         num_experts_per_tok=args.speed_topk, max_position_embeddings=8192, tie_word_embeddings=False)
+    if h > 1024:
+        cfg.num_attention_heads = h // 128 * 2
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
     torch.manual_seed(0)
     hf = Qwen3MoeForCausalLM(cfg)
-    path = os.path.join(tmp, "mid-qwen3-moe")
+    path = os.path.join(tmp, f"speed-qwen3-moe-{args.precision}")
     hf.save_pretrained(path)
-    hf = hf.to("cuda").train()
+    hf = hf.to("cuda", dtype).train()
     total = sum(p.numel() for p in hf.parameters())
     expert = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
     active = total - expert + expert * cfg.num_experts_per_tok // cfg.num_experts
-    rows, seq, prompt = args.rows * 2, args.seq // 2, 16
+    rows, seq, prompt = args.speed_rows, args.speed_seq, 16
     ids = torch.randint(0, cfg.vocab_size, (rows, seq))
     batch = Batch({"input_ids": ids, "responses": ids[:, prompt:], "response_mask": torch.ones(rows, seq - prompt),
                    "prompt_lengths": torch.full((rows,), prompt), "advantages": torch.randn(rows, 1).expand(rows, seq - prompt).contiguous()})
     engine = MegatronEngine(EngineSpec(model_path=path, parallel=ParallelConfig(sequence_parallel=False),
-                                       optim=OptimConfig(lr=1e-6, clip_grad=1.0), micro_batch_size=rows))
+                                       optim=OptimConfig(lr=1e-6, clip_grad=1.0), micro_batch_size=rows,
+                                       precision=args.precision))
     engine.initialize()
 
     def loss_fn(logp, ent, mb):
@@ -241,7 +247,10 @@ def stage_engine_speed(tmp: str, args) -> dict:
     tokens = rows * seq
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq * tokens / 2
     flops = 6 * active * tokens + attn
-    out = dict(params_b=round(total / 1e9, 3), active_params_b=round(active / 1e9, 3), rows=rows, seq=seq,
+    params = [(n, p) for chunk in engine.model for n, p in chunk.named_parameters()]
+    out = dict(precision=args.precision, hidden=h, layers=cfg.num_hidden_layers, experts=cfg.num_experts,
+               topk=cfg.num_experts_per_tok, engine_fp32_params=[n for n, p in params if p.dtype == torch.float32][:6],
+               params_b=round(total / 1e9, 3), active_params_b=round(active / 1e9, 3), rows=rows, seq=seq,
                engine_train_s=round(med(e_t), 4), hf_train_s=round(med(h_t), 4),
                engine_fwd_s=round(med(ef_t), 4), hf_fwd_s=round(med(hf_t), 4))
     out["train_ratio_engine_over_hf_tokens_per_s"] = round(med(h_t) / med(e_t), 3)
@@ -249,6 +258,8 @@ def stage_engine_speed(tmp: str, args) -> dict:
     out["engine_train_tflops"] = round(flops / med(e_t) / 1e12, 1)
     out["hf_train_tflops"] = round(flops / med(h_t) / 1e12, 1)
     out["engine_train_tokens_per_s"] = round(tokens / med(e_t))
+    out["engine_train_mfu_vs_989"] = round(flops / med(e_t) / 989e12, 3)
+    out["hf_train_mfu_vs_989"] = round(flops / med(h_t) / 989e12, 3)
     out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     return out
 
@@ -261,6 +272,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="engine_speed: both sides")
+    ap.add_argument("--speed-hidden", type=int, default=1024)
+    ap.add_argument("--speed-layers", type=int, default=8)
+    ap.add_argument("--speed-experts", type=int, default=32)
+    ap.add_argument("--speed-topk", type=int, default=4)
+    ap.add_argument("--speed-rows", type=int, default=8)
+    ap.add_argument("--speed-seq", type=int, default=2048)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {}

@@ -12,6 +12,7 @@ from typing import Literal
 
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+Precision = Literal["fp32", "bf16"]
 
 
 @dataclass
@@ -99,6 +100,8 @@ class ActorConfig:
     micro_batch_size: int = 32            # rows per forward/backward on one data-parallel rank
     max_tokens_per_micro_batch: int | None = None  # set: micro-batches by token budget, not rows
     pack_sequences: bool = True           # THD packing inside the engine; False: right-padded rows
+    precision: Precision = "fp32"         # bf16: bf16 parameters and activations, fp32 main params and
+                                          # grads in the optimizer (GPU); fp32 on CPU
     ppo_epochs: int = 1                   # passes over each step's rows
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2

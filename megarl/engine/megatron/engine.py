@@ -35,6 +35,9 @@ from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_w
                                             sends_owned_weights)
 
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 @dataclass
 class EngineSpec:
     model_path: str
@@ -49,6 +52,13 @@ class EngineSpec:
     # False: model_path needs only config.json; the weights stay as built until a checkpoint is
     # loaded into them (checkpoint_convert's mcore-to-hf has no Hugging Face weights to read)
     load_hf: bool = True
+    # "bf16": bf16 parameters and activations with fp32 main params / grads in the optimizer
+    # (Megatron's mixed precision, what GPUs run); "fp32": everything fp32 (the CPU default)
+    precision: str = "fp32"
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"actor.precision={self.precision!r}: choose one of {sorted(PRECISIONS)}")
 
 
 # A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
@@ -95,6 +105,7 @@ class MegatronEngine:
         training = self.spec.optim is not None
         self.bridge = make_bridge(
             hf_config,
+            dtype=PRECISIONS[self.spec.precision],
             sequence_parallel=bool(p.sequence_parallel),
             calculate_per_token_loss=True,
             expert_tensor_parallel_size=p.etp,
@@ -169,9 +180,9 @@ class MegatronEngine:
             adam_beta2=o.adam_beta2,
             adam_eps=o.adam_eps,
             clip_grad=o.clip_grad,
-            bf16=False,
+            bf16=self.spec.precision == "bf16",
             fp16=False,
-            params_dtype=torch.float32,
+            params_dtype=PRECISIONS[self.spec.precision],
             use_distributed_optimizer=o.use_distributed_optimizer,
         )
         return get_megatron_optimizer(config, chunks)
