@@ -176,8 +176,11 @@ class GenerationEngine(EngineWeights):
             self._cond.notify_all()
 
     def pending(self) -> int:
+        """Requests queued or still generating. A request whose answer is already out counts as
+        done although its batch is still being cleaned up: a client that has every answer and
+        asks to flush the cache at once must not be refused (seen under load in CI)."""
         with self._cond:
-            return len(self._queue) + len(self._running)
+            return len(self._queue) + sum(not r.future.done() for r in self._running)
 
     @property
     def paused(self) -> bool:
