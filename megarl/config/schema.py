@@ -108,6 +108,10 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     loss_agg_mode: LossAggMode = "token-mean"
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    # parameters and activations: fp32, or bf16 with fp32 master weights, gradients reduced in fp32
+    # and log-probs computed in fp32 (Megatron's mixed precision). bf16 is the GPU setting; on CPU
+    # it runs, slowly (no bf16 matrix units). The reference policy follows the actor
+    precision: Literal["fp32", "bf16"] = "fp32"
     seed: int = 0
 
 

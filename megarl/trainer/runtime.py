@@ -62,7 +62,8 @@ def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
                       micro_batch_size=cfg.actor.micro_batch_size, seed=cfg.actor.seed,
                       moe_dispatcher=cfg.actor.moe.dispatcher,
                       pack_sequences=cfg.actor.pack_sequences,
-                      max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch)
+                      max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
+                      precision=cfg.actor.precision)
 
 
 def critic_engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
