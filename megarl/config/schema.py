@@ -12,7 +12,6 @@ from typing import Literal
 
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-Precision = Literal["fp32", "bf16"]
 
 
 @dataclass
@@ -100,8 +99,6 @@ class ActorConfig:
     micro_batch_size: int = 32            # rows per forward/backward on one data-parallel rank
     max_tokens_per_micro_batch: int | None = None  # set: micro-batches by token budget, not rows
     pack_sequences: bool = True           # THD packing inside the engine; False: right-padded rows
-    precision: Precision = "fp32"         # bf16: bf16 parameters and activations, fp32 main params and
-                                          # grads in the optimizer (GPU); fp32 on CPU
     ppo_epochs: int = 1                   # passes over each step's rows
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -111,6 +108,10 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     loss_agg_mode: LossAggMode = "token-mean"
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    # parameters and activations: fp32, or bf16 with fp32 master weights, gradients reduced in fp32
+    # and log-probs computed in fp32 (Megatron's mixed precision). bf16 is the GPU setting; on CPU
+    # it runs, slowly (no bf16 matrix units). The reference policy follows the actor
+    precision: Literal["fp32", "bf16"] = "fp32"
     seed: int = 0
 
 

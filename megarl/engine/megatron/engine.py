@@ -27,15 +27,12 @@ from megarl.data.batch import Batch
 from megarl.engine.megatron import cpu_compat, mcore_fixes
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
-from megarl.engine.megatron.model import make_bridge, pipeline_split_args
+from megarl.engine.megatron.model import make_bridge, pipeline_split_args, precision_dtype
 from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
 from megarl.engine.megatron import value_head as vh
 from megarl.engine.megatron.packing import pack_rows, padded_row_lengths, row_lengths
 from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_weights, load_hf_weights,
                                             sends_owned_weights)
-
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -52,13 +49,7 @@ class EngineSpec:
     # False: model_path needs only config.json; the weights stay as built until a checkpoint is
     # loaded into them (checkpoint_convert's mcore-to-hf has no Hugging Face weights to read)
     load_hf: bool = True
-    # "bf16": bf16 parameters and activations with fp32 main params / grads in the optimizer
-    # (Megatron's mixed precision, what GPUs run); "fp32": everything fp32 (the CPU default)
-    precision: str = "fp32"
-
-    def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"actor.precision={self.precision!r}: choose one of {sorted(PRECISIONS)}")
+    precision: str = "fp32"  # actor.precision: fp32 | bf16 (model.precision_dtype)
 
 
 # A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
@@ -85,6 +76,7 @@ class MegatronEngine:
 
         if not dist.is_initialized():
             raise RuntimeError("MegatronEngine.initialize: join torch.distributed first")
+        dtype = precision_dtype(self.spec.precision)  # a bad value fails before any work
         cpu_compat.activate()
         mcore_fixes.apply()
         p = self.spec.parallel
@@ -105,7 +97,7 @@ class MegatronEngine:
         training = self.spec.optim is not None
         self.bridge = make_bridge(
             hf_config,
-            dtype=PRECISIONS[self.spec.precision],
+            dtype=dtype,
             sequence_parallel=bool(p.sequence_parallel),
             calculate_per_token_loss=True,
             expert_tensor_parallel_size=p.etp,
@@ -123,6 +115,7 @@ class MegatronEngine:
                 vh.init_value_head(chunk, self.spec.seed, self.bridge.config.init_method_std)
         elif self.spec.load_hf:
             load_hf_weights(self.bridge, chunks, self.spec.model_path)
+        _place(chunks, dtype)
         if training:
             chunks = self._wrap_ddp(chunks)
             self.optimizer = self._build_optimizer(chunks)
@@ -180,9 +173,10 @@ class MegatronEngine:
             adam_beta2=o.adam_beta2,
             adam_eps=o.adam_eps,
             clip_grad=o.clip_grad,
-            bf16=self.spec.precision == "bf16",
+            # bf16: Megatron keeps fp32 master copies of the bf16 parameters in the optimizer
+            bf16=self.bridge.config.params_dtype is torch.bfloat16,
             fp16=False,
-            params_dtype=PRECISIONS[self.spec.precision],
+            params_dtype=self.bridge.config.params_dtype,
             use_distributed_optimizer=o.use_distributed_optimizer,
         )
         return get_megatron_optimizer(config, chunks)
@@ -506,6 +500,23 @@ def _response_values(values: torch.Tensor, mb: Batch, offsets: torch.Tensor) -> 
     start = offsets.to(flat.device) + mb["prompt_lengths"].long() - 1
     index = (start.unsqueeze(1) + torch.arange(R, device=flat.device).unsqueeze(0)).clamp(max=flat.shape[0] - 1)
     return flat[index] * mb["response_mask"].to(values.dtype)
+
+
+def _place(chunks: list, dtype: torch.dtype) -> None:
+    """Every chunk in the parameter dtype, on this process's GPU when there is one.
+
+    The dtype: what Megatron's Float16Module does (module.bfloat16()), without the wrapper (its
+    casts are of float inputs, which token ids are not, and of the output, which the heads upcast):
+    the norms are built in fp32 whatever params_dtype says. The device: Megatron builds on the
+    host (use_cpu_initialization, model.NO_FUSION_ARGS), and DDP's buffers would move only a
+    training engine's parameters; a forward-only one (the reference) would stay behind. Meta
+    models (checkpoint_convert) have no storage to move.
+    """
+    for chunk in chunks:
+        if dtype is not torch.float32:
+            chunk.to(dtype)
+        if torch.cuda.is_available() and not any(p.is_meta for p in chunk.parameters()):
+            chunk.cuda(torch.cuda.current_device())
 
 
 def _model_device(chunks: list) -> torch.device:

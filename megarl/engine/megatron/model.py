@@ -145,6 +145,19 @@ def use_local_mla(block_spec):
     return block_spec
 
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The parameter dtype of actor.precision. bf16 parameters and activations: Megatron's optimizer
+    keeps fp32 master weights (engine._build_optimizer), DDP reduces gradients in fp32 and the
+    log-prob head upcasts the logits (logprob.py), as Megatron's mixed-precision training does."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"actor.precision={precision!r} is not supported; use one of "
+                         f"{sorted(PRECISIONS)} (fp16 needs loss scaling, which megarl does not do)")
+    return PRECISIONS[precision]
+
+
 def make_bridge(hf_config, dtype: torch.dtype = torch.float32, **config_overrides):
     """An mbridge bridge for `hf_config` that builds local-spec models.
 
