@@ -132,16 +132,18 @@ class _HFParameters:
 
 @contextlib.contextmanager
 def _unwrapped_convert_errors():
-    """DCP's writer reports a failed write as CheckpointException(rank -> error); a refusal raised
-    while producing a tensor is re-raised as itself (one line), anything else as it came."""
+    """DCP reports a failed plan, read or write as CheckpointException(rank -> error); a refusal
+    raised inside (by a planner or while producing a tensor) is re-raised as itself (one line),
+    anything else as it came."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except CheckpointException as e:
         for failure in e.failures.values():
-            if isinstance(failure, ConvertError):
-                raise failure from None
+            error = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+            if isinstance(error, ConvertError):
+                raise error from None
         raise
 
 
@@ -220,7 +222,8 @@ def _load_chunk(mcore: str, template: dict, chunk: list, held: HeldBytes) -> dic
             raise AssertionError(f"{name}: sharded entry {tuple(template[name].data.shape)}, parameter {tuple(t.shape)}")
         parts[name] = replace(template[name], data=t)
     apply_factories(parts)
-    load_sharded_tensors(mcore, [sh for sh in nested_values(parts) if isinstance(sh, ShardedTensor)])
+    with _unwrapped_convert_errors():
+        load_sharded_tensors(mcore, [sh for sh in nested_values(parts) if isinstance(sh, ShardedTensor)])
     return tensors
 
 
