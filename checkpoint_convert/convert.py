@@ -1,9 +1,19 @@
-"""hf-to-mcore and mcore-to-hf on one gloo rank, through the engine's own loader and exporter.
+"""hf-to-mcore and mcore-to-hf on one gloo rank, streaming: memory follows a chunk, not the model.
 
-Memory: the whole model is built on one rank (fp32) and torch_dist is written from it in one call,
-so peak host memory grows with the model, not with its largest tensor (benchmarks/RESULTS.md has
-the measured figures). Outputs are staged in a sibling directory and renamed into place, so a
-failed conversion never leaves a partial target.
+Both directions build the engine's model on the meta device (meta_model.py: the trainer's mbridge
+bridge and layer spec, no storage) for the names, shapes and torch_dist keys, and make tensors real
+a piece at a time:
+- hf-to-mcore: ONE `dist_checkpointing.save` (through the engine's `checkpoint.save`: same keys,
+  marker, staging) whose writer asks for each Megatron parameter as it writes it (lazy_save.py);
+  the parameter is built from its Hugging Face tensors (read with `safe_open`) by mbridge's
+  `_weight_to_mcore_format`, as the engine's loader does, and freed before the next.
+- mcore-to-hf: chunks of at most `chunk_bytes` of parameters are loaded by one partial DCP read
+  each (partial_load.py; optimizer / RNG entries of a trainer's checkpoint are never read),
+  converted by mbridge's `_weight_to_hf_format` and appended to safetensors shards whose headers
+  were planned from the meta model (safetensors_out.py), so no shard is held in memory either.
+HeldBytes (held.py) counts the tensor bytes alive at once; benchmarks/RESULTS.md has peak RSS.
+Outputs are staged in a sibling directory and renamed into place, so a failed conversion never
+leaves a partial target.
 """
 
 from __future__ import annotations
