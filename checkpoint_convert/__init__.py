@@ -6,8 +6,9 @@ The Megatron side is exactly the format the engine's own checkpoints use (megarl
 checkpoint.py: megatron-core's torch_dist, global sharded keys, the `megarl_ckpt.json` marker), so a
 converted checkpoint loads with `MegatronEngine.load_checkpoint(dir, load_optimizer=False)` into any
 TP / PP / EP / ETP / VPP layout, and a trainer's checkpoint converts back to Hugging Face. The
-conversion itself runs the engine on one gloo rank (TP=1, PP=1): mbridge's name mapping and the
-engine's loader and exporter are the code paths training uses, not a second copy of them.
+conversion builds the engine's own model (TP=1, PP=1) on the meta device and streams tensors one
+parameter or one chunk at a time (convert.py): mbridge's name mapping and per-parameter format
+conversion and megatron's sharded state dict are the code paths training uses, not copies of them.
 """
 
 

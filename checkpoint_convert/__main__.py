@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-config", help="directory (or config.json) with the model's config and tokenizer; "
                    "default: the files stored at conversion, else the trainer's model_path")
     b.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors file (default 5)")
+    b.add_argument("--chunk-size", type=float, default=1.0,
+                   help="GiB of Megatron parameters loaded at once (default 1; a larger parameter is loaded alone)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the written tensors (default: config.json's torch_dtype)")
     b.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
@@ -29,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("path")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,14 +45,17 @@ def main(argv: list[str] | None = None) -> int:
 
             meta = hf_to_mcore(args.hf, args.out, overwrite=args.overwrite)
             dropped = meta["source"]["dropped_tensors"]
-            print(f"wrote {meta['path']} (torch_dist, model only)"
+            print(f"wrote {meta['path']} (torch_dist, model only; held at most {_mib(meta['peak_held_bytes'])} "
+                  f"of {_mib(meta['model_bytes'])} at once)"
                   + (f"; dropped {len(dropped)} multi-token-prediction tensors" if dropped else ""))
         elif args.command == "mcore-to-hf":
             from checkpoint_convert.convert import mcore_to_hf
 
             out = mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config, overwrite=args.overwrite,
-                              max_shard_bytes=int(args.max_shard_size * 1024 ** 3), dtype=args.dtype)
-            print(f"wrote {out['path']} ({out['tensors']} tensors, config from {out['config']})")
+                              max_shard_bytes=int(args.max_shard_size * 1024 ** 3), dtype=args.dtype,
+                              chunk_bytes=int(args.chunk_size * 1024 ** 3))
+            print(f"wrote {out['path']} ({out['tensors']} tensors, config from {out['config']}; held at most "
+                  f"{_mib(out['peak_held_bytes'])} of {_mib(out['model_bytes'])} at once)")
         else:
             from checkpoint_convert.inspect_ckpt import inspect, render
 

@@ -71,11 +71,13 @@ def read_metadata(path: str) -> dict:
 # ------------------------------------------------------------------------------------ save
 
 
-def save(engine, path: str, rng: bool = True, extra: dict | None = None) -> dict:
+def save(engine, path: str, rng: bool = True, extra: dict | None = None, sharded_strategy=None) -> dict:
     """Write `engine`'s model, optimizer (if it trains) and RNG to `path`. A collective.
 
     rng=False: weights only (checkpoint_convert), marked so `load` does not look for RNG state.
-    `extra` is merged into the marker (the converter's source config)."""
+    `extra` is merged into the marker (the converter's source config). `sharded_strategy`: a
+    torch_dist save strategy of megatron's (checkpoint_convert's lazy one builds each tensor as it
+    is written, for a model built on the meta device)."""
     from megatron.core import dist_checkpointing
 
     path = os.path.abspath(path)
@@ -87,7 +89,7 @@ def save(engine, path: str, rng: bool = True, extra: dict | None = None) -> dict
     dist.barrier()
     with_optimizer = engine.optimizer is not None
     state = _sharded_state_dict(engine, with_optimizer, rng=rng, is_loading=False)
-    dist_checkpointing.save(state, partial, content_metadata=_content_metadata())
+    dist_checkpointing.save(state, partial, sharded_strategy=sharded_strategy, content_metadata=_content_metadata())
     dist.barrier()  # every rank's shards are on disk
     meta = dict(version=FORMAT_VERSION, complete=True, format="torch_dist", layout=layout(engine),
                 optimizer=OPTIM_SHARDING if with_optimizer else None, model_path=engine.spec.model_path,

@@ -76,6 +76,13 @@ def _local_spec_mixin(base: type) -> type:
         if is_mla:
             _ATTENTION_MAPPING = {**base._ATTENTION_MAPPING, **_MLA_NORM_MAPPING}
 
+        def _adjust_mapping_for_shared_weights(self):
+            # mbridge's Qwen2 bridge maps a tied output layer to the embedding by writing into the
+            # CLASS dict, shared by every later Qwen2 / Qwen3 bridge of the process: an untied model
+            # built after a tied one would read and export its output layer as the embedding
+            self._DIRECT_MAPPING = dict(getattr(self, "_DIRECT_MAPPING", {}))
+            super()._adjust_mapping_for_shared_weights()
+
         def _build_config(self):
             self.extra_args = {**NO_FUSION_ARGS, **_routing_args(self.hf_config), **_mtp_args(self.hf_config),
                                **self._megarl_overrides, **self.extra_args}
