@@ -106,16 +106,23 @@ class Stage:
             raise ValueError(f"the staged update for weight_version {self.version!r} was already discarded "
                              f"({self.failure}); abort it and send the whole version again")
 
-    def add(self, version: str, pieces: list[Piece]) -> None:
+    def copy(self, pieces: list[Piece]) -> list[Piece]:
         """Copy every piece into its parameter's spare (the values may be the sender's memory or a
-        receive buffer that is reused as soon as the request returns)."""
-        self._switch_to(str(version))
+        receive buffer reused by the next request); the copies, to `add` once every rank has them.
+        Writes only spares: a copy whose update is then refused leaves the parameters as they were."""
+        copies = []
         with torch.no_grad():
             for piece in pieces:
                 spare = self._spare(piece.name)
                 target = spare if piece.box is None else spare[box_index(piece.box)]
                 target.copy_(piece.read())
-                self.pieces.append(Piece(piece.name, piece.box, lambda target=target: target))
+                copies.append(Piece(piece.name, piece.box, lambda target=target: target))
+        return copies
+
+    def add(self, version: str, copies: list[Piece]) -> None:
+        """Stage `copies` (from `copy`) for `version`; a stage of another version is discarded first."""
+        self._switch_to(str(version))
+        self.pieces.extend(copies)
 
     def _spare(self, name: str) -> torch.Tensor:
         param = self.tensors[name]

@@ -122,13 +122,21 @@ class RankWorker:
 
     # ---- weights -----------------------------------------------------------------------------------
     def update(self, cmd: dict) -> Applied:
-        """(Receive,) check, vote; then write or stage (cmd["defer"]), vote."""
+        """(Receive,) check, copy into the stage's spares (cmd["defer"]), vote; then write or stage.
+
+        One vote serves a deferred update: every rank holds its copies before it votes, so no rank
+        answers before all do (the sender may reuse its shared memory as soon as the answer
+        arrives), and the spares are not the parameters, so a refused update has written nothing."""
         defer, version = bool(cmd.get("defer")), cmd.get("weight_version")
         pieces, error, broken = [], None, False
         try:
             pieces = self._pieces(cmd)
             if defer:
                 self.stage.accept(version)
+                try:
+                    pieces = self.stage.copy(pieces)
+                except Exception as exc:  # noqa: BLE001  (e.g. out of memory; carried by the vote)
+                    raise RuntimeError(f"staging failed ({type(exc).__name__}: {exc})") from exc
             elif self._released and cmd["source"] in _GROUP_SOURCES:  # (other sources: the engine checks first)
                 raise ValueError("weights are released; call /resume_memory_occupation before updating them "
                                  "(or send the update with defer=true and commit it after resuming)")
@@ -151,24 +159,9 @@ class RankWorker:
                 message += f"; the staged update for weight_version {version!r} was discarded"
             raise UpdateRejected(message)
         if defer:
-            return self._stage(version, pieces)
-        return self._write(pieces)
-
-    def _stage(self, version: str, pieces: list[Piece]) -> Applied:
-        """Stage, then vote: no rank answers before every rank holds its copies (the sender may
-        reuse its shared memory as soon as the answer arrives)."""
-        error = None
-        try:
             self.stage.add(version, pieces)
-        except Exception as exc:  # noqa: BLE001  (e.g. out of memory; carried by the vote)
-            error = f"{type(exc).__name__}: {exc}"
-        errors = self._vote(error)
-        if any(errors):
-            message = f"staging failed ({self._describe(errors)})"
-            self.stage.poison(version, message)
-            raise UpdateRejected(f"{message}; nothing was written and the staged update for weight_version "
-                                 f"{version!r} was discarded")
-        return Applied(names_of(pieces), staged=len(pieces))
+            return Applied(names_of(pieces), staged=len(pieces))
+        return self._write(pieces)
 
     def commit(self, cmd: dict) -> Applied:
         """Write the stage built for cmd["weight_version"] (check, vote, write, vote); it is emptied either way."""
