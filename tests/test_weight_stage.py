@@ -1,7 +1,7 @@
 """The deferred-update stage and the memory kept across syncs, in one process (no groups, no servers):
 commit by swapping spares in, the copy fallback for parameters staged in part, tied names, a refused
 or aborted update leaving the parameters untouched, the coverage check, the engines' kept receive
-buffer and the reshard sender's packing.
+buffer, the reshard sender's packing and the disk sender's clones (only of overlapping tensors).
 
 Values are compared exactly (torch.equal): every path here only copies or rebinds memory. The
 processes around these (groups, votes, parity with the trainer within 1e-4 after every sync) are
@@ -135,3 +135,19 @@ def test_reshard_pack_copies_a_strided_box_in_c_order(offset):
     _pack(buf, offset, part)
     got = buf[offset:offset + part.numel() * 4].clone().view(torch.float32).view(part.shape)
     assert torch.equal(got, part) and int(buf[:offset].sum()) == 0 and int(buf[offset + part.numel() * 4:].sum()) == 0
+
+
+def test_disk_clones_only_tensors_that_overlap_and_safetensors_takes_the_rest(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from megarl.bridge.disk import _without_overlaps
+
+    fused, emb = torch.arange(30.0).view(10, 3), torch.randn(4, 3)
+    named = {"q": fused[:4], "k": fused[4:7], "v": fused[7:], "emb": emb, "head": emb, "inside": fused[2:5]}
+    out = _without_overlaps(dict(named))
+    shares = {name: t.untyped_storage().data_ptr() == named[name].untyped_storage().data_ptr()
+              for name, t in out.items()}
+    assert shares == {"q": True, "k": True, "v": True, "emb": True, "head": False, "inside": False}
+    save_file(out, tmp_path / "m.safetensors")  # refuses overlapping tensors: none are left
+    back = load_file(tmp_path / "m.safetensors")
+    assert all(torch.equal(back[name], t) for name, t in named.items())
