@@ -22,8 +22,7 @@ class DiskTransport(WeightTransport):
             return {}
         from safetensors.torch import save_file
 
-        # clone: exported tensors can be views sharing storage (split QKV), which safetensors refuses
-        tensors = {name: t.detach().contiguous().clone() for name, t in named}
+        tensors = _without_overlaps({name: t.detach().contiguous() for name, t in named})
         final = os.path.join(self.spec.disk_dir, f"weights_{version}")
         tmp = f"{final}.tmp{os.getpid()}"
         os.makedirs(tmp, exist_ok=True)
@@ -45,3 +44,18 @@ class DiskTransport(WeightTransport):
         self._current = final
         return {"bridge/tensors": len(tensors), "bridge/bytes": sum(tensor_bytes(t) for t in tensors.values()),
                 "bridge/disk_load_s": time.perf_counter() - start}
+
+
+def _without_overlaps(tensors: dict) -> dict:
+    """Clone only the tensors whose bytes overlap another's (a tied name, a view of a view):
+    safetensors refuses those, and disjoint views (split QKV) it takes as they are. Cloning all of
+    them cost a fresh copy of the model per sync (new pages: page faults on every one)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+                   for name, t in tensors.items() if t.numel())
+    end = None
+    for start, stop, name in spans:
+        if end is not None and start < end:
+            tensors[name] = tensors[name].clone()
+        else:
+            end = stop if end is None else max(end, stop)
+    return tensors

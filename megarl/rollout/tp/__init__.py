@@ -24,8 +24,8 @@ rank 0 broadcasts a command (channel.py) and then runs it itself (runner.py -> w
                entry is read by all) | "disk" (safetensors files; each rank reads its slices)
                | "distributed" (full tensors broadcast over an update group) | "reshard" (rank r
                receives the point-to-point messages listed in ranks[r]), load_format, defer,
-               weight_version}                 -> (receive,) check, vote, write or stage, vote
-    commit {weight_version} / abort            -> write / discard the stage (stage.py)
+               weight_version}   -> (receive,) check, (defer: copy into spares,) vote, write or stage
+    commit {weight_version} / abort            -> swap in / write, or discard the stage (stage.py)
     init_group / destroy_group                 -> join / leave an update group (receive.py)
     release / resume                                        -> every rank frees / re-allocates
     shutdown                                                -> followers exit

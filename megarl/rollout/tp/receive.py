@@ -42,6 +42,35 @@ def parse_dtype(text) -> torch.dtype:
     return dtype
 
 
+class ReceiveBuffer:
+    """This rank's receive memory, kept across updates and carved per request: large buffers come
+    straight from mmap and go back to the kernel when freed, so a buffer allocated per update faults
+    every page in again (30 ms per 64 MiB on the CPU measured, against 3.4 ms for the copy itself).
+    Views are valid until the next request: staging and writing copy out of them before it returns."""
+
+    ALIGN = 64  # bytes between carved parts: every part can be viewed in any dtype
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffer: torch.Tensor | None = None
+
+    def carve(self, sizes: list[int]) -> list[torch.Tensor]:
+        """One uint8 view per size, back to back (aligned) in the kept buffer, grown when too small."""
+        offsets, end = [], 0
+        for size in sizes:
+            if size < 0:
+                raise ValueError(f"a part of {size} bytes")
+            offsets.append(end)
+            end += -(-size // self.ALIGN) * self.ALIGN
+        if self._buffer is None or self._buffer.numel() < end:
+            self._buffer = None  # the old one is freed before the new one is taken
+            self._buffer = torch.empty(end, dtype=torch.uint8, device=self.device)
+        return [self._buffer[o:o + size] for o, size in zip(offsets, sizes)]
+
+    def drop(self) -> None:
+        self._buffer = None
+
+
 class UpdateGroups:
     """This rank's update groups by name (several at once, as SGLang keeps them)."""
 
@@ -87,7 +116,7 @@ def _wait(group: UpdateGroup, works, what: str) -> None:
 
 
 # ---- distributed: full tensors from group rank 0 --------------------------------------------------
-def receive_full_tensors(group: UpdateGroup, cmd: dict, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+def receive_full_tensors(group: UpdateGroup, cmd: dict, memory: ReceiveBuffer) -> list[tuple[str, torch.Tensor]]:
     names, dtypes, shapes, load_format = cmd.get("names"), cmd.get("dtypes"), cmd.get("shapes"), cmd.get("load_format")
     try:
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
@@ -98,13 +127,14 @@ def receive_full_tensors(group: UpdateGroup, cmd: dict, device: torch.device) ->
             raise ValueError(f"load_format={load_format!r} is not supported; use null or 'flattened_bucket'")
     except (ValueError, TypeError) as exc:
         raise ReceiveFailed(group.name, f"the request does not say what the sender broadcasts ({exc})") from exc
+    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in metas]
     if load_format is None:  # one broadcast per tensor, in `names` order
-        tensors = [torch.empty(shape, dtype=dtype, device=device) for _, dtype, shape in metas]
+        parts = memory.carve(sizes)
+        tensors = [part.view(dtype).reshape(shape) for part, (_, dtype, shape) in zip(parts, metas)]
         for (name, _, _), tensor in zip(metas, tensors):
             _wait(group, [group.broadcast(tensor, src=0)], f"broadcast of {name!r} from group rank 0")
         return [(name, tensor) for (name, _, _), tensor in zip(metas, tensors)]
-    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in metas]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    flat = memory.carve([sum(sizes)])[0]
     _wait(group, [group.broadcast(flat, src=0)], f"flattened bucket of {len(metas)} tensors from group rank 0")
     out, offset = [], 0
     for (name, dtype, shape), size in zip(metas, sizes):
@@ -121,7 +151,7 @@ def _view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, sh
 
 
 # ---- reshard: this rank's own pieces, point to point --------------------------------------------
-def receive_messages(group: UpdateGroup, messages, device: torch.device) -> list[torch.Tensor]:
+def receive_messages(group: UpdateGroup, messages, memory: ReceiveBuffer) -> list[torch.Tensor]:
     """Post one recv per message (all before waiting on any: many senders at once), then wait."""
     try:
         if not isinstance(messages, list):
@@ -132,9 +162,9 @@ def receive_messages(group: UpdateGroup, messages, device: torch.device) -> list
                                         "needs src, tag and nbytes") from exc
     buffers, works = [], []
     try:
-        for src, tag, nbytes in wanted:
-            buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
-            works.append(group.recv(buffers[-1], src, tag))
+        buffers = memory.carve([nbytes for _, _, nbytes in wanted])
+        for (src, tag, _), buffer in zip(wanted, buffers):
+            works.append(group.recv(buffer, src, tag))
     except Exception as exc:  # noqa: BLE001  (a bad src, a broken pair: the group is out of step)
         raise ReceiveFailed(group.name, f"posting receive {len(works)} of {len(wanted)}: {exc}") from exc
     _wait(group, works, f"{len(wanted)} messages from group ranks {sorted({src for src, _, _ in wanted})}")

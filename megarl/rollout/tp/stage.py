@@ -10,11 +10,22 @@ one weight_version are kept here, and only a commit naming that version writes t
 request for another version discards the stale stage first. A deferred request that fails leaves
 the stage *poisoned* for its version: the rest of that version's pieces are refused and its commit
 fails, so a version that lost a bucket can never be committed in part.
+
+Staged values land in *spares*: one tensor per parameter, of its local shape, kept across syncs.
+A commit then swaps each parameter whose whole local shard was staged with its spare (`.data`
+rebinding: the model keeps its Parameter objects, the old values become the next sync's spare);
+parameters staged in part are copied box by box as before. So a commit costs no copy, and staging
+writes into memory touched before, never into fresh pages (measured: a fresh 64 MiB buffer costs
+30 ms of page faults here, a copy into a warm one 3.4 ms). Until the commit the parameters are
+untouched, so a failed sync still leaves the previous weights. The price is one copy of the
+rank's shard kept for good (dropped on release). Only for engines whose forward reads parameters
+through their modules: CUDA graphs, which capture addresses, would need a copy commit.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,7 +41,6 @@ class Piece:
     name: str  # HF name
     box: Box | None  # None: the whole local shard
     read: Callable[[], torch.Tensor]  # its values (called when written or staged: disk reads lazily)
-    copy: bool = False  # staging must copy: the memory is the sender's, or part of a larger buffer
 
 
 def box_index(box: Box) -> tuple[slice, ...]:
@@ -56,10 +66,17 @@ def covered_names(pieces: list[Piece], local_shape: Callable[[str], tuple[int, .
         boxes.setdefault(piece.name, []).append(piece.box)
     covered = []
     for name, parts in boxes.items():
-        if any(box is None for box in parts):
+        shape = tuple(local_shape(name))
+        if any(box is None or tuple(b - a for a, b in box) == shape for box in parts):
             covered.append(name)
             continue
-        mask = torch.zeros(local_shape(name), dtype=torch.bool)
+        volume = sum(math.prod(b - a for a, b in box) for box in parts)
+        if volume < math.prod(shape):
+            continue  # too few elements to cover it, overlaps or not
+        if volume == math.prod(shape) and len(parts) <= 64 and _disjoint(parts):  # a plan's boxes: no mask
+            covered.append(name)
+            continue
+        mask = torch.zeros(shape, dtype=torch.bool)
         for box in parts:
             mask[box_index(box)] = True
         if bool(mask.all()):
@@ -67,11 +84,19 @@ def covered_names(pieces: list[Piece], local_shape: Callable[[str], tuple[int, .
     return covered
 
 
+def _disjoint(boxes: list[Box]) -> bool:
+    """No two boxes share an element (two boxes are apart when some dim's ranges are)."""
+    return all(any(b1 <= a2 or b2 <= a1 for (a1, b1), (a2, b2) in zip(x, y))
+               for i, x in enumerate(boxes) for y in boxes[i + 1:])
+
+
 class Stage:
-    def __init__(self):
+    def __init__(self, tensors: dict[str, torch.Tensor], local_shape: Callable[[str], tuple[int, ...]]):
+        self.tensors, self.local_shape = tensors, local_shape  # HF name -> Parameter; its local shard shape
         self.version: str | None = None  # the weight_version being built (None: nothing staged)
         self.pieces: list[Piece] = []
         self.failure: str | None = None  # why this version's stage was discarded (poisoned)
+        self._spares: dict[int, torch.Tensor] = {}  # id(Parameter) -> its spare, kept across syncs
 
     def accept(self, version: str | None) -> None:
         """Check, before the vote, that a deferred request for `version` may be staged."""
@@ -81,12 +106,48 @@ class Stage:
             raise ValueError(f"the staged update for weight_version {self.version!r} was already discarded "
                              f"({self.failure}); abort it and send the whole version again")
 
-    def add(self, version: str, pieces: list[Piece]) -> None:
+    def copy(self, pieces: list[Piece]) -> list[Piece]:
+        """Copy every piece into its parameter's spare (the values may be the sender's memory or a
+        receive buffer reused by the next request); the copies, to `add` once every rank has them.
+        Writes only spares: a copy whose update is then refused leaves the parameters as they were."""
+        copies = []
+        with torch.no_grad():
+            for piece in pieces:
+                spare = self._spare(piece.name)
+                target = spare if piece.box is None else spare[box_index(piece.box)]
+                target.copy_(piece.read())
+                copies.append(Piece(piece.name, piece.box, lambda target=target: target))
+        return copies
+
+    def add(self, version: str, copies: list[Piece]) -> None:
+        """Stage `copies` (from `copy`) for `version`; a stage of another version is discarded first."""
         self._switch_to(str(version))
-        for piece in pieces:
-            values = piece.read()
-            values = values.clone() if piece.copy else values
-            self.pieces.append(Piece(piece.name, piece.box, lambda values=values: values))
+        self.pieces.extend(copies)
+
+    def _spare(self, name: str) -> torch.Tensor:
+        param = self.tensors[name]
+        shape = tuple(self.local_shape(name))  # not param.shape: a released parameter is empty
+        spare = self._spares.get(id(param))
+        if spare is None or tuple(spare.shape) != shape or spare.dtype != param.dtype or spare.device != param.device:
+            spare = self._spares[id(param)] = torch.empty(shape, dtype=param.dtype, device=param.device)
+        return spare
+
+    def swap_in(self, pieces: list[Piece], covered: list[str]) -> list[Piece]:
+        """Commit the parameters in `covered` (whole local shard staged) by swapping them with their
+        spares; returns the pieces still to be written (parameters staged in part)."""
+        swapped: set[int] = set()
+        for name in covered:
+            param = self.tensors[name]
+            spare = self._spares.get(id(param))
+            if id(param) in swapped or spare is None or spare.shape != param.data.shape:
+                continue  # a tied name already swapped, or a parameter not resident: written below
+            self._spares[id(param)], param.data = param.data, spare
+            swapped.add(id(param))
+        return [p for p in pieces if id(self.tensors[p.name]) not in swapped]
+
+    def drop_spares(self) -> None:
+        """Free the spares (weights released); the next staged update allocates them again."""
+        self._spares.clear()
 
     def poison(self, version: str | None, reason: str) -> bool:
         """Discard `version`'s stage for good (until an abort or another version); False if it already was."""

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.tp.receive import (ReceiveFailed, UpdateGroups, message_pieces, receive_full_tensors,
-                                       receive_messages)
+from megarl.rollout.tp.receive import (ReceiveBuffer, ReceiveFailed, UpdateGroups, message_pieces,
+                                       receive_full_tensors, receive_messages)
 from megarl.rollout.tp.sharding import ShardSpec, shard_spec
 from megarl.rollout.tp.stage import Piece, Stage, covered_names, names_of, write_pieces
 
@@ -88,7 +88,8 @@ class RankWorker:
         self._caches: dict[int, object] = {}  # cache id -> this rank's DynamicCache (local heads)
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self.groups = UpdateGroups(rank)
-        self.stage = Stage()
+        self.stage = Stage(self.tensors, self._local_shape)
+        self.buffers = ReceiveBuffer(device)  # receive memory kept across syncs (staging copies out of it)
 
     def execute(self, cmd: dict):
         handler = {"forward": self.forward, "update": self.update, "commit": self.commit, "abort": self.abort,
@@ -121,13 +122,21 @@ class RankWorker:
 
     # ---- weights -----------------------------------------------------------------------------------
     def update(self, cmd: dict) -> Applied:
-        """(Receive,) check, vote; then write or stage (cmd["defer"]), vote."""
+        """(Receive,) check, copy into the stage's spares (cmd["defer"]), vote; then write or stage.
+
+        One vote serves a deferred update: every rank holds its copies before it votes, so no rank
+        answers before all do (the sender may reuse its shared memory as soon as the answer
+        arrives), and the spares are not the parameters, so a refused update has written nothing."""
         defer, version = bool(cmd.get("defer")), cmd.get("weight_version")
         pieces, error, broken = [], None, False
         try:
             pieces = self._pieces(cmd)
             if defer:
                 self.stage.accept(version)
+                try:
+                    pieces = self.stage.copy(pieces)
+                except Exception as exc:  # noqa: BLE001  (e.g. out of memory; carried by the vote)
+                    raise RuntimeError(f"staging failed ({type(exc).__name__}: {exc})") from exc
             elif self._released and cmd["source"] in _GROUP_SOURCES:  # (other sources: the engine checks first)
                 raise ValueError("weights are released; call /resume_memory_occupation before updating them "
                                  "(or send the update with defer=true and commit it after resuming)")
@@ -150,24 +159,9 @@ class RankWorker:
                 message += f"; the staged update for weight_version {version!r} was discarded"
             raise UpdateRejected(message)
         if defer:
-            return self._stage(version, pieces)
-        return self._write(pieces)
-
-    def _stage(self, version: str, pieces: list[Piece]) -> Applied:
-        """Stage, then vote: no rank answers before every rank holds its copies (the sender may
-        reuse its shared memory as soon as the answer arrives)."""
-        error = None
-        try:
             self.stage.add(version, pieces)
-        except Exception as exc:  # noqa: BLE001  (e.g. out of memory; carried by the vote)
-            error = f"{type(exc).__name__}: {exc}"
-        errors = self._vote(error)
-        if any(errors):
-            message = f"staging failed ({self._describe(errors)})"
-            self.stage.poison(version, message)
-            raise UpdateRejected(f"{message}; nothing was written and the staged update for weight_version "
-                                 f"{version!r} was discarded")
-        return Applied(names_of(pieces), staged=len(pieces))
+            return Applied(names_of(pieces), staged=len(pieces))
+        return self._write(pieces)
 
     def commit(self, cmd: dict) -> Applied:
         """Write the stage built for cmd["weight_version"] (check, vote, write, vote); it is emptied either way."""
@@ -180,7 +174,7 @@ class RankWorker:
         if any(errors):
             raise UpdateRejected(f"commit of weight_version {cmd['weight_version']!r} refused, nothing was "
                                  f"written: {self._describe(errors)}")
-        return self._write(pieces)
+        return self._write(pieces, swap=True)
 
     def abort(self, cmd: dict) -> int:
         """Discard the stage; the number of pieces it held (no collective: nothing can fail)."""
@@ -195,22 +189,19 @@ class RankWorker:
                 got = len(ranks) if isinstance(ranks, list) else type(ranks).__name__
                 raise ReceiveFailed(group.name, f"'ranks' must hold one list of messages per engine rank "
                                                 f"({self.tp}), got {got}")
-            buffers = receive_messages(group, ranks[self.rank], self.device)
+            buffers = receive_messages(group, ranks[self.rank], self.buffers)
             pieces, problems = message_pieces(ranks[self.rank], buffers, self._local_shape)
             _reject_if(problems)
             return pieces
         if source == "distributed":
-            full = receive_full_tensors(self.groups.get(cmd["group_name"]), cmd, self.device)
+            full = receive_full_tensors(self.groups.get(cmd["group_name"]), cmd, self.buffers)
             items = [(n, tuple(t.shape), partial(ShardSpec.take, full=t)) for n, t in full]
         else:
             items = self._update_items(cmd)
         check_update([(name, shape) for name, shape, _ in items], self.full_shapes, type(self.model).__name__)
         pieces = []
         for name, shape, fetch in items:
-            spec = shard_spec(name, shape, self.plan, self.tp, self.rank)
-            # staging copies the sender's memory (tensor sources) or this rank's part of a full tensor
-            copy = source != "distributed" or spec.dim is not None
-            pieces.append(Piece(name, None, partial(fetch, spec), copy=copy))
+            pieces.append(Piece(name, None, partial(fetch, shard_spec(name, shape, self.plan, self.tp, self.rank))))
         return pieces
 
     def _local_shape(self, name: str) -> tuple[int, ...] | None:
@@ -245,11 +236,12 @@ class RankWorker:
                 items.append((name, tuple(part.get_shape()), lambda spec, part=part: part[spec.index()]))
         return items
 
-    def _write(self, pieces: list[Piece]) -> Applied:
+    def _write(self, pieces: list[Piece], swap: bool = False) -> Applied:
+        """Write the pieces (`swap`: staged pieces; whole parameters are swapped in, stage.py), vote."""
         error, covered = None, []
         try:
-            write_pieces(self.tensors, pieces)
             covered = covered_names(pieces, self._local_shape)
+            write_pieces(self.tensors, self.stage.swap_in(pieces, covered) if swap else pieces)
         except Exception as exc:  # noqa: BLE001  (same: the vote carries it)
             error = f"{type(exc).__name__}: {exc}"
         votes = self._gather((error, covered))
@@ -310,6 +302,8 @@ class RankWorker:
 
     def release(self) -> int:
         """Free every parameter's memory on this rank (the layout is kept for `resume`)."""
+        self.stage.drop_spares()
+        self.buffers.drop()
         for name, param in self.model.named_parameters():
             self._released[name] = (param.shape, param.dtype)
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
