@@ -337,22 +337,22 @@ def stage_mfu(state: dict, kind: str, args) -> dict:
 
 
 def _cu_on_host(fn):
-    """`fn` run with PackedSeqParams left on the host (an A/B of engine._inputs_to). The local spec
+    """`fn` run with PackedSeqParams left on the host (an A/B of inputs.inputs_to). The local spec
     reads cu_seqlens as Python numbers in every layer (CpuCoreAttention's per-sequence loop,
     megatron's unfused THD RoPE: .tolist() / .item() for q and k); on the GPU each read is a sync.
     Not yet run on a GPU (the lease ended first): see RESULTS.md."""
-    from megarl.engine.megatron import engine as engine_module
+    from megarl.engine.megatron import inputs as inputs_module
 
-    def inputs_to(x, device, original=engine_module._inputs_to):
+    def inputs_to(x, device, original=inputs_module.inputs_to):
         return {**original(x, device), "packed_seq_params": x.get("packed_seq_params")}
 
     def run():
-        original = engine_module._inputs_to
-        engine_module._inputs_to = inputs_to
+        original = inputs_module.inputs_to
+        inputs_module.inputs_to = inputs_to
         try:
             fn()
         finally:
-            engine_module._inputs_to = original
+            inputs_module.inputs_to = original
 
     return run
 

@@ -44,6 +44,8 @@ class LazyTorchDistSave(TorchDistSaveShardedStrategy):
         dcp_save(mcore_to_pyt_state_dict(flat, False), storage_writer=writer, planner=planner)
 
     def async_save(self, *args, **kwargs):
+        # Deliberately refused, not a placeholder: the lazy planner must produce each tensor while
+        # the writer runs, which an async save (staging everything first) would defeat.
         raise NotImplementedError("LazyTorchDistSave writes synchronously (dist_checkpointing.save "
                                   "with async_sharded_save=False)")
 

@@ -19,26 +19,15 @@ checkpoint is refused in one line naming the tensor, with no output left behind.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
 from tests._dist import run_ranks
+from tests.test_checkpoint_convert import _hf_tensors
 
 CHUNK = 128 * 1024
 DEEP = dict(num_hidden_layers=12)
-
-
-def _hf_tensors(path) -> dict:
-    from safetensors.torch import load_file
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
-    out = {}
-    for f in files:
-        out.update(load_file(os.path.join(path, f)))
-    return out
 
 
 def _on_rank(rank, root):

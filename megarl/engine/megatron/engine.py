@@ -29,8 +29,9 @@ from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge, pipeline_split_args, precision_dtype
 from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
+from megarl.engine.megatron import inputs as rows
 from megarl.engine.megatron import value_head as vh
-from megarl.engine.megatron.packing import pack_rows, padded_row_lengths, row_lengths
+from megarl.engine.megatron.packing import row_lengths
 from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_weights, load_hf_weights,
                                             sends_owned_weights)
 
@@ -115,7 +116,7 @@ class MegatronEngine:
                 vh.init_value_head(chunk, self.spec.seed, self.bridge.config.init_method_std)
         elif self.spec.load_hf:
             load_hf_weights(self.bridge, chunks, self.spec.model_path)
-        _place(chunks, dtype)
+        rows.place(chunks, dtype)
         if training:
             chunks = self._wrap_ddp(chunks)
             self.optimizer = self._build_optimizer(chunks)
@@ -279,11 +280,14 @@ class MegatronEngine:
 
         cpu_compat.activate()
         micro, order = self._micro_batches(batch)
-        inputs = self._packed_inputs(micro) if self.spec.pack_sequences else self._padded_inputs(micro)
-        device = _model_device(self.model)
+        if self.spec.pack_sequences:
+            inputs = rows.packed_inputs(micro, self.spec.parallel, self.config.variable_seq_lengths)
+        else:
+            inputs = rows.padded_inputs(micro, self._padded_length(max(mb["input_ids"].shape[1] for mb in micro)))
+        device = rows.model_device(self.model)
         if device.type != "cpu":  # rows arrive on the host; the model and the loss run on its device
             micro = [mb.to(device) for mb in micro]
-            inputs = [_inputs_to(x, device) for x in inputs]
+            inputs = [rows.inputs_to(x, device) for x in inputs]
         cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
         cp_rank = ps.get_context_parallel_rank()
         results = []
@@ -301,7 +305,7 @@ class MegatronEngine:
                 # Under CP every rank assembles the full sequence and computes the same loss on it;
                 # the gather's backward keeps only this rank's tokens, so each token's gradient
                 # flows once (context_parallel._GatherSeq).
-                per_token = tuple(_response_values(gather_from_cp(v, cp_group, cu_seqlens=cu), mb, x["offsets"])
+                per_token = tuple(rows.response_values(gather_from_cp(v, cp_group, cu_seqlens=cu), mb, x["offsets"])
                                   for v in head(output, local_labels))
                 detached = tuple(v.detach() for v in per_token)
                 if loss_fn is None:
@@ -348,45 +352,6 @@ class MegatronEngine:
             rank = ps.get_tensor_model_parallel_rank()
             mask = mask[:, rank * n:(rank + 1) * n]
         return mask
-
-    def _padded_inputs(self, micro: list[Batch]) -> list[dict]:
-        """Right-padded rows [b, T], every micro-batch padded to the same T (the pipeline's
-        tensor shape), positions 0..T-1, labels[t] = ids[t+1] within the row."""
-        seq_len = self._padded_length(max(mb["input_ids"].shape[1] for mb in micro))
-        out = []
-        for mb in micro:
-            ids = torch.nn.functional.pad(mb["input_ids"], (0, seq_len - mb["input_ids"].shape[1]), value=0)
-            # shifted on the full sequence, BEFORE the CP split, so a rank's last local token still
-            # gets its label from the next chunk (which another rank holds)
-            lengths = row_lengths(mb["input_ids"], mb["prompt_lengths"], mb["response_mask"])
-            out.append(dict(input_ids=ids,
-                            position_ids=torch.arange(seq_len).unsqueeze(0).expand_as(ids),
-                            labels=torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0),
-                            padding_mask=torch.arange(seq_len).unsqueeze(0) >= lengths.unsqueeze(1),
-                            offsets=torch.arange(len(mb)) * seq_len))
-        return out
-
-    def _packed_inputs(self, micro: list[Batch]) -> list[dict]:
-        """One THD stream [1, t] per micro-batch (packing.py): rows back to back, each padded to a
-        multiple of 2*cp, the stream to a multiple of tp under sequence parallel. Without variable
-        sequence lengths in the pipeline (the allgather dispatcher) every stream has one length."""
-        p = self.spec.parallel
-        row_multiple = 2 * p.cp if p.cp > 1 else 1
-        total_multiple = p.tp if p.sequence_parallel else 1
-        lengths = [row_lengths(mb["input_ids"], mb["prompt_lengths"], mb["response_mask"]) for mb in micro]
-        padded = [padded_row_lengths(n, row_multiple, total_multiple) for n in lengths]
-        if not self.config.variable_seq_lengths:
-            total = max(int(x.sum()) for x in padded)
-            total = int(math.ceil(total / math.lcm(row_multiple, total_multiple)) * math.lcm(row_multiple, total_multiple))
-            padded = [padded_row_lengths(n, row_multiple, total_multiple, total=total) for n in lengths]
-        out = []
-        for mb, n, pad in zip(micro, lengths, padded):
-            packed = pack_rows(mb["input_ids"], n, pad)
-            out.append(dict(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                            labels=packed.labels, padding_mask=packed.padding_mask,
-                            offsets=packed.offsets, cu_seqlens=packed.cu_seqlens,
-                            packed_seq_params=packed.packed_seq_params()))
-        return out
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
@@ -486,54 +451,6 @@ class MegatronEngine:
 
         cpu_compat.activate()
         return checkpoint.load(self, path, load_optimizer=load_optimizer)
-
-
-def _response_values(values: torch.Tensor, mb: Batch, offsets: torch.Tensor) -> torch.Tensor:
-    """Pick, per row, the positions that predict response tokens: [b, T] or [1, t] -> [b, R].
-
-    Row i starts at `offsets[i]` of the flattened values (i * T padded, its stream offset packed).
-    values at position t score token t+1, so response token j (at prompt_len + j) is read at
-    prompt_len - 1 + j. Positions past the row's response are zeroed by response_mask.
-    """
-    R = mb["responses"].shape[1]
-    flat = values.reshape(-1)
-    start = offsets.to(flat.device) + mb["prompt_lengths"].long() - 1
-    index = (start.unsqueeze(1) + torch.arange(R, device=flat.device).unsqueeze(0)).clamp(max=flat.shape[0] - 1)
-    return flat[index] * mb["response_mask"].to(values.dtype)
-
-
-def _place(chunks: list, dtype: torch.dtype) -> None:
-    """Every chunk in the parameter dtype, on this process's GPU when there is one.
-
-    The dtype: what Megatron's Float16Module does (module.bfloat16()), without the wrapper (its
-    casts are of float inputs, which token ids are not, and of the output, which the heads upcast):
-    the norms are built in fp32 whatever params_dtype says. The device: Megatron builds on the
-    host (use_cpu_initialization, model.NO_FUSION_ARGS), and DDP's buffers would move only a
-    training engine's parameters; a forward-only one (the reference) would stay behind. Meta
-    models (checkpoint_convert) have no storage to move.
-    """
-    for chunk in chunks:
-        if dtype is not torch.float32:
-            chunk.to(dtype)
-        if torch.cuda.is_available() and not any(p.is_meta for p in chunk.parameters()):
-            chunk.cuda(torch.cuda.current_device())
-
-
-def _model_device(chunks: list) -> torch.device:
-    return next(p for chunk in chunks for p in chunk.parameters()).device
-
-
-def _inputs_to(x: dict, device: torch.device) -> dict:
-    """A micro-batch's model inputs on `device`, PackedSeqParams' cu_seqlens included."""
-    import dataclasses
-
-    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-    params = out.get("packed_seq_params")
-    if params is not None:
-        out["packed_seq_params"] = dataclasses.replace(params, **{
-            f.name: getattr(params, f.name).to(device) for f in dataclasses.fields(params)
-            if isinstance(getattr(params, f.name), torch.Tensor)})
-    return out
 
 
 def mean_metrics(dicts: list[dict]) -> dict:

@@ -1,0 +1,103 @@
+"""How rows become the model's inputs, and the model's outputs come back to the rows.
+
+The engine's micro-batches of rows (engine.py's row layout) become either right-padded
+[b, T] inputs or one packed THD stream per micro-batch (packing.py); per-position outputs are read
+back at the positions that predict response tokens. Inputs and parameters go to the model's device
+(the host on CPU, this process's GPU otherwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from megarl.config.schema import ParallelConfig
+from megarl.data.batch import Batch
+from megarl.engine.megatron.packing import pack_rows, padded_row_lengths, row_lengths
+
+
+def padded_inputs(micro: list[Batch], seq_len: int) -> list[dict]:
+    """Right-padded rows [b, T], every micro-batch padded to the same T (the pipeline's
+    tensor shape), positions 0..T-1, labels[t] = ids[t+1] within the row."""
+    out = []
+    for mb in micro:
+        ids = torch.nn.functional.pad(mb["input_ids"], (0, seq_len - mb["input_ids"].shape[1]), value=0)
+        # shifted on the full sequence, BEFORE the CP split, so a rank's last local token still
+        # gets its label from the next chunk (which another rank holds)
+        lengths = row_lengths(mb["input_ids"], mb["prompt_lengths"], mb["response_mask"])
+        out.append(dict(input_ids=ids,
+                        position_ids=torch.arange(seq_len).unsqueeze(0).expand_as(ids),
+                        labels=torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0),
+                        padding_mask=torch.arange(seq_len).unsqueeze(0) >= lengths.unsqueeze(1),
+                        offsets=torch.arange(len(mb)) * seq_len))
+    return out
+
+
+def packed_inputs(micro: list[Batch], p: ParallelConfig, variable_seq_lengths: bool) -> list[dict]:
+    """One THD stream [1, t] per micro-batch (packing.py): rows back to back, each padded to a
+    multiple of 2*cp, the stream to a multiple of tp under sequence parallel. Without variable
+    sequence lengths in the pipeline (the allgather dispatcher) every stream has one length."""
+    row_multiple = 2 * p.cp if p.cp > 1 else 1
+    total_multiple = p.tp if p.sequence_parallel else 1
+    lengths = [row_lengths(mb["input_ids"], mb["prompt_lengths"], mb["response_mask"]) for mb in micro]
+    padded = [padded_row_lengths(n, row_multiple, total_multiple) for n in lengths]
+    if not variable_seq_lengths:
+        total = max(int(x.sum()) for x in padded)
+        total = int(math.ceil(total / math.lcm(row_multiple, total_multiple)) * math.lcm(row_multiple, total_multiple))
+        padded = [padded_row_lengths(n, row_multiple, total_multiple, total=total) for n in lengths]
+    out = []
+    for mb, n, pad in zip(micro, lengths, padded):
+        packed = pack_rows(mb["input_ids"], n, pad)
+        out.append(dict(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                        labels=packed.labels, padding_mask=packed.padding_mask,
+                        offsets=packed.offsets, cu_seqlens=packed.cu_seqlens,
+                        packed_seq_params=packed.packed_seq_params()))
+    return out
+
+
+def response_values(values: torch.Tensor, mb: Batch, offsets: torch.Tensor) -> torch.Tensor:
+    """Pick, per row, the positions that predict response tokens: [b, T] or [1, t] -> [b, R].
+
+    Row i starts at `offsets[i]` of the flattened values (i * T padded, its stream offset packed).
+    values at position t score token t+1, so response token j (at prompt_len + j) is read at
+    prompt_len - 1 + j. Positions past the row's response are zeroed by response_mask.
+    """
+    R = mb["responses"].shape[1]
+    flat = values.reshape(-1)
+    start = offsets.to(flat.device) + mb["prompt_lengths"].long() - 1
+    index = (start.unsqueeze(1) + torch.arange(R, device=flat.device).unsqueeze(0)).clamp(max=flat.shape[0] - 1)
+    return flat[index] * mb["response_mask"].to(values.dtype)
+
+
+def place(chunks: list, dtype: torch.dtype) -> None:
+    """Every chunk in the parameter dtype, on this process's GPU when there is one.
+
+    The dtype: what Megatron's Float16Module does (module.bfloat16()), without the wrapper (its
+    casts are of float inputs, which token ids are not, and of the output, which the heads upcast):
+    the norms are built in fp32 whatever params_dtype says. The device: Megatron builds on the
+    host (use_cpu_initialization, model.NO_FUSION_ARGS), and DDP's buffers would move only a
+    training engine's parameters; a forward-only one (the reference) would stay behind. Meta
+    models (checkpoint_convert) have no storage to move.
+    """
+    for chunk in chunks:
+        if dtype is not torch.float32:
+            chunk.to(dtype)
+        if torch.cuda.is_available() and not any(p.is_meta for p in chunk.parameters()):
+            chunk.cuda(torch.cuda.current_device())
+
+
+def model_device(chunks: list) -> torch.device:
+    return next(p for chunk in chunks for p in chunk.parameters()).device
+
+
+def inputs_to(x: dict, device: torch.device) -> dict:
+    """A micro-batch's model inputs on `device`, PackedSeqParams' cu_seqlens included."""
+    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    params = out.get("packed_seq_params")
+    if params is not None:
+        out["packed_seq_params"] = dataclasses.replace(params, **{
+            f.name: getattr(params, f.name).to(device) for f in dataclasses.fields(params)
+            if isinstance(getattr(params, f.name), torch.Tensor)})
+    return out
