@@ -163,14 +163,6 @@ def _content_metadata() -> dict:
     return dict(distrib_optim_sharding_type=OPTIM_SHARDING, chained_optim_avoid_prefix=True)
 
 
-def _sharded_state_dict_of(chunk) -> dict:
-    """One model chunk's sharded state dict, with the metadata every save and load uses."""
-    from megatron.core import parallel_state as ps
-
-    metadata = dict(_content_metadata(), dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True))
-    return chunk.sharded_state_dict(metadata=metadata)
-
-
 def _sharded_state_dict(engine, with_optimizer: bool, rng: bool, is_loading: bool) -> dict:
     from megatron.core import parallel_state as ps
 
@@ -178,7 +170,8 @@ def _sharded_state_dict(engine, with_optimizer: bool, rng: bool, is_loading: boo
     # the bare GPTModels hold the same Parameter objects DDP and the optimizer refer to. One entry
     # per virtual pipeline chunk: the nesting is this run's own (tensors are found by their global
     # sharded keys), so a checkpoint saved with one VPP size loads into another.
-    state = {"model": {f"chunk{i}": _sharded_state_dict_of(chunk) for i, chunk in enumerate(engine.bare_chunks())}}
+    state = {"model": {f"chunk{i}": chunk.sharded_state_dict(metadata=metadata)
+                       for i, chunk in enumerate(engine.bare_chunks())}}
     if with_optimizer:
         state["optimizer"] = engine.optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
                                                                  metadata=metadata)

@@ -124,22 +124,16 @@ def load_hf_weights(bridge, models, path: str | os.PathLike, skip_prefix: str | 
     for global_name, param in global_tensors(models):
         if skip_prefix is not None and global_name.startswith(skip_prefix):
             continue
-        load_hf_weight(bridge, ckpt, global_name, param)
-
-
-@torch.no_grad()
-def load_hf_weight(bridge, ckpt: SafetensorsDir, global_name: str, param: torch.Tensor) -> None:
-    """Fill one parameter (this rank's shard) from the HF tensors mbridge maps it from."""
-    hf_names = _checkpoint_names(bridge, global_name, ckpt)
-    full = bridge._weight_to_mcore_format(global_name, [ckpt.get(n) for n in hf_names])
-    size, rank, _ = _tp_split(global_name)
-    if size > 1 and (_is_tp_partitioned(param) or full.shape != param.shape):
-        full = bridge._weight_split_across_tp(global_name, full, param, size)[rank]
-    if tuple(full.shape) != tuple(param.shape):
-        raise ValueError(
-            f"{global_name} (from {hf_names}): checkpoint shape {tuple(full.shape)} does not "
-            f"match the Megatron shard {tuple(param.shape)}")
-    param.copy_(full)
+        hf_names = _checkpoint_names(bridge, global_name, ckpt)
+        full = bridge._weight_to_mcore_format(global_name, [ckpt.get(n) for n in hf_names])
+        size, rank, _ = _tp_split(global_name)
+        if size > 1 and (_is_tp_partitioned(param) or full.shape != param.shape):
+            full = bridge._weight_split_across_tp(global_name, full, param, size)[rank]
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{global_name} (from {hf_names}): checkpoint shape {tuple(full.shape)} does not "
+                f"match the Megatron shard {tuple(param.shape)}")
+        param.copy_(full)
 
 
 def _checkpoint_names(bridge, global_name: str, ckpt: SafetensorsDir) -> list[str]:
