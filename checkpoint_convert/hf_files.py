@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 
 import torch
 
 from checkpoint_convert import ConvertError
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json")
-INDEX = "model.safetensors.index.json"
+# the trainer's end-of-run export writes the same files (one definition of what is not weights)
+from megarl.engine.megatron.hf_export import INDEX, copy_side_files  # noqa: F401  (convert.py uses both)
 
 
 def load_config(path: str):
@@ -114,17 +113,3 @@ def check_exported(names: set[str], config) -> None:
 def _names(names: list[str], shown: int = 5) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(f"'{n}'" for n in names[:shown]) + more
-
-
-def copy_side_files(src: str, dst: str) -> list[str]:
-    """Copy config, generation config and tokenizer files (everything that is not weights)."""
-    copied = []
-    os.makedirs(dst, exist_ok=True)
-    for name in sorted(os.listdir(src)):
-        full = os.path.join(src, name)
-        if (not os.path.isfile(full) or name.endswith(WEIGHT_SUFFIXES) or name.startswith("megarl_")
-                or name.startswith(".")):
-            continue
-        shutil.copy2(full, os.path.join(dst, name))
-        copied.append(name)
-    return copied

@@ -1,11 +1,14 @@
 """The `megarl` command.
 
-    megarl train configs/quickstart.yaml actor.optim.lr=3e-4 trainer.total_steps=50
+    megarl train configs/quickstart.yaml actor.optim.lr=3e-4 trainer.total_steps=50 [--debug]
     megarl show-config configs/quickstart.yaml [overrides...]   # print the resolved config
+    megarl export outputs/quickstart [--step N] [--out DIR]     # a checkpoint as a HF folder
 
 Bad configuration exits with status 2 and one line naming the key, before any process starts.
 show-config needs neither the model's weights (a directory with only its config.json will do, as
-configs/models/* for the scale configs) nor a GPU or SGLang; train checks both.
+configs/models/* for the scale configs) nor a GPU or SGLang; train checks both. A run that fails
+ends with one line saying what failed and what to do (exit status 1); its traceback goes to
+RUN_DIR/train.log, and also to the terminal with --debug.
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/quickstart.yaml)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=3e-4")
         p.add_argument("--config", dest="config_flag", help="YAML config file (alternative)")
+        if name == "train":
+            p.add_argument("--debug", action="store_true",
+                           help="print a failure's full traceback here too (it always goes to RUN_DIR/train.log)")
+    e = sub.add_parser("export", help="write a run's policy checkpoint as a Hugging Face folder",
+                       description="write a run's policy checkpoint as a Hugging Face folder "
+                                   "(safetensors + config + tokenizer)")
+    e.add_argument("run_dir", help="the run dir (trainer.output_dir/trainer.experiment_name)")
+    e.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    e.add_argument("--out", help="target folder (default: RUN_DIR/hf_step_NNNNNN)")
+    e.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     return parser
 
 
@@ -76,8 +89,63 @@ def _backend_unavailable(cfg) -> str | None:
     return sglang_unavailable_reason()
 
 
+def export(run_dir: str, step: int | None, out: str | None, overwrite: bool) -> int:
+    """`megarl export`: a run checkpoint's actor -> HF folder (checkpoint_convert's streaming
+    mcore-to-hf, any layout, one process), with the config and tokenizer of the run's model."""
+    from pathlib import Path
+
+    from checkpoint_convert import ConvertError
+    from checkpoint_convert.convert import mcore_to_hf
+    from megarl.trainer import checkpoints
+
+    found = checkpoints.complete_checkpoints(Path(run_dir))
+    if not found:
+        print(f"megarl: export: {run_dir} holds no complete checkpoint (runs save them with "
+              "trainer.save_every > 0); the end-of-run export is RUN_DIR/hf", file=sys.stderr)
+        return 2
+    chosen = dict(found).get(step) if step is not None else found[-1][1]
+    if chosen is None:
+        print(f"megarl: export: no complete checkpoint of step {step} in {run_dir}; there are steps "
+              f"{[s for s, _ in found]}", file=sys.stderr)
+        return 2
+    state = checkpoints.read_run_checkpoint(chosen)
+    target = out or str(Path(run_dir) / f"hf_{chosen.name}")
+    try:
+        info = mcore_to_hf(str(chosen / "actor"), target, hf_config=state.get("model_path"), overwrite=overwrite)
+    except ConvertError as err:
+        print(f"megarl: export: {err}", file=sys.stderr)
+        return 2
+    print(f"megarl: exported {chosen} (step {state['step']}) -> {info['path']} ({info['tensors']} tensors)")
+    return 0
+
+
+def _report_failure(err: BaseException, run_dir, debug: bool) -> int:
+    """One line on the terminal: what failed, the last checkpoint, where the traceback is."""
+    import traceback
+
+    from megarl.trainer import checkpoints
+    from megarl.trainer.run import log_path_of
+
+    log = log_path_of(run_dir)
+    text = "".join(traceback.format_exception(err))
+    with open(log, "a") as f:
+        f.write(text)
+    if debug:
+        print(text, file=sys.stderr, end="")
+    what = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    what = f"{type(err).__name__}: {what}" if what else type(err).__name__
+    last = checkpoints.latest_checkpoint(run_dir)
+    resume = (f"last checkpoint {last}; continue from it with trainer.resume=auto" if last is not None
+              else "no checkpoint was saved (trainer.save_every keeps progress)")
+    print(f"megarl: run failed: {what} | {resume} | traceback in {log}"
+          + ("" if debug else " (or rerun with --debug)"), file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "export":
+        return export(args.run_dir, args.step, args.out, args.overwrite)
     from megarl.config.loader import ConfigError, dump, load_config
     from megarl.config.validate import validate
     from megarl.data.dataset import DatasetError
@@ -96,17 +164,25 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"megarl: config error: {reason}", file=sys.stderr)
         return 2
+    from megarl.trainer.checkpoints import ResumeRefused
     from megarl.trainer.run import train
+    from megarl.trainer.run_lock import RunDirBusy
+    from megarl.trainer.runtime import run_dir_of
 
     try:
         train(cfg)
     except DatasetError as err:
         print(f"megarl: data error: {err}", file=sys.stderr)
         return 2
+    except (RunDirBusy, ResumeRefused) as err:
+        print(f"megarl: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("megarl: interrupted; every process this run started has been stopped",
               file=sys.stderr)
         return 130
+    except Exception as err:  # noqa: BLE001  (any failure: one line here, the traceback in the log)
+        return _report_failure(err, run_dir_of(cfg), args.debug)
     return 0
 
 

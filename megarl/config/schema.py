@@ -198,6 +198,18 @@ class TrainerConfig:
     val_every: int = 0                    # steps between validations; 0 = never
     balance_batch: bool = True            # reorder rows so data-parallel ranks get equal tokens
     seed: int = 0
+    # checkpoints under RUN_DIR/checkpoints/step_NNNNNN (actor model + optimizer, every rank's RNG,
+    # data position, step, weight version); 0 = none (a run that stops is lost)
+    save_every: int = 0
+    max_checkpoints: int = 3              # keep the newest K; older ones are deleted after a save
+    # "auto": continue from the newest complete checkpoint of RUN_DIR (start fresh when there is
+    # none); "never": start fresh (refused when RUN_DIR already holds checkpoints); or a checkpoint
+    # directory (RUN_DIR/checkpoints/step_NNNNNN) to continue from
+    resume: str = "auto"
+    # seed every sampling request from (seed, step, row) and bypass the router (rows go to fixed
+    # engines in one batched request each), so a resumed run repeats the uninterrupted one exactly
+    deterministic: bool = False
+    export_hf: bool = True                # at the end: the policy as a Hugging Face folder, RUN_DIR/hf
 
 
 @dataclass

@@ -34,7 +34,7 @@ _POSITIVE = [
     "actor.ppo_epochs", "actor.optim.lr", "actor.optim.adam_eps", "algorithm.epsilon",
     "rollout.n", "rollout.max_new_tokens", "rollout.num_servers", "rollout.max_batch_size",
     "rollout.request_timeout_s", "bridge.bucket_size_mb", "bridge.parity_atol",
-    "trainer.total_steps", "trainer.log_every", "cluster.num_actor_ranks",
+    "trainer.total_steps", "trainer.log_every", "trainer.max_checkpoints", "cluster.num_actor_ranks",
     "critic.parallel.tp", "critic.parallel.pp", "critic.parallel.ep", "critic.parallel.etp",
     "critic.parallel.cp", "critic.ppo_mini_batch_size", "critic.micro_batch_size",
     "critic.ppo_epochs", "critic.optim.lr", "critic.optim.adam_eps", "critic.cliprange_value",
@@ -42,7 +42,7 @@ _POSITIVE = [
 _NON_NEGATIVE = [
     "data.num_val", "actor.optim.weight_decay", "actor.optim.clip_grad", "actor.clip_ratio_low",
     "actor.clip_ratio_high", "actor.kl_loss_coef", "actor.entropy_coeff", "rollout.temperature",
-    "rollout.val_temperature", "rollout.max_retries", "trainer.val_every",
+    "rollout.val_temperature", "rollout.max_retries", "trainer.val_every", "trainer.save_every",
     "critic.optim.weight_decay", "critic.optim.clip_grad",
 ]
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -270,6 +270,20 @@ def check_paths(cfg: RunConfig) -> None:
                  "or 'path/to/file.py:function'")
 
 
+def check_resume(cfg: RunConfig) -> None:
+    """trainer.resume: auto, never, or a complete checkpoint of a run (its marker is read)."""
+    resume = cfg.trainer.resume
+    if resume in ("auto", "never"):
+        return
+    from megarl.trainer.checkpoints import CheckpointNotFound, read_run_checkpoint
+
+    try:
+        read_run_checkpoint(Path(resume))
+    except CheckpointNotFound as err:
+        raise ConfigError("trainer.resume", f"trainer.resume={resume!r}: {err}; use 'auto' (the newest "
+                          "complete checkpoint of the run dir), 'never', or a checkpoint directory") from None
+
+
 def check_algorithm(cfg: RunConfig) -> None:
     _require(not (cfg.actor.use_kl_loss and cfg.ref.enabled is False), "ref.enabled",
              "ref.enabled=false but actor.use_kl_loss=true needs reference log-probs; "
@@ -310,4 +324,5 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_critic(cfg, model_config)
     check_rollout(cfg, model_config)
     check_algorithm(cfg)
+    check_resume(cfg)
     return resolve(cfg)

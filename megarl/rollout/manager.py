@@ -35,6 +35,9 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 16
+    # deterministic sampling: row r of a call (prompt-major, r = prompt * n + sample) is sent alone
+    # with sampling_seed = row_seed(seed, r); None: the engines' own generators decide
+    seed: tuple[int, ...] | None = None
 
     def to_sglang(self) -> dict:
         params = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p,
@@ -102,20 +105,12 @@ class RolloutManager:
     # ---- one round over the current targets ------------------------------------------------------
     async def _round(self, pending: list[int], prompt_ids, sampling: SamplingSpec, outputs) -> dict[int, Exception]:
         """Send every pending prompt once; fill `outputs`; return the failures by prompt index."""
-        params = sampling.to_sglang()
-        router = self.fleet.router_url if self.fleet is not None else None
-        if router is not None or not self.batched:
-            urls = [router] if router is not None else self._engine_urls()
-            work = [(self._client(urls[k % len(urls)], False), [i]) for k, i in enumerate(pending)]
-        else:
-            urls = self._engine_urls()
-            shards = [pending[k::len(urls)] for k in range(len(urls))]
-            work = [(self._client(url, True), idx) for url, idx in zip(urls, shards) if idx]
+        work = self._requests(pending, prompt_ids, sampling)
         results = await asyncio.gather(*[
-            client.agenerate([prompt_ids[i] for i in idx], params, return_logprob=True) for client, idx in work],
+            client.agenerate(ids, params, return_logprob=True) for client, _, ids, params in work],
             return_exceptions=True)
         failures: dict[int, Exception] = {}
-        for (_, idx), result in zip(work, results):
+        for (_, idx, _, _), result in zip(work, results):
             if isinstance(result, BaseException):
                 if not isinstance(result, Exception):
                     raise result
@@ -124,6 +119,27 @@ class RolloutManager:
             for k, i in enumerate(idx):
                 outputs[i] = result[k * sampling.n:(k + 1) * sampling.n]
         return failures
+
+    def _requests(self, pending: list[int], prompt_ids, sampling: SamplingSpec) -> list[tuple]:
+        """(client, prompt indices, input_ids, sampling_params) of each /generate of a round."""
+        params, n = sampling.to_sglang(), sampling.n
+        router = self.fleet.router_url if self.fleet is not None else None
+        if sampling.seed is not None:
+            # every row alone with its own seed, each engine's share in ONE batched request, never
+            # through the router: an engine batches exactly these rows together whatever the
+            # timing, so no row's numbers depend on what else happened to be running
+            one = {**params, "n": 1}
+            urls = self._engine_urls()
+            return [(self._client(url, True), idx, [prompt_ids[i] for i in idx for _ in range(n)],
+                     [{**one, "sampling_seed": row_seed(sampling.seed, i * n + j)} for i in idx for j in range(n)])
+                    for url, idx in zip(urls, _shards(pending, len(urls))) if idx]
+        if router is not None or not self.batched:
+            urls = [router] if router is not None else self._engine_urls()
+            return [(self._client(urls[k % len(urls)], False), [i], [prompt_ids[i]], params)
+                    for k, i in enumerate(pending)]
+        urls = self._engine_urls()
+        return [(self._client(url, True), idx, [prompt_ids[i] for i in idx], params)
+                for url, idx in zip(urls, _shards(pending, len(urls))) if idx]
 
     def _engine_urls(self) -> list[str]:
         urls = self.fleet.live_urls() if self.fleet is not None else self._fixed_urls
@@ -142,6 +158,16 @@ class RolloutManager:
 
     def _restarts(self) -> int:
         return self.fleet.restarts if self.fleet is not None else 0
+
+
+def _shards(pending: list[int], parts: int) -> list[list[int]]:
+    return [pending[k::parts] for k in range(parts)]
+
+
+def row_seed(seed: tuple[int, ...], row: int) -> int:
+    """A 63-bit sampling seed for one row, well mixed from (seed..., row) (numpy's SeedSequence)."""
+    hi, lo = np.random.SeedSequence([*seed, row]).generate_state(2, np.uint32)
+    return (int(hi) << 31) ^ int(lo)
 
 
 def _failed(failures: dict[int, Exception], rounds: int) -> RolloutRequestError:

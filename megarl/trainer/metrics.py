@@ -23,19 +23,46 @@ CONSOLE_KEYS = [
 
 class MetricsLogger:
     def __init__(self, log_dir: str | Path | None, total_steps: int, log_every: int = 1,
-                 stream=sys.stdout, jsonl_path: str | Path | None = None):
+                 stream=sys.stdout, jsonl_path: str | Path | None = None, resume_step: int = 0):
+        """resume_step > 0: a run continuing after step `resume_step` of a checkpoint: the records
+        of steps up to it are kept (metrics.jsonl, tensorboard, the curve summary), those a killed
+        run wrote after it are dropped, as if it had never got there."""
         self.writer = None
-        # this run's steps only: without resume, a re-run must not interleave with an old file
-        self.jsonl = open(jsonl_path, "w") if jsonl_path is not None else None
+        self.history: dict[str, list[tuple[int, float]]] = {}
+        self.jsonl = None
+        if jsonl_path is not None:
+            kept = self._kept_records(Path(jsonl_path), resume_step)
+            for record in kept:
+                for key, value in record.items():
+                    if key != "step":
+                        self.history.setdefault(key, []).append((record["step"], float(value)))
+            # this run's steps only: a fresh run must not interleave with an old file
+            self.jsonl = open(jsonl_path, "w")
+            self.jsonl.writelines(json.dumps(r) + "\n" for r in kept)
+            self.jsonl.flush()
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(log_dir))
+            # purge_step: tensorboard hides the events of steps >= it written by the killed run
+            self.writer = SummaryWriter(str(log_dir), purge_step=resume_step + 1 if resume_step else None)
         self.total_steps = total_steps
         self.log_every = max(1, log_every)
         self.stream = stream
-        self.history: dict[str, list[tuple[int, float]]] = {}
         self.start = time.perf_counter()
+
+    @staticmethod
+    def _kept_records(path: Path, resume_step: int) -> list[dict]:
+        if not resume_step or not path.is_file():
+            return []
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # the last line of a run killed while writing it
+                continue
+            if record.get("step", resume_step + 1) <= resume_step:
+                records.append(record)
+        return records
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -49,6 +76,11 @@ class MetricsLogger:
         if step % self.log_every == 0 or step == self.total_steps:
             self.stream.write(self.format_line(step, metrics) + "\n")
             self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """One line of news (a checkpoint saved, a run resumed) between the step lines."""
+        self.stream.write(f"megarl: {text}\n")
+        self.stream.flush()
 
     def format_line(self, step: int, metrics: dict[str, float]) -> str:
         parts = [f"step {step}/{self.total_steps}"]

@@ -1,26 +1,58 @@
-"""`megarl train`: validate, bring the runtime up, run the loop, summarise, tear down."""
+"""`megarl train`: lock the run dir, find where to resume, bring the runtime up, run the loop,
+export the policy, summarise, tear down. Everything printed also goes to RUN_DIR/train.log."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from megarl.config.loader import dump
 from megarl.config.schema import RunConfig
 
 
+class Tee:
+    """A text stream writing to several (the terminal and the run's log file)."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+
+def log_path_of(run_dir: Path) -> Path:
+    return Path(run_dir) / "train.log"
+
+
 def train(cfg: RunConfig, stream=sys.stdout) -> dict:
     """Run `cfg` (already validated) to completion; returns the reward-curve summary."""
-    from megarl.trainer.metrics import MetricsLogger
-    from megarl.trainer.runtime import run_dir_of, start_runtime
-    from megarl.trainer.sync_trainer import SyncTrainer
+    from megarl.trainer.run_lock import RunDirLock
+    from megarl.trainer.runtime import run_dir_of
 
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with RunDirLock(run_dir), open(log_path_of(run_dir), "a") as log:
+        return _train_locked(cfg, run_dir, Tee(stream, log))
+
+
+def _train_locked(cfg: RunConfig, run_dir: Path, stream) -> dict:
+    from megarl.trainer import checkpoints
+    from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.runtime import start_runtime
+    from megarl.trainer.sync_trainer import SyncTrainer
+
+    point = checkpoints.resume_point(run_dir, cfg.trainer.resume)
     (run_dir / "config.yaml").write_text(dump(cfg))
     tb_dir = run_dir / "tensorboard" if cfg.trainer.tensorboard else None
     logger = MetricsLogger(tb_dir, cfg.trainer.total_steps, cfg.trainer.log_every, stream,
-                           jsonl_path=run_dir / "metrics.jsonl")
+                           jsonl_path=run_dir / "metrics.jsonl", resume_step=point[1]["step"] if point else 0)
     try:
         with start_runtime(cfg) as runtime:
             critic = (f"; critic mesh {runtime.critic.mesh[0].describe()} x{len(runtime.critic.mesh)}"
@@ -29,7 +61,7 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
             stream.write(f"megarl: run dir {run_dir}; {runtime.placement.describe()}; rollout engines "
                          f"{runtime.server_urls}{router}; actor mesh {runtime.actor.mesh[0].describe()} "
                          f"x{len(runtime.actor.mesh)}{critic}\n")
-            SyncTrainer(runtime, logger).fit()
+            SyncTrainer(runtime, logger, resume=point).fit()
     finally:
         logger.close()
     summary = logger.curve_summary("reward/mean", window=10)

@@ -15,6 +15,13 @@
 An engine that dies mid-step is restarted by the fleet, given the current weights through
 `_resync` before it serves again, and its prompts are re-sent (rollout/retries,
 rollout/engine_restarts).
+
+Durability (trainer/checkpoints.py): every `trainer.save_every` steps, and after the last, the
+actor (and critic), the step, weight version, data position and the controller's RNG go to a
+checkpoint; a run started with one (`trainer.resume`) loads it, pushes its weights to the engines
+and continues with the next step's batch. With `trainer.deterministic` every sampling request is
+seeded from (seed, step, row), so the continued run repeats the uninterrupted one exactly. At the
+end the policy is exported as a Hugging Face folder (RUN_DIR/hf).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from megarl.data.balance import balance_across_ranks
 from megarl.data.batch import Batch
 from megarl.reward import make_reward_function, score_rows
 from megarl.rollout.manager import SamplingSpec
+from megarl.trainer import checkpoints
 from megarl.trainer.metrics import MetricsLogger
 
 
@@ -39,7 +47,8 @@ class ParityError(RuntimeError):
 
 
 class SyncTrainer:
-    def __init__(self, runtime, logger: MetricsLogger):
+    def __init__(self, runtime, logger: MetricsLogger, resume: tuple | None = None):
+        """`resume`: (checkpoint dir, its trainer state) to continue from (checkpoints.resume_point)."""
         self.rt = runtime
         self.cfg = runtime.cfg
         self.logger = logger
@@ -47,27 +56,86 @@ class SyncTrainer:
         self.dp_size = runtime.actor.mesh[0].dp_size
         self.weight_version = 0
         self.release = bool(self.cfg.rollout.release_memory)
+        self.resume_from, self.start_step = resume, 0
+        self.checkpointer = checkpoints.RunCheckpointer(runtime.run_dir, self.cfg.trainer.max_checkpoints)
+        self.last_checkpoint = resume[0] if resume else None
+        self._carried: dict[str, float] = {}  # a checkpoint save's time, logged with the next step
         runtime.fleet.on_restart = self._resync
 
     # ---------------------------------------------------------------- steps
     def fit(self) -> None:
         from megarl.data.dataset import PromptBatches
 
-        d = self.cfg.data
+        d, t = self.cfg.data, self.cfg.trainer
         batches = PromptBatches(self.rt.train_data, d.train_batch_size, d.shuffle, d.seed)
-        for step, prompts in enumerate(batches.iterate(0, self.cfg.trainer.total_steps), start=1):
-            metrics = self.train_step(step, prompts)
-            val_every = self.cfg.trainer.val_every
-            if self.rt.val_data is not None and val_every and (
-                    step % val_every == 0 or step == self.cfg.trainer.total_steps):
-                metrics.update(self.validate())
-            self.logger.log(step, metrics)
+        if self.resume_from is not None:
+            self.restore(*self.resume_from)
+        steps = batches.iterate(self.start_step, max(0, t.total_steps - self.start_step))
+        for step, prompts in enumerate(steps, start=self.start_step + 1):
+            metrics = {**self.train_step(step, prompts), **self._carried}
+            self._carried = {}
+            if self.rt.val_data is not None and t.val_every and (
+                    step % t.val_every == 0 or step == t.total_steps):
+                metrics.update(self.validate(step))
+            self.logger.log(step, metrics)  # flushed before the save: a checkpoint's steps are all logged
+            if t.save_every and (step % t.save_every == 0 or step == t.total_steps):
+                self.save_checkpoint(step)
+        if t.export_hf:
+            self.export_hf()
+
+    # ---------------------------------------------------------------- durability
+    def save_checkpoint(self, step: int) -> None:
+        start = time.perf_counter()
+        partial = self.checkpointer.begin(step)
+        self.rt.actor.save_checkpoint(str(partial / "actor"))
+        if self.rt.critic is not None:
+            self.rt.critic.save_checkpoint(str(partial / "critic"))
+        state = {"weight_version": self.weight_version, "data": self._data_identity(),
+                 "driver_rng": checkpoints.driver_rng_state(), "model_path": self.rt.model_path}
+        from megarl.config.loader import dump
+
+        self.last_checkpoint = self.checkpointer.commit(step, partial, state, dump(self.cfg))
+        self._carried["perf/checkpoint_save_s"] = time.perf_counter() - start
+        self.logger.note(f"saved checkpoint {self.last_checkpoint} "
+                         f"({self._carried['perf/checkpoint_save_s']:.1f} s)")
+
+    def restore(self, path, state: dict) -> None:
+        """Continue after the checkpoint at `path`: policy (and critic) with their optimizers and
+        RNG, the controller's RNG, the weight version; the engines get the checkpoint's weights."""
+        if state["data"] != self._data_identity():
+            raise checkpoints.ResumeRefused(
+                f"{path} was saved by a run whose data was {state['data']}, this run's is "
+                f"{self._data_identity()}: its batches would not continue where that run stopped. "
+                "Restore those data settings, or start a new run (trainer.experiment_name)")
+        start = time.perf_counter()
+        self.rt.actor.load_checkpoint(str(path / "actor"))
+        if self.rt.critic is not None:
+            if not (path / "critic").is_dir():
+                raise checkpoints.ResumeRefused(f"{path} holds no critic/ (saved by a run without "
+                                                "critic.enabled); resume it with critic.enabled=false")
+            self.rt.critic.load_checkpoint(str(path / "critic"))
+        checkpoints.set_driver_rng_state(state["driver_rng"])
+        self.start_step, self.weight_version = int(state["step"]), int(state["weight_version"])
+        self.sync_weights()  # the engines still hold the initial model
+        self.logger.note(f"resumed from {path} (step {self.start_step}, weight version "
+                         f"{self.weight_version}) in {time.perf_counter() - start:.1f} s")
+
+    def export_hf(self) -> None:
+        out = self.rt.run_dir / "hf"
+        info = self.rt.actor.export_hf(str(out), self.rt.model_path)
+        self.logger.note(f"exported the policy as a Hugging Face model: {out} "
+                         f"({info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB)")
+
+    def _data_identity(self) -> dict:
+        d = self.cfg.data
+        return {"prompts": len(self.rt.train_data), "train_batch_size": d.train_batch_size,
+                "shuffle": d.shuffle, "seed": d.seed}
 
     def train_step(self, step: int, prompts: Batch) -> dict:
         cfg, timing = self.cfg, {}
         t_step, restarts_before = time.perf_counter(), self.rt.fleet.restarts
         with _timer(timing, "gen"):
-            rows = self.rt.rollout.generate(prompts, self._sampling(train=True))
+            rows = self.rt.rollout.generate(prompts, self._sampling(step, train=True))
         rollout_stats = dict(self.rt.rollout.last_stats)
         if self.release:
             with _timer(timing, "release"):
@@ -126,19 +194,20 @@ class SyncTrainer:
         """A restarted engine gets the weights the others serve before it takes requests."""
         self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version), urls)
 
-    def validate(self) -> dict:
+    def validate(self, step: int) -> dict:
         from megarl.data.dataset import PromptBatches
 
         val = PromptBatches(self.rt.val_data, len(self.rt.val_data), shuffle=False)
-        rows = self.rt.rollout.generate(val.batch_at(0), self._sampling(train=False))
+        rows = self.rt.rollout.generate(val.batch_at(0), self._sampling(step, train=False))
         return {"val/reward_mean": float(self._score(rows).mean())}
 
     # ---------------------------------------------------------------- pieces
-    def _sampling(self, train: bool) -> SamplingSpec:
-        r = self.cfg.rollout
+    def _sampling(self, step: int, train: bool) -> SamplingSpec:
+        r, t = self.cfg.rollout, self.cfg.trainer
         return SamplingSpec(n=r.n if train else 1,
                             temperature=r.temperature if train else r.val_temperature,
-                            top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+                            top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                            seed=(t.seed, step, 0 if train else 1) if t.deterministic else None)
 
     def _score(self, rows: Batch) -> torch.Tensor:
         scores = score_rows(self.reward_fn, rows["data_source"], rows["response_text"],

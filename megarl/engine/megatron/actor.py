@@ -171,10 +171,21 @@ class MegatronActor(Worker):
         """The policy's model, optimizer and RNG to `path` (every rank writes its own shards);
         returns the checkpoint's metadata. The reference policy is not saved: it never changes and
         is rebuilt from model.path."""
-        return self.actor.save_checkpoint(path)
+        with self.actor_offload.update():  # offloaded parts are saved from where they live now
+            return self.actor.save_checkpoint(path)
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict:
         """Restore the policy from a checkpoint saved in any TP / PP / EP layout; returns what was
         restored (rank 0's view)."""
-        return self.actor.load_checkpoint(path, load_optimizer)
+        with self.actor_offload.update():
+            return self.actor.load_checkpoint(path, load_optimizer)
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def export_hf(self, out_dir: str, config_dir: str) -> dict:
+        """The current policy as a Hugging Face folder at `out_dir` (safetensors shards, plus the
+        config and tokenizer files of `config_dir`); rank 0 writes. Returns rank 0's summary."""
+        from megarl.engine.megatron.hf_export import write_hf_folder
+
+        with self.actor_offload.forward():
+            return write_hf_folder(self.actor.export_weights(), out_dir, config_dir, write=self.rank == 0)

@@ -108,7 +108,7 @@ def _replace_dir(src: str, dst: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.rename(dst, old)
     os.rename(src, dst)
-    _fsync_dir(os.path.dirname(dst))
+    fsync_dir(os.path.dirname(dst))
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -119,7 +119,7 @@ def _write_json(path: str, obj: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

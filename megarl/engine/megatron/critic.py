@@ -102,6 +102,17 @@ class MegatronCritic(Worker):
         metrics.update(self.offload.metrics("critic"))
         return metrics
 
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def save_checkpoint(self, path: str) -> dict:
+        """The value model (with its head), optimizer and RNG to `path`; rank 0's metadata."""
+        with self.offload.update():
+            return self.engine.save_checkpoint(path)
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict:
+        with self.offload.update():
+            return self.engine.load_checkpoint(path, load_optimizer)
+
     @staticmethod
     def value_head():
         from megarl.engine.megatron.value_head import value_head
