@@ -3,6 +3,7 @@
     megarl train configs/quickstart.yaml actor.optim.lr=3e-4 trainer.total_steps=50 [--debug]
     megarl show-config configs/quickstart.yaml [overrides...]   # print the resolved config
     megarl export outputs/quickstart [--step N] [--out DIR]     # a checkpoint as a HF folder
+    megarl compare-runs RUN_A RUN_B     # metrics.jsonl identical step for step (but wall clocks)?
 
 Bad configuration exits with status 2 and one line naming the key, before any process starts.
 show-config needs neither the model's weights (a directory with only its config.json will do, as
@@ -36,7 +37,26 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
     e.add_argument("--out", help="target folder (default: RUN_DIR/hf_step_NNNNNN)")
     e.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    c = sub.add_parser("compare-runs", help="do two runs' metrics.jsonl agree step for step?",
+                       description="compare two runs' metrics.jsonl step for step (wall-clock keys perf/* "
+                                   "and *_s left out); exit 0 when every other value is identical")
+    c.add_argument("run_a", help="a run dir or its metrics.jsonl")
+    c.add_argument("run_b", help="a run dir or its metrics.jsonl")
     return parser
+
+
+def compare_runs(a: str, b: str) -> int:
+    from pathlib import Path
+
+    from megarl.trainer.metrics import compare_runs as compare
+
+    paths = [Path(p) / "metrics.jsonl" if Path(p).is_dir() else Path(p) for p in (a, b)]
+    steps, diffs = compare(*paths)
+    if diffs:
+        print(f"megarl: the runs differ ({len(diffs)} values):\n  " + "\n  ".join(diffs[:20]))
+        return 1
+    print(f"megarl: identical: {steps} steps, every metric but the wall-clock ones (perf/*, *_s)")
+    return 0
 
 
 def _split(args) -> tuple[str | None, list[str]]:
@@ -146,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "export":
         return export(args.run_dir, args.step, args.out, args.overwrite)
+    if args.command == "compare-runs":
+        return compare_runs(args.run_a, args.run_b)
     from megarl.config.loader import ConfigError, dump, load_config
     from megarl.config.validate import validate
     from megarl.data.dataset import DatasetError

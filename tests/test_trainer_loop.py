@@ -39,7 +39,7 @@ def three_steps(tmp_path_factory):
         "actor.kl_loss_coef=0.01", "rollout.n=4", "actor.ppo_mini_batch_size=32",
         "actor.micro_batch_size=16", "actor.offload.params=true", "actor.offload.grads=true",
         "actor.offload.optimizer=true", "ref.offload=true", "critic.enabled=true",
-        "critic.parallel.ep=2", "critic.ppo_mini_batch_size=32"]))
+        "critic.parallel.ep=2", "critic.ppo_mini_batch_size=32", "trainer.save_every=2"]))
     stream = io.StringIO()
     summary = train(cfg, stream=stream)
     run_dir = out / "quickstart"
@@ -54,6 +54,15 @@ def test_offloaded_actor_and_reference_and_a_critic_group(three_steps):
                     "perf/ref_onload_s"):
             assert m[key] > 0, (m["step"], key)
     assert "critic mesh" in out
+    # trainer.save_every=2 over 3 steps: steps 2 and 3 (the last), each with the critic's own
+    # checkpoint next to the actor's (the reference is rebuilt from model.path, never saved)
+    _, _, run_dir, _ = three_steps
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert saved == ["step_000002", "step_000003"]
+    for name in saved:
+        parts = sorted(p.name for p in (run_dir / "checkpoints" / name).iterdir())
+        assert parts == ["actor", "config.yaml", "critic", "trainer_state.json"], parts
+        assert (run_dir / "checkpoints" / name / "critic" / "megarl_ckpt.json").is_file()
 
 
 def test_three_steps_have_finite_metrics(three_steps):

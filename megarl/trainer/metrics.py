@@ -21,6 +21,28 @@ CONSOLE_KEYS = [
 ]
 
 
+def is_wall_clock(key: str) -> bool:
+    """Metrics that measure time (perf/*, *_s): they differ between any two runs, so a resumed
+    run's metrics.jsonl equals the uninterrupted run's in every key but these."""
+    return key.startswith("perf/") or key.endswith("_s")
+
+
+def compare_runs(a: Path, b: Path) -> tuple[int, list[str]]:
+    """(steps compared, differences) of two metrics.jsonl files, wall-clock keys left out; every
+    other value must be identical, float for float, and both files must have the same steps."""
+    def load(path: Path) -> dict[int, dict]:
+        return {r["step"]: r for r in map(json.loads, Path(path).read_text().splitlines())}
+
+    ra, rb = load(a), load(b)
+    diffs = [f"steps only in {a}: {sorted(set(ra) - set(rb))}"] if set(ra) - set(rb) else []
+    diffs += [f"steps only in {b}: {sorted(set(rb) - set(ra))}"] if set(rb) - set(ra) else []
+    for step in sorted(set(ra) & set(rb)):
+        keys = {k for k in (*ra[step], *rb[step]) if not is_wall_clock(k)}
+        diffs += [f"step {step} {k}: {ra[step].get(k)!r} vs {rb[step].get(k)!r}"
+                  for k in sorted(keys) if ra[step].get(k) != rb[step].get(k)]
+    return len(set(ra) & set(rb)), diffs
+
+
 class MetricsLogger:
     def __init__(self, log_dir: str | Path | None, total_steps: int, log_every: int = 1,
                  stream=sys.stdout, jsonl_path: str | Path | None = None, resume_step: int = 0):

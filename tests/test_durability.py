@@ -1,0 +1,177 @@
+"""Nothing lost: checkpoints, bit-exact resume after a driver SIGKILL, the Hugging Face export,
+the run-dir lock. The runs are real `megarl train` processes (Ray, Megatron ranks, the server).
+
+The resume check is the README's: train N steps uninterrupted; train again with save_every,
+SIGKILL the driver mid-run, resume with trainer.resume=auto; `megarl compare-runs` finds the two
+metrics.jsonl identical step for step in every key but the wall-clock ones (CPU fp32,
+trainer.deterministic=true).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_cli import ROOT, _assert_nothing_left as assert_nothing_left, _start as start, \
+    _wait_for_line as wait_for_line
+
+STEPS = 6
+RUN = ["configs/quickstart.yaml", f"trainer.total_steps={STEPS}", "data.num_train=64", "rollout.n=4",
+       "actor.ppo_mini_batch_size=64", "trainer.val_every=0", "trainer.tensorboard=false",
+       "trainer.deterministic=true"]
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted run, and a run SIGKILLed after its step-2 checkpoint then resumed."""
+    root = tmp_path_factory.mktemp("durability")
+    whole = _finish(start(["train", *RUN, f"trainer.output_dir={root}/whole"], uuid.uuid4().hex))
+    killed_id = uuid.uuid4().hex
+    proc = start(["train", *RUN, f"trainer.output_dir={root}/killed", "trainer.save_every=1"], killed_id)
+    before = wait_for_line(proc, "checkpoints/step_000002", timeout_s=300)
+    os.kill(proc.pid, signal.SIGKILL)  # the driver only: no handler, no cleanup of its own
+    proc.wait()
+    assert_nothing_left(killed_id)  # its Ray cluster, ranks and server follow it (parent-death)
+    resumed = _finish(start(["train", *RUN, f"trainer.output_dir={root}/killed", "trainer.save_every=1"],
+                            uuid.uuid4().hex))
+    return {"whole": root / "whole" / "quickstart", "killed": root / "killed" / "quickstart",
+            "whole_out": whole, "before_kill": before, "resumed_out": resumed}
+
+
+def test_resumed_run_equals_the_uninterrupted_run_step_for_step(runs):
+    assert f"step {STEPS}/{STEPS}" not in runs["before_kill"]  # killed mid-run
+    assert "resumed from" in runs["resumed_out"] and "checkpoints/step_0000" in runs["resumed_out"]
+    lines = (runs["killed"] / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == list(range(1, STEPS + 1))  # no step twice
+    out = subprocess.run([sys.executable, "-m", "megarl.cli", "compare-runs", str(runs["whole"]),
+                          str(runs["killed"])], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"identical: {STEPS} steps" in out.stdout
+    # the comparison is not vacuous: training moved the numbers it compares
+    records = [json.loads(x) for x in lines]
+    assert len({r["actor/pg_loss"] for r in records}) > 1 and records[0]["bridge/bytes"] > 0
+
+
+def test_checkpoints_are_complete_pruned_and_marked_latest(runs):
+    from megarl.trainer import checkpoints
+
+    found = checkpoints.complete_checkpoints(runs["killed"])
+    assert [s for s, _ in found] == [STEPS - 2, STEPS - 1, STEPS]  # trainer.max_checkpoints=3
+    assert (runs["killed"] / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:06d}"
+    state = checkpoints.read_run_checkpoint(found[-1][1])
+    assert state["step"] == STEPS and state["weight_version"] == STEPS
+    assert not list((runs["killed"] / "checkpoints").glob("*.partial"))
+
+
+def test_export_loads_in_transformers_with_the_trainers_log_probs(runs):
+    assert_export_matches_checkpoint(runs["killed"] / "hf", runs["killed"] / "checkpoints" / f"step_{STEPS:06d}")
+
+
+def test_megarl_export_of_a_checkpoint_equals_the_end_of_run_export(runs, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megarl.cli", "export", str(runs["killed"]), "--step",
+                          str(STEPS), "--out", str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    mine, final = _tensors(tmp_path / "hf"), _tensors(runs["killed"] / "hf")
+    assert mine.keys() == final.keys()
+    assert all(torch.equal(mine[k], final[k]) for k in final)
+    missing = subprocess.run([sys.executable, "-m", "megarl.cli", "export", str(runs["killed"]), "--step", "1"],
+                             cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode == 2 and "no complete checkpoint of step 1" in missing.stderr
+
+
+def _tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def assert_export_matches_checkpoint(hf_dir: Path, ckpt: Path) -> None:
+    """The exported folder, loaded by transformers (float64), gives the log-probs the trainer's
+    Megatron engine gives with the checkpoint's weights (fp32, one rank): atol 1e-5, the fp32
+    round-off of the two implementations (tests/test_megatron_engine.py uses the same bound)."""
+    from tests._dist import run_ranks
+    from tests.test_megatron_engine import hf_reference
+
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    [trainer] = run_ranks(_checkpoint_log_probs, 1, state["model_path"], str(ckpt / "actor"))
+    torch.testing.assert_close(hf_reference(hf_dir), trainer.double(), atol=1e-5, rtol=0)
+    initial = hf_reference(state["model_path"])  # the policy moved: the check can tell them apart
+    assert (initial - trainer.double()).abs().max() > 1e-4
+
+
+def _checkpoint_log_probs(rank, model_path, actor_ckpt):
+    from megarl.config.schema import ParallelConfig
+    from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
+    from tests.test_megatron_engine import make_rows
+
+    engine = MegatronEngine(EngineSpec(model_path=model_path, parallel=ParallelConfig(), optim=None,
+                                       micro_batch_size=4))
+    engine.initialize()
+    engine.load_checkpoint(actor_ckpt, load_optimizer=False)  # saved with EP=2 on two ranks
+    return engine.compute_log_prob(make_rows())["log_probs"]
+
+
+# ------------------------------------------------------------------ no process, no file
+def test_resume_never_refuses_a_run_dir_with_checkpoints(runs):
+    from megarl.trainer.checkpoints import ResumeRefused, resume_point
+
+    with pytest.raises(ResumeRefused, match="trainer.resume=auto"):
+        resume_point(runs["killed"], "never")
+
+
+def test_auto_ignores_an_interrupted_save_and_a_stale_latest(tmp_path):
+    from megarl.trainer import checkpoints
+
+    run = tmp_path / "run"
+    done = checkpoints.RunCheckpointer(run, keep=3)
+    for step in (1, 2):
+        partial = done.begin(step)
+        (partial / "actor").mkdir()
+        done.commit(step, partial, {"weight_version": step}, "x: 1\n")
+    (done.begin(3) / "actor").mkdir()  # killed before trainer_state.json: never read
+    (run / "checkpoints" / "latest").write_text("step_000001\n")  # killed before `latest` moved on
+    path, state = checkpoints.resume_point(run, "auto")
+    assert path.name == "step_000002" and state["step"] == 2
+    assert checkpoints.resume_point(tmp_path / "fresh", "auto") is None
+    with pytest.raises(checkpoints.CheckpointNotFound, match="never finished"):
+        checkpoints.read_run_checkpoint(run / "checkpoints" / "step_000003.partial")
+
+
+def test_a_second_run_on_a_live_run_dir_is_refused_naming_the_first(tmp_path):
+    from megarl.trainer.run_lock import RunDirBusy, RunDirLock
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from megarl.trainer.run_lock import RunDirLock\n"
+         f"lock = RunDirLock({str(tmp_path)!r}); lock.acquire(); print('held', flush=True); sys.stdin.read()"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirBusy, match=f"pid {holder.pid} on"):
+            RunDirLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with RunDirLock(tmp_path):  # the kernel dropped the dead holder's lock
+        pass
+
+
+def test_resume_from_a_path_that_is_no_checkpoint_is_a_config_error(tmp_path):
+    from megarl.config.loader import ConfigError, load_config
+    from megarl.config.validate import validate
+
+    with pytest.raises(ConfigError, match="trainer.resume"):
+        validate(load_config(ROOT / "configs/quickstart.yaml", [f"trainer.resume={tmp_path}/nothing"]))
