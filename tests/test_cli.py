@@ -131,7 +131,26 @@ def test_error_mid_run_stops_every_process_and_reports_it(tmp_path):
     proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}/out",
                    f"reward.custom_function={module}:score", *SMALL_RUN], run_id)
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode != 0, out[-3000:]
-    assert "flaky reward failed on purpose" in out
+    assert proc.returncode == 1, out[-3000:]
+    # one line for people: what failed, what to do, where the traceback went (not the terminal)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("megarl: run failed: RuntimeError: flaky reward failed on purpose"), last
+    assert "no checkpoint was saved" in last and "train.log" in last and "--debug" in last
+    assert "Traceback" not in out
+    log = (tmp_path / "out" / "quickstart" / "train.log").read_text()
+    assert "Traceback" in log and "flaky reward failed on purpose" in log and "step 1/1000" in log
     assert json.loads(state.read_text()) > 16 * 4
     _assert_nothing_left(run_id)
+
+
+def test_debug_puts_the_traceback_on_the_terminal_too(tmp_path, capsys):
+    from megarl.cli import _report_failure
+
+    try:
+        raise ValueError("broken on purpose\nsecond line")
+    except ValueError as err:
+        assert _report_failure(err, tmp_path, debug=True) == 1
+    err_text = capsys.readouterr().err
+    assert "Traceback" in err_text and "broken on purpose" in err_text
+    assert err_text.strip().splitlines()[-1].startswith("megarl: run failed: ValueError: broken on purpose |")
+    assert "Traceback" in (tmp_path / "train.log").read_text()

@@ -175,3 +175,26 @@ def test_resume_from_a_path_that_is_no_checkpoint_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="trainer.resume"):
         validate(load_config(ROOT / "configs/quickstart.yaml", [f"trainer.resume={tmp_path}/nothing"]))
+
+
+def test_resume_with_other_data_settings_is_refused_before_loading_anything(tmp_path):
+    from types import SimpleNamespace
+
+    from megarl.config.schema import RunConfig
+    from megarl.trainer.checkpoints import ResumeRefused
+    from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.sync_trainer import SyncTrainer
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the actor was used ({name}) before the data check")
+
+    actor = Untouchable()
+    runtime = SimpleNamespace(cfg=RunConfig(), run_dir=tmp_path, train_data=[0] * 1024, critic=None,
+                              actor=SimpleNamespace(mesh=[SimpleNamespace(dp_size=1)]),
+                              fleet=SimpleNamespace(on_restart=None))
+    trainer = SyncTrainer(runtime, MetricsLogger(None, 1))
+    runtime.actor = actor
+    state = {"step": 3, "weight_version": 3, "data": {**trainer._data_identity(), "train_batch_size": 32}}
+    with pytest.raises(ResumeRefused, match="train_batch_size"):
+        trainer.restore(tmp_path, state)
