@@ -8,7 +8,8 @@ refused as soon as it passes the limit. The answer is SGLang's error shape namin
 the flag that raises it.
 
 Order with ApiKeyMiddleware (server.py): the key is checked first (outermost), so a keyless
-request is answered 401 from its headers alone and its body, whatever its size, is never read.
+request is answered 401 from its headers alone, whatever its size, and no byte of its body is
+read or buffered; only a caller with the key ever reaches the limit (and learns it).
 
 Pure ASGI, not BaseHTTPMiddleware, for the reason auth.py gives (streamed responses must still
 see client disconnects).
