@@ -192,7 +192,8 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
         return await _memory_occupation(request, release=False)
 
     async def _memory_occupation(request: Request, release: bool):
-        tags = (await read_body(request)).get("tags") or list(_MEMORY_TAGS)
+        tags = (await read_body(request)).get("tags")
+        tags = list(_MEMORY_TAGS) if tags is None or tags == [] else tags  # a falsy 0 or {} is not "all"
         tags = [tags] if isinstance(tags, str) else tags
         if not isinstance(tags, list):
             return control(False, f"tags must be a list of strings, a subset of {list(_MEMORY_TAGS)}")
