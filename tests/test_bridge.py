@@ -116,12 +116,13 @@ def _sync_rounds(rank, model_path, urls, layout, rounds, tmp_dir):
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_path):
+def engines(tiny_model_path, tmp_path_factory):
     """A tp=1 and a tp=2 embedded engine, shared by the module's tests."""
     from megarl.rollout.launcher import RolloutServerProcess
 
-    servers = [RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0),
-               RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0, extra_args=("--tp", "2"))]
+    disk = ("--weight-dirs", str(tmp_path_factory.getbasetemp()))  # the disk transport writes under tmp_path
+    servers = [RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0, extra_args=disk),
+               RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0, extra_args=("--tp", "2", *disk))]
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for future in [pool.submit(s.start) for s in servers]:

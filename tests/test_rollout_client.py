@@ -232,7 +232,8 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoints, tmp_path_factory):
     process = RolloutServerProcess(checkpoints[0], port=0, max_batch_size=16, seed=0, torch_threads=1,
-                                   log_path=tmp_path_factory.mktemp("logs") / "server.log")
+                                   log_path=tmp_path_factory.mktemp("logs") / "server.log",
+                                   extra_args=("--weight-dirs", str(checkpoints[0].parent)))  # both checkpoints
     with process:
         yield process
 

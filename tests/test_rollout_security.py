@@ -1,6 +1,7 @@
 """Locked down: weight payloads are unpickled through an allow-list, so a hostile one runs nothing
 (both payload shapes), while real payloads of every dtype still load; the API key guards every
-endpoint but /health*, is never echoed, and a non-loopback bind refuses to start without one."""
+endpoint but /health*, is never echoed, and a non-loopback bind refuses to start without one; the
+body limit and the allowed weight directories come from their flags, environment and the fleet."""
 
 from __future__ import annotations
 
@@ -123,3 +124,38 @@ def test_api_key_source_and_loopback_rule(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:  # refused before any model is loaded
         main(["--model-path", "/nonexistent", "--host", "0.0.0.0"])
     assert exit_info.value.code == 2 and "MEGARL_ROLLOUT_API_KEY" in capsys.readouterr().err
+
+
+# ---- body limit and weight directories: where the flags come from ------------------------------------
+def test_weight_dirs_come_from_the_flag_then_the_environment_then_the_model_path(monkeypatch, tmp_path):
+    from megarl.rollout.weight_dirs import PathNotAllowed, confine, resolve_weight_dirs
+
+    monkeypatch.setenv("MEGARL_ROLLOUT_WEIGHT_DIRS", f"{tmp_path}/a, {tmp_path}/b")
+    assert resolve_weight_dirs("/x,/y", "/model") == ["/x", "/y"]
+    assert resolve_weight_dirs(None, "/model") == [f"{tmp_path}/a", f"{tmp_path}/b"]
+    monkeypatch.delenv("MEGARL_ROLLOUT_WEIGHT_DIRS")
+    assert resolve_weight_dirs(None, "/model") == ["/model"]
+    (tmp_path / "a" / "ckpt").mkdir(parents=True)
+    (tmp_path / "b").symlink_to(tmp_path / "a")  # an allowed dir may itself be a link
+    assert confine(f"{tmp_path}/b/ckpt", [f"{tmp_path}/b"]) == str(tmp_path / "a" / "ckpt")
+    with pytest.raises(PathNotAllowed, match=f"allowed directories: {tmp_path}/a .*--weight-dirs"):
+        confine(f"{tmp_path}/a/../a2", [f"{tmp_path}/a"])
+
+
+def test_bad_limits_are_refused_before_any_model_is_loaded(capsys):
+    for value in ("0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--model-path", "/nonexistent", "--max-body-mb", value])
+        assert exit_info.value.code == 2 and "--max-body-mb" in capsys.readouterr().err
+
+
+def test_the_fleet_passes_the_disk_transports_directory_and_the_launcher_the_flags(tmp_path):
+    from megarl.config import RunConfig
+    from megarl.rollout.engine_launcher import EngineNodeSpec, _limit_args
+    from megarl.trainer.runtime import engine_node_specs
+
+    specs = [s for engine in engine_node_specs(RunConfig(), "/model", tmp_path) for s in engine]
+    assert specs and all(s.weight_dirs == (str(tmp_path / "weights"),) for s in specs)
+    spec = EngineNodeSpec("embedded", "/model", 0, weight_dirs=("/a", "/b"), max_body_mb=8.0)
+    assert _limit_args(spec) == ["--weight-dirs", "/a,/b", "--max-body-mb", "8.0"]
+    assert _limit_args(EngineNodeSpec("embedded", "/model", 0)) == []

@@ -98,13 +98,14 @@ def _start_all(servers: list[RolloutServerProcess]) -> None:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_path):
+def servers(tiny_model_path, tmp_path_factory):
     """tp=1, tp=2 and a two-node tp=2 engine (node 1 answers /health at once, so starts first)."""
     common = dict(torch_threads=1, seed=0, max_batch_size=8)
     addr = f"127.0.0.1:{free_port()}"
     nodes = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
-    tp1 = RolloutServerProcess(tiny_model_path, **common)
-    tp2 = RolloutServerProcess(tiny_model_path, extra_args=("--tp", "2"), **common)
+    disk = ("--weight-dirs", str(tmp_path_factory.getbasetemp()))  # the tests' tmp_path checkpoints
+    tp1 = RolloutServerProcess(tiny_model_path, extra_args=disk, **common)
+    tp2 = RolloutServerProcess(tiny_model_path, extra_args=("--tp", "2", *disk), **common)
     node1 = RolloutServerProcess(tiny_model_path, extra_args=(*nodes, "--node-rank", "1"), **common)
     node0 = RolloutServerProcess(tiny_model_path, extra_args=(*nodes, "--node-rank", "0"), **common)
     all_servers = [tp1, tp2, node1, node0]

@@ -6,8 +6,9 @@ server (the embedded `megarl.rollout.server` or real SGLang) as a subprocess in 
 group, with its log in the run dir, and can stop or restart it. Node rank 0 of an engine serves
 the HTTP API; the other nodes run their ranks and answer /health, so every node is probed alike.
 
-The API key reaches the server through the environment (embedded) or --api-key (SGLang, whose
-logged command line is redacted), never through a log.
+The API key reaches the server through the environment (embedded) or a 0600 --config file
+(SGLang), never through a command line or a log. An embedded server gets the spec's weight
+directories (--weight-dirs: where /update_weights_from_disk may read) and body limit.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class EngineNodeSpec:
     log_path: str = "rollout_server.log"
     startup_timeout_s: float = 300.0
     env: dict = field(default_factory=dict)
+    weight_dirs: tuple = ()      # embedded: --weight-dirs (empty: the server's default, model_path only)
+    max_body_mb: float | None = None  # embedded: --max-body-mb (None: the server's default)
 
     @property
     def name(self) -> str:
@@ -88,7 +91,7 @@ class EngineLauncher:
         else:
             self.server = RolloutServerProcess(
                 s.model_path, host=s.host, port=s.port, max_batch_size=s.max_batch_size, seed=s.seed,
-                torch_threads=1, extra_args=tuple(_mesh_args(s, dist_init_addr)), env=env,
+                torch_threads=1, extra_args=tuple(_mesh_args(s, dist_init_addr) + _limit_args(s)), env=env,
                 log_path=s.log_path, startup_timeout_s=s.startup_timeout_s)
         self.server.start()
         self._url = f"http://{_url_host(self._reachable_host())}:{self.server.port}"
@@ -122,6 +125,11 @@ def _mesh_args(spec: EngineNodeSpec, dist_init_addr: str | None) -> list[str]:
         args += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
                  "--dist-init-addr", dist_init_addr]
     return args
+
+
+def _limit_args(spec: EngineNodeSpec) -> list[str]:
+    args = ["--weight-dirs", ",".join(spec.weight_dirs)] if spec.weight_dirs else []
+    return args + (["--max-body-mb", str(spec.max_body_mb)] if spec.max_body_mb is not None else [])
 
 
 def _url_host(host: str) -> str:

@@ -18,6 +18,10 @@ from megarl.rollout.protocol import GenerationRequest, InvalidRequest, SamplingP
 from megarl.rollout.sglang_fields import GENERATE_FIELDS, SAMPLING_FIELDS, check_fields
 
 _GREEDY_BELOW = 1e-6  # temperatures this small are greedy, as in SGLang
+# Samples (prompts x n) one /generate may ask for: each becomes a request object before any runs, so
+# an unbounded n would exhaust memory. Far above an RL step's batch on one engine (512 prompts x 16);
+# RolloutClient(max_batch_prompts=...) splits larger batches into several calls.
+MAX_SAMPLES_PER_CALL = 2**17
 
 
 @dataclass
@@ -190,7 +194,11 @@ def _token_ids_logprob(raw, count: int) -> list[tuple[int, ...] | None]:
 def _rids(raw, count: int, single: bool) -> list[str]:
     if isinstance(raw, str) and not single:
         return [f"{raw}_{i}" for i in range(count)]  # SGLang's expansion of one rid over a batch
-    rids = [str(r) if r is not None else uuid.uuid4().hex for r in _per_prompt(raw, count, "rid", None)]
+    rids = _per_prompt(raw, count, "rid", None)
+    bad = [r for r in rids if r is not None and not isinstance(r, str)]
+    if bad:
+        raise InvalidRequest(f"rid={str(bad[0])[:80]} must be a string (or a list of strings, one per prompt)")
+    rids = [r if r is not None else uuid.uuid4().hex for r in rids]
     if len(set(rids)) != len(rids):
         raise InvalidRequest(f"rid has duplicates {sorted({r for r in rids if rids.count(r) > 1})}; "
                              "each prompt needs its own request id")
@@ -213,6 +221,9 @@ def parse_generate(body: Any, engine) -> GenerateCall:
     n = parsed[0][1]
     if any(k != n for _, k in parsed):
         raise InvalidRequest("sampling_params.n must be the same for every prompt (as in SGLang)")
+    if count * n > MAX_SAMPLES_PER_CALL:
+        raise InvalidRequest(f"{count} prompts x n={n} is {count * n} samples, over the {MAX_SAMPLES_PER_CALL} one "
+                             "/generate may ask for; split the batch into several calls")
     rids = _rids(body.get("rid"), count, single)
     return_lp = _per_prompt(body.get("return_logprob"), count, "return_logprob", False)
     start = _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len", -1)

@@ -1,4 +1,8 @@
-"""Request bodies and control answers shared by the embedded server's route modules."""
+"""Request bodies, their fields and control answers shared by the embedded server's route modules.
+
+`field` checks one body field's JSON type (and range) before a route uses it: a wrong type is a
+400 naming the field, never a TypeError deep in the engine answered as a 500.
+"""
 
 from __future__ import annotations
 
@@ -33,3 +37,34 @@ async def read_body(request: Request) -> dict:
 def control(ok: bool, message: str, **extra) -> JSONResponse:
     """SGLang's control answer: {"success", "message"}, 200 on success and 400 on failure."""
     return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
+
+
+_KINDS = {
+    "string": (lambda v: isinstance(v, str), "a string"),
+    "boolean": (lambda v: isinstance(v, bool), "true or false"),
+    "integer": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "version": (lambda v: isinstance(v, str) or isinstance(v, int) and not isinstance(v, bool),
+                "a string (or an integer)"),
+}
+
+
+def field(body: dict, name: str, kind: str, default=None, *, required: bool = False,
+          low: int | None = None, high: int | None = None):
+    """body[name] checked to be of `kind` (see _KINDS; a version comes back as a string) and in
+    [low, high]; `default` when absent or null; ApiError(400) naming the field otherwise."""
+    check, what = _KINDS[kind]
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(400, f"{name} is required: {what}")
+        return default
+    if not check(value):
+        raise ApiError(400, f"{name}={_short(value)} must be {what}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ApiError(400, f"{name}={value} must be in [{low}, {high}]")
+    return str(value) if kind == "version" else value
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -3,6 +3,7 @@
     python -m megarl.rollout.server --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--max-batch-size 32] [--seed S] [--device cpu] [--dtype float32] [--torch-threads N]
         [--api-key KEY]   (or MEGARL_ROLLOUT_API_KEY; required unless --host is a loopback address)
+        [--max-body-mb 256] [--weight-dirs DIR[,DIR]]   (or MEGARL_ROLLOUT_WEIGHT_DIRS)
         [--tp N [--nnodes K --node-rank R --dist-init-addr HOST:PORT]]   (tp/launch.py)
 
 Request and response shapes are SGLang 0.5's (see shared/reference/sglang-http-api.md), so the
@@ -13,9 +14,11 @@ SGLang's server-sent events with stream=true (streaming.py). The weight-update e
 disk, update groups, distributed, reshard, deferred commit) are weight_routes.py's.
 
 Errors are SGLang's: {"error": {"message": ...}} with 400 for a malformed /generate (the message
-names the field), 503 while weights are released, 401 without the API key; control endpoints
-answer {"success": false, "message": ...} with 400. Weight payloads are unpickled with an
-allow-list of torch's rebuild functions (safe_unpickle.py), so a hostile payload runs nothing.
+names the field), 503 while weights are released, 401 without the API key, 413 for a body over
+--max-body-mb (body_limit.py); control endpoints answer {"success": false, "message": ...} with
+400. Weight payloads are unpickled with an allow-list of torch's rebuild functions
+(safe_unpickle.py), so a hostile payload runs nothing; /update_weights_from_disk reads only under
+--weight-dirs (weight_dirs.py).
 """
 
 from __future__ import annotations
@@ -31,23 +34,33 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from megarl.rollout.auth import ApiKeyMiddleware, is_loopback, redacted, resolve_api_key
+from megarl.rollout.body_limit import DEFAULT_MAX_BODY_MB, MAX_BODY_FLAG, BodySizeLimitMiddleware, max_body_bytes
 from megarl.rollout.engine import GenerationEngine
 from megarl.rollout.generate_input import GenerateCall, parse_generate
 from megarl.rollout.generate_output import output_item
-from megarl.rollout.http_common import ApiError, control, read_body
+from megarl.rollout.http_common import ApiError, control, field, read_body
 from megarl.rollout.protocol import GenerationRequest, InvalidRequest, SamplingParams, WeightsUnavailable
 from megarl.rollout.streaming import GenerationStream
 from megarl.rollout.tp import launch
+from megarl.rollout.weight_dirs import WEIGHT_DIRS_ENV, WEIGHT_DIRS_FLAG, resolve_weight_dirs
 from megarl.rollout.weight_routes import register_weight_routes
 
 log = logging.getLogger(__name__)
 _MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-def create_app(engine: GenerationEngine, server_args: dict | None = None, api_key: str | None = None) -> FastAPI:
-    """`api_key`: when set, every request except /health* and /metrics* needs the Bearer key."""
+def create_app(engine: GenerationEngine, server_args: dict | None = None, api_key: str | None = None, *,
+               max_body_mb: float = DEFAULT_MAX_BODY_MB, weight_dirs: list[str] | None = None) -> FastAPI:
+    """`api_key`: when set, every request except /health* and /metrics* needs the Bearer key.
+    `max_body_mb`: larger request bodies get 413. `weight_dirs`: where /update_weights_from_disk
+    may read (default: the engine's model directory only)."""
     app = FastAPI(title="megarl embedded rollout server")
-    app.state.engine, server_args = engine, redacted({**(server_args or {}), "api_key": api_key})
+    weight_dirs = list(weight_dirs) if weight_dirs else resolve_weight_dirs(None, engine.model_path)
+    app.state.engine, server_args = engine, redacted({**(server_args or {}), "api_key": api_key,
+                                                      "max_body_mb": max_body_mb, "weight_dirs": weight_dirs})
+    # The last middleware added runs first: the key is checked from the headers before the body
+    # limiter (or any route) reads a byte, so a keyless body of any size costs nothing.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes(max_body_mb))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -141,7 +154,8 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
         return engine.runner.layout()
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
+    async def flush_cache(request: Request):
+        await read_body(request)  # none expected; a malformed one is refused like everywhere else
         pending = engine.pending()
         if pending:
             return PlainTextResponse(f"Cache not flushed: {pending} requests are queued or running.", 400)
@@ -150,22 +164,24 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
     @app.post("/abort_request")
     async def abort_request(request: Request):
         body = await read_body(request)
-        engine.abort(body.get("rid"), abort_all=bool(body.get("abort_all", False)),
-                     message=body.get("abort_message") or "aborted by /abort_request")
+        rid, abort_all = field(body, "rid", "string"), field(body, "abort_all", "boolean", False)
+        engine.abort(rid, abort_all=abort_all,
+                     message=field(body, "abort_message", "string") or "aborted by /abort_request")
         return Response(status_code=200)
 
     @app.api_route("/pause_generation", methods=["GET", "POST"])
     async def pause_generation(request: Request):
-        mode = (await read_body(request)).get("mode", "abort")
+        mode = field(await read_body(request), "mode", "string", "abort")
         engine.pause(mode)
         return control(True, f"Generation paused (mode={mode}).")
 
     @app.api_route("/continue_generation", methods=["GET", "POST"])
-    async def continue_generation():
+    async def continue_generation(request: Request):
+        await read_body(request)
         engine.resume_generation()
         return control(True, "Generation continued.")
 
-    register_weight_routes(app, engine)
+    register_weight_routes(app, engine, weight_dirs)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request):
@@ -176,8 +192,11 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
         return await _memory_occupation(request, release=False)
 
     async def _memory_occupation(request: Request, release: bool):
-        tags = (await read_body(request)).get("tags") or list(_MEMORY_TAGS)
+        tags = (await read_body(request)).get("tags")
+        tags = list(_MEMORY_TAGS) if tags is None or tags == [] else tags  # a falsy 0 or {} is not "all"
         tags = [tags] if isinstance(tags, str) else tags
+        if not isinstance(tags, list):
+            return control(False, f"tags must be a list of strings, a subset of {list(_MEMORY_TAGS)}")
         unknown = [t for t in tags if t not in _MEMORY_TAGS]
         if unknown:
             return control(False, f"tags {unknown} unknown; use a subset of {list(_MEMORY_TAGS)}")
@@ -208,6 +227,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (prefer the MEGARL_ROLLOUT_API_KEY environment "
                              "variable: a command line is visible to every user of the machine)")
+    parser.add_argument(MAX_BODY_FLAG, type=float, default=DEFAULT_MAX_BODY_MB,
+                        help="larger request bodies are refused with 413 (default: %(default)s MB, room above "
+                             "the largest weight-update and batched /generate bodies; body_limit.py says why)")
+    parser.add_argument(WEIGHT_DIRS_FLAG, default=None, metavar="DIR[,DIR]",
+                        help=f"the only directories /update_weights_from_disk may read (or {WEIGHT_DIRS_ENV}); "
+                             "default: --model-path only")
     parser.add_argument("--log-level", default="info")
     launch.add_mesh_arguments(parser)
     return parser
@@ -217,12 +242,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     args.api_key = resolve_api_key(args.api_key)
+    args.weight_dirs = resolve_weight_dirs(args.weight_dirs, args.model_path)
     if not args.api_key and not is_loopback(args.host):
         # /update_weights_from_tensor maps memory the caller names and /generate spends compute:
         # a server other machines can reach must not be open to all of them.
         parser.error(f"--host {args.host} is reachable from other machines; set an API key (--api-key or the "
                      "MEGARL_ROLLOUT_API_KEY environment variable) or bind a loopback address such as 127.0.0.1")
     try:
+        max_body_bytes(args.max_body_mb)
         spec = launch.mesh_spec(args)
         if spec.tp > 1:
             launch.validate_model(args.model_path, spec.tp)
@@ -242,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     runner, mesh = launch.start_rank0(*mesh_args) if spec.tp > 1 else (None, None)
     engine = GenerationEngine(args.model_path, args.tokenizer_path, device=args.device, dtype=args.dtype,
                               max_batch_size=args.max_batch_size, seed=args.seed, runner=runner)
-    app = create_app(engine, vars(args), api_key=args.api_key)
+    app = create_app(engine, vars(args), api_key=args.api_key, max_body_mb=args.max_body_mb,
+                     weight_dirs=args.weight_dirs)
 
     def stop() -> None:
         engine.close()

@@ -149,6 +149,7 @@ def server_argv(spec: SGLangServerSpec, python: str = sys.executable) -> list[st
     """The `python -m sglang.launch_server` argv for this node of the engine."""
     validate(spec)
     argv = [python, "-m", "sglang.launch_server", "--model-path", spec.model_path]
+    # SGLang has no --weight-dirs / --max-body-mb: disk-update paths and body sizes are not confined there.
     if spec.tokenizer_path:
         argv += ["--tokenizer-path", spec.tokenizer_path]
     argv += ["--host", spec.host, "--port", str(spec.port),

@@ -96,7 +96,9 @@ def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[li
         dp=r.dp, host=r.host, port=r.port + e * r.nnodes + k if r.port else 0, max_batch_size=r.max_batch_size,
         seed=cfg.trainer.seed + e, colocated=cfg.cluster.placement == "colocated",
         log_path=str(run_dir / (f"rollout_server_{e}.log" if r.nnodes == 1 else f"rollout_server_{e}_node{k}.log")),
-        startup_timeout_s=r.startup_timeout_s, env={"TOKENIZERS_PARALLELISM": "false"})
+        startup_timeout_s=r.startup_timeout_s, env={"TOKENIZERS_PARALLELISM": "false"},
+        # where the disk transport writes (sync_trainer._bridge_spec): the only dir disk updates may read
+        weight_dirs=(str(run_dir / "weights"),))
         for k in range(r.nnodes)] for e in range(r.num_servers)]
 
 
