@@ -28,6 +28,7 @@ import torch
 from checkpoint_convert import ConvertError
 from checkpoint_convert import hf_files
 from checkpoint_convert.held import HeldBytes
+from megarl.engine.megatron.hf_export import copy_side_files
 from checkpoint_convert.lazy_save import LazyTorchDistSave
 from checkpoint_convert.meta_model import MetaModel
 from checkpoint_convert.partial_load import load_sharded_tensors
@@ -104,7 +105,7 @@ def hf_to_mcore(hf: str, out: str, overwrite: bool = False) -> dict:
         with _unwrapped_convert_errors():
             marker = checkpoint.save(meta.engine, stage, rng=False, sharded_strategy=strategy,
                                      extra=dict(contents="model", source=source))
-        hf_files.copy_side_files(hf, os.path.join(stage, HF_SUBDIR))
+        copy_side_files(hf, os.path.join(stage, HF_SUBDIR))
     return dict(marker, path=os.path.abspath(out), peak_held_bytes=held.peak, model_bytes=meta.nbytes)
 
 
@@ -204,7 +205,7 @@ def mcore_to_hf(mcore: str, out: str, hf_config: str | None = None, overwrite: b
         for chunk in meta.chunks(chunk_bytes):  # a function call per chunk: nothing outlives it
             _convert_chunk(mcore, template, chunk, bridge, writer, held)
         names = writer.finish()
-        hf_files.copy_side_files(config_dir, stage)
+        copy_side_files(config_dir, stage)
     return dict(path=os.path.abspath(out), tensors=len(names), config=config_dir, peak_held_bytes=held.peak,
                 model_bytes=meta.nbytes)
 

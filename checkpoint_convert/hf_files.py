@@ -16,7 +16,7 @@ import torch
 from checkpoint_convert import ConvertError
 
 # the trainer's end-of-run export writes the same files (one definition of what is not weights)
-from megarl.engine.megatron.hf_export import INDEX, copy_side_files  # noqa: F401  (convert.py uses both)
+from megarl.engine.megatron.hf_export import INDEX  # one definition for the export and the converter
 
 
 def load_config(path: str):
