@@ -17,16 +17,25 @@ import sys
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
-from tests.test_cli import ROOT, _assert_nothing_left as assert_nothing_left, _start as start, \
-    _wait_for_line as wait_for_line
+from tests.test_cli import ROOT, _assert_nothing_left as assert_nothing_left, _marked as marked, \
+    _start as start, _wait_for_line as wait_for_line
 
 STEPS = 6
 RUN = ["configs/quickstart.yaml", f"trainer.total_steps={STEPS}", "data.num_train=64", "rollout.n=4",
        "actor.ppo_mini_batch_size=64", "trainer.val_every=0", "trainer.tensorboard=false",
        "trainer.deterministic=true"]
+
+
+def _read(get):
+    """A property of a process that may exit meanwhile (None then)."""
+    try:
+        return get()
+    except psutil.Error:
+        return None
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
@@ -43,13 +52,25 @@ def runs(tmp_path_factory):
     killed_id = uuid.uuid4().hex
     proc = start(["train", *RUN, f"trainer.output_dir={root}/killed", "trainer.save_every=1"], killed_id)
     before = wait_for_line(proc, "checkpoints/step_000002", timeout_s=300)
+    alive = marked(killed_id)
+    keys = {_read(lambda: p.environ().get("MEGARL_ROLLOUT_API_KEY")) for p in alive} - {None}
+    argv = [_read(lambda: " ".join(p.cmdline())) or "" for p in alive]
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: no handler, no cleanup of its own
     proc.wait()
     assert_nothing_left(killed_id)  # its Ray cluster, ranks and server follow it (parent-death)
     resumed = _finish(start(["train", *RUN, f"trainer.output_dir={root}/killed", "trainer.save_every=1"],
                             uuid.uuid4().hex))
     return {"whole": root / "whole" / "quickstart", "killed": root / "killed" / "quickstart",
-            "whole_out": whole, "before_kill": before, "resumed_out": resumed}
+            "whole_out": whole, "before_kill": before, "resumed_out": resumed, "keys": keys, "argv": argv}
+
+
+def test_the_api_key_is_in_no_command_line_and_no_file_of_the_run(runs):
+    [key] = runs["keys"]  # the run's one key, read from its server's environment
+    assert len(key) >= 32 and len(runs["argv"]) > 3
+    assert not [a for a in runs["argv"] if key in a]
+    files = [f for f in runs["killed"].rglob("*") if f.is_file()]
+    assert any(f.name == "config.yaml" for f in files) and any(f.suffix == ".log" for f in files)
+    assert not [f for f in files if key.encode() in f.read_bytes()]
 
 
 def test_resumed_run_equals_the_uninterrupted_run_step_for_step(runs):
