@@ -1,0 +1,80 @@
+"""Crashes of a run, as a user meets them: a SIGKILL'd driver, a killed Ray actor, a dead rank.
+
+Whatever dies, nothing the run started may keep running (and holding ports, memory or GPUs):
+the driver's SIGKILL runs no cleanup, so its children die by parent-death signals
+(megarl/rollout/lifeline.py, Ray's own for gcs_server and raylet) and a Reaper
+(megarl/controller/reaper.py) for Ray's agents. A dead trainer rank stops the run at once with one
+line naming it. The time limits are the issue's: 30 s to a clean machine, 60 s to a stopped run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import psutil
+import torch
+
+from tests._procs import SMALL_RUN, _marked, _start, _tree, _wait_for_line, _wait_until_none_left
+
+torch.set_num_threads(1)
+
+
+def test_driver_sigkill_leaves_no_process_of_the_run(tmp_path):
+    """TP followers and the router too: every kind of process a run starts is up when it dies."""
+    run_id = uuid.uuid4().hex
+    proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}", *SMALL_RUN,
+                   "rollout.tp=2", "rollout.router=true"], run_id)
+    _wait_for_line(proc, "step 2/", timeout_s=240)
+    tree = _tree(proc.pid)  # Ray's agents overwrite their environment: the marker misses them
+    names = {p.name() for p in tree}
+    assert {"raylet", "gcs_server", "ray::MegatronActor", "ray::EngineLauncher", "sglang::router",
+            "ray::DashboardAgent"} <= names, names
+    assert sum("multiprocessing.spawn" in " ".join(p.cmdline()) for p in tree) == 1  # the TP follower
+    os.kill(proc.pid, signal.SIGKILL)  # the driver only, not its group: nothing else is signalled
+    proc.wait(timeout=10)
+    gone_s = _wait_until_none_left(run_id, within_s=30, also=tree)
+    print(f"driver SIGKILL -> nothing left {gone_s:.1f}s")
+
+
+def test_killed_launcher_actor_takes_its_server_and_tp_followers_down(tiny_model_path, tmp_path):
+    """An actor's subprocesses follow it however it dies (OOM kill, a reclaimed job's actor on an
+    external cluster): before lifeline.py a SIGKILL'd launcher left its server serving."""
+    import ray
+
+    from megarl.controller.cluster import RayCluster
+    from megarl.rollout.engine_launcher import EngineLauncher, EngineNodeSpec
+
+    spec = EngineNodeSpec(backend="embedded", model_path=str(tiny_model_path), engine=0, tp=2,
+                          log_path=str(tmp_path / "server.log"))
+    with RayCluster(num_cpus=1, log_to_driver=False):
+        launcher = ray.remote(EngineLauncher).options(num_cpus=0).remote(spec)
+        ray.get(launcher.start.remote())
+        server = psutil.Process(ray.get(launcher.server_pid.remote()))
+        tree = [server, *server.children(recursive=True)]
+        assert any("multiprocessing.spawn" in " ".join(p.cmdline()) for p in tree)  # the follower
+        os.kill(server.ppid(), signal.SIGKILL)  # the launcher actor's process
+        marker = uuid.uuid4().hex  # no process carries it: only the tree is watched
+        _wait_until_none_left(marker, within_s=30, also=tree)
+
+
+def test_dead_trainer_rank_stops_the_run_with_one_line_naming_it(tmp_path):
+    run_id = uuid.uuid4().hex
+    proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}", *SMALL_RUN], run_id)
+    _wait_for_line(proc, "step 2/", timeout_s=240)
+    rank1 = [p for p in _marked(run_id) if p.environ().get("MEGARL_WORKER") == "actor/1"
+             and p.name().startswith("ray::")]
+    assert len(rank1) == 1, [(p.pid, p.name()) for p in _marked(run_id)]
+    tree = _tree(proc.pid)
+    os.kill(rank1[0].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    out, _ = proc.communicate(timeout=60)  # the issue's bound: the run stops within 60 s
+    stopped_s = time.monotonic() - killed
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert proc.returncode not in (0, -signal.SIGKILL), out[-3000:]
+    assert lines[-1].startswith(f"megarl: actor rank 1 (pid {rank1[0].pid}, node "), out[-3000:]
+    assert "died during" in lines[-1] and "killed" in lines[-1], lines[-1]
+    gone_s = _wait_until_none_left(run_id, within_s=30, also=tree)
+    print(f"rank SIGKILL -> exit {stopped_s:.1f}s; exit -> nothing left {gone_s:.1f}s")
