@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from tests._procs import SMALL_RUN, _assert_nothing_left, _marked, _start, _wait_for_line
+from tests._procs import SMALL_RUN, _assert_nothing_left, _marked, _start, _tree, _wait_for_line
 
 
 @pytest.mark.parametrize("override,key", [
@@ -59,11 +59,12 @@ def test_ctrl_c_mid_run_stops_every_process(tmp_path):
                    *SMALL_RUN], run_id, start_new_session=True)
     _wait_for_line(proc, "step 2/", timeout_s=240)
     assert len(_marked(run_id)) > 3  # Ray, the server and Megatron ranks are really up
+    tree = _tree(proc.pid)  # also Ray's agents, whose environment the marker cannot be read from
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
     assert "interrupted" in out
-    _assert_nothing_left(run_id)
+    _assert_nothing_left(run_id, also=tree)
 
 
 def test_error_mid_run_stops_every_process_and_reports_it(tmp_path):
