@@ -78,3 +78,75 @@ def test_dead_trainer_rank_stops_the_run_with_one_line_naming_it(tmp_path):
     assert "died during" in lines[-1] and "killed" in lines[-1], lines[-1]
     gone_s = _wait_until_none_left(run_id, within_s=30, also=tree)
     print(f"rank SIGKILL -> exit {stopped_s:.1f}s; exit -> nothing left {gone_s:.1f}s")
+
+
+# ---- the two mechanisms alone, in plain processes (no Ray) ------------------------------------------
+
+_PARENT = """
+import subprocess, sys
+from megarl.controller.reaper import Reaper
+from megarl.rollout import lifeline
+plain = subprocess.Popen(["sleep", "300"], start_new_session=True)       # only the reaper can stop it
+guarded = subprocess.Popen(lifeline.guarded(["sleep", "300"]), start_new_session=True)
+reaper = Reaper.start()  # returns once the reaper has seen both
+print(plain.pid, guarded.pid, flush=True)
+if sys.argv[1] == "orderly":
+    reaper.stop()
+    print("stopped", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _parent(mode: str):
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    plain, guarded = (psutil.Process(int(pid)) for pid in parent.stdout.readline().split())
+    return parent, plain, guarded
+
+
+def _dead(process: psutil.Process) -> bool:
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def test_parent_sigkill_kills_a_guarded_child_and_the_reaper_kills_the_rest():
+    parent, plain, guarded = _parent("crash")
+    deadline = time.monotonic() + 10
+    while guarded.cmdline() != ["sleep", "300"] and time.monotonic() < deadline:
+        time.sleep(0.02)  # the guard is still setting itself up
+    assert guarded.cmdline() == ["sleep", "300"]  # the guard exec'd: the pid is the command's
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    _wait_until_none_left(uuid.uuid4().hex, within_s=10, also=[plain, guarded])
+
+
+def test_orderly_reaper_stop_kills_nothing():
+    parent, plain, guarded = _parent("orderly")
+    try:
+        assert parent.stdout.readline().strip() == "stopped"
+        parent.stdin.close()  # the parent exits normally
+        parent.wait(timeout=10)
+        _wait_until_none_left(uuid.uuid4().hex, within_s=10, also=[guarded])  # parent death: guarded goes
+        assert not _dead(plain)  # the reaper was told the shutdown was orderly: it killed nothing
+    finally:
+        for process in (plain, guarded):
+            if not _dead(process):
+                process.kill()
+
+
+def test_a_child_whose_parent_died_before_the_guard_was_set_dies_at_once():
+    import subprocess
+    import sys
+
+    from megarl.rollout import lifeline
+
+    cmd = lifeline.guarded(["sleep", "300"])
+    cmd[cmd.index("--") - 1] = "1"  # as if its parent had already died (the orphan's parent is init)
+    child = subprocess.Popen(cmd)
+    assert child.wait(timeout=10) == -signal.SIGKILL
+    assert sys.platform.startswith("linux")

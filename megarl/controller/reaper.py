@@ -6,12 +6,12 @@ and runtime-env agents do not: they see the raylet die, then try to tell the (de
 and give up only after a 60 s RPC timeout (measured: 61 s after a driver SIGKILL). Nothing in the
 driver can run after a SIGKILL, so a separate process does the cleanup:
 
-    reaper = Reaper.start(exclude={...pids that are not this run's...})   # right after ray.init
+    reaper = Reaper.start(exclude={...children that are not this run's...})  # before ray.init
     ...
     reaper.stop()            # after an orderly shutdown: the reaper exits and kills nothing
 
 While the driver lives, the reaper polls the driver's process tree (every POLL_S) and remembers
-each descendant by pid and start time. When the driver dies (its end of a pipe closes without a
+each descendant by pid and start time; start() returns once it has looked the first time. When the driver dies (its end of a pipe closes without a
 "done", or its pid is gone) the reaper SIGKILLs every remembered process still running, then
 exits. Only processes that were the driver's descendants are touched, each checked against its
 start time, so a reused pid is never hit. The file is run by path with `python -I`, so it needs
@@ -28,6 +28,7 @@ import sys
 
 POLL_S = 0.5
 DONE = b"done\n"
+READY = b"ready\n"
 
 
 class Reaper:
@@ -43,12 +44,20 @@ class Reaper:
             process = subprocess.Popen(
                 [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()),
                  ",".join(str(p) for p in sorted(exclude))],
-                stdin=read_fd, stdout=subprocess.DEVNULL, start_new_session=True)
+                stdin=read_fd, stdout=subprocess.PIPE, start_new_session=True)
         except BaseException:
             os.close(write_fd)
             raise
         finally:
             os.close(read_fd)
+        with process.stdout:  # "ready" once it has seen this process's children: from now on it watches
+            ready = process.stdout.readline()
+        if ready != READY:
+            os.close(write_fd)
+            process.kill()
+            process.wait()
+            raise RuntimeError(f"the reaper process ({__file__}) did not start (it said {ready!r}); "
+                               "its error is above")
         return cls(process, write_fd)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -80,7 +89,7 @@ def _watch(driver_pid: int, exclude: set[int]) -> None:
         return
     exclude = exclude | {os.getpid()}
     known: dict[tuple[int, float], psutil.Process] = {}
-    message = b""
+    message, ready = b"", False
     while _alive(driver):
         try:
             for child in driver.children():
@@ -89,6 +98,9 @@ def _watch(driver_pid: int, exclude: set[int]) -> None:
                         known.setdefault((process.pid, process.create_time()), process)
         except psutil.Error:
             pass  # the driver (or a child being listed) just died: seen on the next check
+        if not ready:
+            os.write(sys.stdout.fileno(), READY)
+            ready = True
         ready, _, _ = select.select([sys.stdin.fileno()], [], [], POLL_S)
         if ready:
             chunk = os.read(sys.stdin.fileno(), 64)
