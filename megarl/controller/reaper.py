@@ -20,11 +20,14 @@ only the standard library and psutil, not the driver's PYTHONPATH.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal
 import subprocess
 import sys
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
 DONE = b"done\n"
@@ -38,12 +41,12 @@ class Reaper:
         self.process, self._write_fd = process, write_fd
 
     @classmethod
-    def start(cls, exclude: set[int] = frozenset()) -> "Reaper":
+    def start(cls, exclude: set[int] = frozenset(), poll_s: float = POLL_S) -> "Reaper":
         read_fd, write_fd = os.pipe()  # the write end stays in this process only (not inheritable)
         try:
             process = subprocess.Popen(
                 [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()),
-                 ",".join(str(p) for p in sorted(exclude))],
+                 ",".join(str(p) for p in sorted(exclude)), str(poll_s)],
                 stdin=read_fd, stdout=subprocess.PIPE, start_new_session=True)
         except BaseException:
             os.close(write_fd)
@@ -72,15 +75,18 @@ class Reaper:
         finally:
             os.close(fd)
         try:
-            self.process.wait(timeout_s)
+            code = self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.wait()
+            code = self.process.wait()
+        if code != 0:
+            logger.warning("the reaper process exited with status %s (its error is above): a SIGKILL of this "
+                           "process would have left Ray's agents running for a minute", code)
 
 
 # ---- the reaper process ----------------------------------------------------------------------------
 
-def _watch(driver_pid: int, exclude: set[int]) -> None:
+def _watch(driver_pid: int, exclude: set[int], poll_s: float) -> None:
     import psutil
 
     try:
@@ -89,7 +95,7 @@ def _watch(driver_pid: int, exclude: set[int]) -> None:
         return
     exclude = exclude | {os.getpid()}
     known: dict[tuple[int, float], psutil.Process] = {}
-    message, ready = b"", False
+    message, told_ready = b"", False
     while _alive(driver):
         try:
             for child in driver.children():
@@ -98,11 +104,11 @@ def _watch(driver_pid: int, exclude: set[int]) -> None:
                         known.setdefault((process.pid, process.create_time()), process)
         except psutil.Error:
             pass  # the driver (or a child being listed) just died: seen on the next check
-        if not ready:
+        if not told_ready:
             os.write(sys.stdout.fileno(), READY)
-            ready = True
-        ready, _, _ = select.select([sys.stdin.fileno()], [], [], POLL_S)
-        if ready:
+            told_ready = True
+        readable, _, _ = select.select([sys.stdin.fileno()], [], [], poll_s)
+        if readable:
             chunk = os.read(sys.stdin.fileno(), 64)
             message += chunk
             if message.startswith(DONE):
@@ -127,10 +133,9 @@ def _alive(process) -> bool:
 
 
 def main(argv: list[str]) -> None:
-    driver_pid = int(argv[0])
-    exclude = {int(p) for p in argv[1].split(",") if p} if len(argv) > 1 else set()
+    driver_pid, exclude, poll_s = int(argv[0]), {int(p) for p in argv[1].split(",") if p}, float(argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the driver to handle
-    _watch(driver_pid, exclude)
+    _watch(driver_pid, exclude, poll_s)
 
 
 if __name__ == "__main__":
