@@ -153,11 +153,12 @@ def _report_failure(err: BaseException, run_dir, debug: bool) -> int:
     if debug:
         print(text, file=sys.stderr, end="")
     what = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-    what = f"{type(err).__name__}: {what}" if what else type(err).__name__
+    what = f"run failed: {type(err).__name__}: {what}" if what else f"run failed: {type(err).__name__}"
+    what = getattr(err, "summary", None) or what  # a rank's death or error names the rank (WorkerError)
     last = checkpoints.latest_checkpoint(run_dir)
     resume = (f"last checkpoint {last}; continue from it with trainer.resume=auto" if last is not None
               else "no checkpoint was saved (trainer.save_every keeps progress)")
-    print(f"megarl: run failed: {what} | {resume} | traceback in {log}"
+    print(f"megarl: {what} | {resume} | traceback in {log}"
           + ("" if debug else " (or rerun with --debug)"), file=sys.stderr)
     return 1
 

@@ -1,7 +1,8 @@
 """The `megarl` command as a user runs it: errors, exit codes, and no process left behind.
 
 Every process a run starts (Ray's raylet, GCS and workers, the rollout server, Megatron ranks)
-inherits the environment, so a unique marker variable finds them all, also orphans.
+inherits the environment, so a unique marker variable finds them all, also orphans (tests/_procs.py).
+Crashes (a SIGKILL'd driver, a dead rank) are in test_crash.py.
 """
 
 from __future__ import annotations
@@ -9,61 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
-import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-MARKER = "MEGARL_TEST_RUN_ID"
-
-
-def _marked(run_id: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.pid != os.getpid() and proc.environ().get(MARKER) == run_id:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def _start(args: list[str], run_id: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, MARKER: run_id, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
-
-
-def _assert_nothing_left(run_id: str, within_s: float = 30.0) -> None:
-    deadline = time.time() + within_s
-    while time.time() < deadline and _marked(run_id):
-        time.sleep(0.5)
-    left = _marked(run_id)
-    for proc in left:  # clean up before failing, so one failure does not poison later tests
-        proc.kill()
-    assert not left, f"processes left running: {[(p.pid, p.name()) for p in left]}"
-
-
-def _wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float) -> str:
-    seen, deadline = [], time.time() + timeout_s
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        seen.append(line)
-        if text in line:
-            return "".join(seen)
-    proc.kill()
-    raise AssertionError(f"never saw {text!r}; output:\n{''.join(seen)[-3000:]}")
-
-
-SMALL_RUN = ["trainer.total_steps=1000", "data.num_train=64", "rollout.n=4",
-             "actor.ppo_mini_batch_size=64", "trainer.val_every=0", "trainer.tensorboard=false"]
+from tests._procs import SMALL_RUN, _assert_nothing_left, _marked, _start, _tree, _wait_for_line
 
 
 @pytest.mark.parametrize("override,key", [
@@ -107,11 +59,12 @@ def test_ctrl_c_mid_run_stops_every_process(tmp_path):
                    *SMALL_RUN], run_id, start_new_session=True)
     _wait_for_line(proc, "step 2/", timeout_s=240)
     assert len(_marked(run_id)) > 3  # Ray, the server and Megatron ranks are really up
+    tree = _tree(proc.pid)  # also Ray's agents, whose environment the marker cannot be read from
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
     assert "interrupted" in out
-    _assert_nothing_left(run_id)
+    _assert_nothing_left(run_id, also=tree)
 
 
 def test_error_mid_run_stops_every_process_and_reports_it(tmp_path):

@@ -2,9 +2,9 @@
 the run-dir lock. The runs are real `megarl train` processes (Ray, Megatron ranks, the server).
 
 The resume check is the README's: train N steps uninterrupted; train again with save_every,
-SIGKILL the driver mid-run, resume with trainer.resume=auto; `megarl compare-runs` finds the two
-metrics.jsonl identical step for step in every key but the wall-clock ones (CPU fp32,
-trainer.deterministic=true).
+SIGKILL the driver mid-run, resume with trainer.resume=auto (here also: SIGKILL a trainer rank of
+the resumed run and resume once more); `megarl compare-runs` finds the two metrics.jsonl
+identical step for step in every key but the wall-clock ones (CPU fp32, trainer.deterministic=true).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -21,8 +22,7 @@ import psutil
 import pytest
 import torch
 
-from tests.test_cli import ROOT, _assert_nothing_left as assert_nothing_left, _marked as marked, \
-    _start as start, _wait_for_line as wait_for_line
+from tests._procs import ROOT, _assert_nothing_left, _marked, _start, _tree, _wait_for_line
 
 STEPS = 6
 RUN = ["configs/quickstart.yaml", f"trainer.total_steps={STEPS}", "data.num_train=64", "rollout.n=4",
@@ -46,40 +46,48 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An uninterrupted run, and a run SIGKILLed after its step-2 checkpoint then resumed."""
+    """An uninterrupted run; and the same run SIGKILLed (its driver) after its step-2 checkpoint,
+    resumed, losing a trainer rank (SIGKILL) after its step-4 checkpoint, and resumed again."""
     root = tmp_path_factory.mktemp("durability")
-    whole = _finish(start(["train", *RUN, f"trainer.output_dir={root}/whole"], uuid.uuid4().hex))
-    killed_id = uuid.uuid4().hex
-    proc = start(["train", *RUN, f"trainer.output_dir={root}/killed", "trainer.save_every=1"], killed_id)
-    before = wait_for_line(proc, "checkpoints/step_000002", timeout_s=300)
-    alive = marked(killed_id)
+    whole = _finish(_start(["train", *RUN, f"trainer.output_dir={root}/whole"], uuid.uuid4().hex))
+    cut = ["train", *RUN, f"trainer.output_dir={root}/cut", "trainer.save_every=1"]
+
+    run_id = uuid.uuid4().hex
+    proc = _start(cut, run_id)
+    before = _wait_for_line(proc, "checkpoints/step_000002", timeout_s=300)
+    alive, tree = _marked(run_id), _tree(proc.pid)
     keys = {_read(lambda: p.environ().get("MEGARL_ROLLOUT_API_KEY")) for p in alive} - {None}
     argv = [_read(lambda: " ".join(p.cmdline())) or "" for p in alive]
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: no handler, no cleanup of its own
     proc.wait()
-    assert_nothing_left(killed_id)  # its Ray cluster, ranks and server follow it (parent-death)
-    resumed = _finish(start(["train", *RUN, f"trainer.output_dir={root}/killed", "trainer.save_every=1"],
-                            uuid.uuid4().hex))
-    return {"whole": root / "whole" / "quickstart", "killed": root / "killed" / "quickstart",
-            "whole_out": whole, "before_kill": before, "resumed_out": resumed, "keys": keys, "argv": argv}
+    _assert_nothing_left(run_id, also=tree)  # its Ray cluster, ranks and server follow it
 
+    run_id = uuid.uuid4().hex
+    proc = _start(cut, run_id)
+    resumed = _wait_for_line(proc, "checkpoints/step_000004", timeout_s=300)
+    [rank1] = [p for p in _marked(run_id) if _read(lambda: p.environ().get("MEGARL_WORKER")) == "actor/1"
+               and p.name().startswith("ray::")]
+    tree = _tree(proc.pid)
+    os.kill(rank1.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    out, _ = proc.communicate(timeout=60)  # the issue's bound: the run stops within 60 s
+    rank_stop = {"returncode": proc.returncode, "s": time.monotonic() - killed, "pid": rank1.pid,
+                 "out": resumed + out, "last": [x for x in out.splitlines() if x.strip()][-1]}
+    _assert_nothing_left(run_id, also=tree)
 
-def test_the_api_key_is_in_no_command_line_and_no_file_of_the_run(runs):
-    [key] = runs["keys"]  # the run's one key, read from its server's environment
-    assert len(key) >= 32 and len(runs["argv"]) > 3
-    assert not [a for a in runs["argv"] if key in a]
-    files = [f for f in runs["killed"].rglob("*") if f.is_file()]
-    assert any(f.name == "config.yaml" for f in files) and any(f.suffix == ".log" for f in files)
-    assert not [f for f in files if key.encode() in f.read_bytes()]
+    again = _finish(_start(cut, uuid.uuid4().hex))
+    return {"whole": root / "whole" / "quickstart", "cut": root / "cut" / "quickstart", "whole_out": whole,
+            "before_kill": before, "resumed_out": resumed, "rank_stop": rank_stop, "again_out": again,
+            "keys": keys, "argv": argv}
 
 
 def test_resumed_run_equals_the_uninterrupted_run_step_for_step(runs):
     assert f"step {STEPS}/{STEPS}" not in runs["before_kill"]  # killed mid-run
-    assert "resumed from" in runs["resumed_out"] and "checkpoints/step_0000" in runs["resumed_out"]
-    lines = (runs["killed"] / "metrics.jsonl").read_text().splitlines()
+    assert "resumed from" in runs["resumed_out"] and "resumed from" in runs["again_out"]
+    lines = (runs["cut"] / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == list(range(1, STEPS + 1))  # no step twice
     out = subprocess.run([sys.executable, "-m", "megarl.cli", "compare-runs", str(runs["whole"]),
-                          str(runs["killed"])], cwd=ROOT, capture_output=True, text=True)
+                          str(runs["cut"])], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"identical: {STEPS} steps" in out.stdout
     # the comparison is not vacuous: training moved the numbers it compares
@@ -87,29 +95,50 @@ def test_resumed_run_equals_the_uninterrupted_run_step_for_step(runs):
     assert len({r["actor/pg_loss"] for r in records}) > 1 and records[0]["bridge/bytes"] > 0
 
 
+def test_a_dead_rank_stops_the_run_with_one_line_naming_it_and_the_checkpoint(runs):
+    stop = runs["rank_stop"]
+    assert stop["returncode"] == 1, stop["out"][-3000:]
+    assert f"step {STEPS}/{STEPS}" not in stop["out"]  # stopped mid-run
+    line = stop["last"]
+    assert line.startswith(f"megarl: actor rank 1 (pid {stop['pid']}, node "), stop["out"][-3000:]
+    assert "died during" in line and "killed" in line, line
+    assert f"last checkpoint {runs['cut']}/checkpoints/step_0000" in line and "trainer.resume=auto" in line
+    assert "train.log" in line and "Traceback" not in stop["out"]
+    print(f"rank SIGKILL -> run stopped in {stop['s']:.1f} s")
+
+
+def test_the_api_key_is_in_no_command_line_and_no_file_of_the_run(runs):
+    [key] = runs["keys"]  # the run's one key, read from its server's environment
+    assert len(key) >= 32 and len(runs["argv"]) > 3
+    assert not [a for a in runs["argv"] if key in a]
+    files = [f for f in runs["cut"].rglob("*") if f.is_file()]
+    assert any(f.name == "config.yaml" for f in files) and any(f.suffix == ".log" for f in files)
+    assert not [f for f in files if key.encode() in f.read_bytes()]
+
+
 def test_checkpoints_are_complete_pruned_and_marked_latest(runs):
     from megarl.trainer import checkpoints
 
-    found = checkpoints.complete_checkpoints(runs["killed"])
+    found = checkpoints.complete_checkpoints(runs["cut"])
     assert [s for s, _ in found] == [STEPS - 2, STEPS - 1, STEPS]  # trainer.max_checkpoints=3
-    assert (runs["killed"] / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:06d}"
+    assert (runs["cut"] / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:06d}"
     state = checkpoints.read_run_checkpoint(found[-1][1])
     assert state["step"] == STEPS and state["weight_version"] == STEPS
-    assert not list((runs["killed"] / "checkpoints").glob("*.partial"))
+    assert not list((runs["cut"] / "checkpoints").glob("*.partial"))
 
 
 def test_export_loads_in_transformers_with_the_trainers_log_probs(runs):
-    assert_export_matches_checkpoint(runs["killed"] / "hf", runs["killed"] / "checkpoints" / f"step_{STEPS:06d}")
+    assert_export_matches_checkpoint(runs["cut"] / "hf", runs["cut"] / "checkpoints" / f"step_{STEPS:06d}")
 
 
 def test_megarl_export_of_a_checkpoint_equals_the_end_of_run_export(runs, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "megarl.cli", "export", str(runs["killed"]), "--step",
+    out = subprocess.run([sys.executable, "-m", "megarl.cli", "export", str(runs["cut"]), "--step",
                           str(STEPS), "--out", str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    mine, final = _tensors(tmp_path / "hf"), _tensors(runs["killed"] / "hf")
+    mine, final = _tensors(tmp_path / "hf"), _tensors(runs["cut"] / "hf")
     assert mine.keys() == final.keys()
     assert all(torch.equal(mine[k], final[k]) for k in final)
-    missing = subprocess.run([sys.executable, "-m", "megarl.cli", "export", str(runs["killed"]), "--step", "1"],
+    missing = subprocess.run([sys.executable, "-m", "megarl.cli", "export", str(runs["cut"]), "--step", "1"],
                              cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 2 and "no complete checkpoint of step 1" in missing.stderr
 
@@ -151,7 +180,7 @@ def test_resume_never_refuses_a_run_dir_with_checkpoints(runs):
     from megarl.trainer.checkpoints import ResumeRefused, resume_point
 
     with pytest.raises(ResumeRefused, match="trainer.resume=auto"):
-        resume_point(runs["killed"], "never")
+        resume_point(runs["cut"], "never")
 
 
 def test_auto_ignores_an_interrupted_save_and_a_stale_latest(tmp_path):

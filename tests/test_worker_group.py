@@ -174,6 +174,9 @@ def test_worker_exception_names_the_rank_and_keeps_the_cause(dp_group):
     assert info.value.rank == 1
     assert isinstance(info.value.cause, ValueError)
     assert "deliberate failure on rank 1" in str(info.value)
+    pid, node = dp_group.processes[1]["pid"], dp_group.processes[1]["node"]
+    assert info.value.summary == (f"{dp_group.name} rank 1 (pid {pid}, node {node}) raised in fail_on_rank(): "
+                                  "ValueError: deliberate failure on rank 1")
     assert dp_group.fail_on_rank(5) == [0, 1]  # a failed call leaves the group usable
 
 
@@ -185,6 +188,10 @@ def test_non_blocking_method_returns_a_pending_call(dp_group):
 
 def test_env_vars_and_thread_count_reach_the_workers(dp_group):
     assert dp_group.environment("MEGARL_TEST_FLAG") == [("on", 1), ("on", 1)]
+    # each rank's process is findable from outside: its pid is recorded and its env names it
+    assert dp_group.environment("MEGARL_WORKER") == [(f"{dp_group.name}/0", 1), (f"{dp_group.name}/1", 1)]
+    pids = [p["pid"] for p in dp_group.processes]
+    assert [psutil.Process(pid).environ()["MEGARL_WORKER"] for pid in pids] == [f"{dp_group.name}/{r}" for r in (0, 1)]
 
 
 def test_unschedulable_group_fails_with_the_cluster_resources(cluster):

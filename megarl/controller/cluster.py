@@ -7,6 +7,12 @@
 
 With an address the block joins an existing cluster and only disconnects on exit; Ray then reclaims
 the job's actors and placement groups.
+
+A SIGKILL of this process runs no cleanup at all. A local cluster's gcs_server and raylet die with
+it (Ray's parent-death signal), its workers within seconds; Ray's dashboard and runtime-env agents
+would linger for a minute, so a local cluster also starts a Reaper (reaper.py) that kills what
+this process had started once it dies. Subprocesses of actors (rollout servers, the router) die
+with their actor (megarl/rollout/lifeline.py), on a local or an external cluster alike.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 import psutil
 import ray
 
+from megarl.controller.reaper import Reaper
 from megarl.controller.worker_group import pythonpath_with_repo
 
 logger = logging.getLogger(__name__)
@@ -62,6 +69,7 @@ class RayCluster:
         self._preexisting_children: set[int] = set()
         self._previous_handlers: dict[int, Any] = {}
         self._terminated_by: int | None = None
+        self._reaper: Reaper | None = None
 
     def __enter__(self) -> RayCluster:
         self.start()
@@ -86,8 +94,11 @@ class RayCluster:
         # so close() leaves the process as it found it.
         self._remember_signal_handlers()
         try:
+            if self.address is None:  # before ray.init, so a kill during start-up is covered too
+                self._reaper = Reaper.start(exclude=self._preexisting_children)
             self._connect()
         except BaseException:
+            self._stop_reaper()
             self._restore_signal_handlers()
             raise
         self._started = True
@@ -120,7 +131,13 @@ class RayCluster:
             ray.shutdown()
             _reap(started_here, self.shutdown_grace_s)
         finally:
+            self._stop_reaper()
             self._restore_signal_handlers()
+
+    def _stop_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.stop()
+            self._reaper = None
 
     def _ray_processes_started_here(self) -> list[psutil.Process]:
         """Ray processes below this one (raylet workers are re-parented when the raylet exits, so

@@ -64,6 +64,10 @@ class Worker:
     def get_node_ip(self) -> str:
         return get_node_ip()
 
+    def process_info(self) -> dict:
+        """Where this rank runs: its pid and node (named when it dies)."""
+        return {"pid": os.getpid(), "node": get_node_ip()}
+
     def init_distributed(self) -> None:
         """Hook called on all ranks at once after construction; engines extend it (Megatron)."""
         self.init_process_group()

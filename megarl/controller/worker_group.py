@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import time
 import uuid
 from pathlib import Path
@@ -39,14 +40,21 @@ def pythonpath_with_repo(extra: str | None = None) -> str:
     return ":".join(p for p in (REPO_ROOT, extra, "${PYTHONPATH}") if p)
 
 
-class WorkerError(RuntimeError):
-    """A worker raised (or died) during a group call; `rank` says which one."""
+WORKER_ENV = "MEGARL_WORKER"  # "<group name>/<rank>" in each rank's environment: find its process
 
-    def __init__(self, message: str, *, rank: int, method: str, cause: BaseException | None):
+
+class WorkerError(RuntimeError):
+    """A worker raised (or died) during a group call; `rank` says which one. `summary` is one line
+    for a user ("actor rank 1 (pid 4242, node 10.0.0.3) died during update_actor(): ..."); the
+    message has the details (Ray's report, the remote traceback)."""
+
+    def __init__(self, message: str, *, rank: int, method: str, cause: BaseException | None,
+                 summary: str | None = None):
         super().__init__(message)
         self.rank = rank
         self.method = method
         self.cause = cause
+        self.summary = summary or message.strip().splitlines()[0]
 
 
 class RayWorkerGroup:
@@ -86,6 +94,7 @@ class RayWorkerGroup:
         self.name = name_prefix or f"{worker_cls.__name__}_{uuid.uuid4().hex[:6]}"
         self.actors: list[ray.actor.ActorHandle] = []
         self.mesh: list[MeshCoord] = []
+        self.processes: list[dict] = []  # per rank: {"pid": ..., "node": ...} (Worker.process_info)
         if bundles is not None and len(bundles) != num_workers:
             raise ValueError(f"{self.name}: {len(bundles)} bundles given for {num_workers} ranks")
         self._bundles = list(bundles) if bundles is not None else None
@@ -153,7 +162,7 @@ class RayWorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle
                 ),
-                runtime_env={"env_vars": env},
+                runtime_env={"env_vars": {**env, WORKER_ENV: f"{self.name}/{rank}"}},
             ).remote(
                 *init_args,
                 rank=rank,
@@ -167,6 +176,7 @@ class RayWorkerGroup:
         self.actors.append(start(0, None, None))
         master_addr, master_port = self._gather([self.actors[0].get_master_addr_port.remote()], "__init__")[0]
         self.actors.extend(start(rank, master_addr, master_port) for rank in range(1, self.world_size))
+        self.processes = self._gather([a.process_info.remote() for a in self.actors], "process_info")
 
     def _init_distributed(self, timeout_s: float) -> None:
         # All ranks must enter the rendezvous together, so submit to all before waiting on any.
@@ -211,6 +221,9 @@ class RayWorkerGroup:
         return results
 
     def _get_one(self, ref: ray.ObjectRef, rank: int, method_name: str) -> Any:
+        who = f"{self.name} rank {rank}"
+        if rank < len(self.processes):
+            who += f" (pid {self.processes[rank]['pid']}, node {self.processes[rank]['node']})"
         where = f"{self.name} rank {rank} of {self.world_size}"
         if rank < len(self.mesh):
             where += f" [{self.mesh[rank].describe()}]"
@@ -219,17 +232,20 @@ class RayWorkerGroup:
         except ray.exceptions.RayTaskError as error:
             cause = getattr(error, "cause", None)
             message = f"{where} raised in {method_name}():\n{error}"
-            raise WorkerError(message, rank=rank, method=method_name, cause=cause) from error
+            summary = f"{who} raised in {method_name}(): {_one_line(cause or error)}"
+            raise WorkerError(message, rank=rank, method=method_name, cause=cause, summary=summary) from error
         except ray.exceptions.RayActorError as error:
             raise WorkerError(
                 f"{where} died during {method_name}() (crash, OOM kill or failed constructor):\n{error}",
                 rank=rank,
                 method=method_name,
                 cause=error,
+                summary=f"{who} died during {method_name}(): {_death_cause(error)}",
             ) from error
         except ray.exceptions.RayError as error:  # lost objects, cancellation, ...
             message = f"{where}: Ray could not return the result of {method_name}():\n{error}"
-            raise WorkerError(message, rank=rank, method=method_name, cause=error) from error
+            summary = f"{who}: Ray could not return the result of {method_name}(): {_one_line(error)}"
+            raise WorkerError(message, rank=rank, method=method_name, cause=error, summary=summary) from error
 
     # ---- teardown -------------------------------------------------------------------------------
 
@@ -265,6 +281,22 @@ class PendingCall:
     def get(self, timeout_s: float | None = None) -> Any:
         outputs = self.group._gather(self.refs, self.method_name, timeout_s=timeout_s)
         return collect_outputs(self.dispatch, self.group.mesh, outputs)
+
+
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _death_cause(error: BaseException) -> str:
+    """Ray's long report of a dead actor, cut to what happened (a SIGKILL reads "Worker
+    unexpectedly exits with a connection error code 2. End of file")."""
+    detail = re.search(r"Worker exit detail: (.+?)(?:\. Some common causes|$)", str(error), re.S)
+    if detail:
+        return (f"its process ended unexpectedly (killed, e.g. by the OOM killer, or crashed); "
+                f"Ray: {' '.join(detail.group(1).split())}")
+    return _one_line(error)
 
 
 def _registered_methods(worker_cls: type[Worker]) -> dict[str, Registration]:

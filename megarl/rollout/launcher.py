@@ -5,8 +5,9 @@
 
 The server runs in its own process group (start_new_session), so stop() can take down everything
 it spawned: SIGTERM to the group, then SIGKILL after a grace period. stop() is also registered
-with atexit, so an exception or a normal interpreter exit never leaves a server behind (a SIGKILL
-of the parent still can; that needs an outer supervisor such as Ray or Slurm). port=0 picks a
+with atexit, so an exception or a normal interpreter exit never leaves a server behind, and the
+server is started under lifeline.py's parent-death signal, so a SIGKILL of the parent (a killed
+driver or Ray actor) takes it down too. port=0 picks a
 free port here and passes it on; if another process grabs it first, start() retries on a new one.
 Output goes to a log file whose last lines are quoted in every startup error.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import httpx
 
 import megarl
+from megarl.rollout import lifeline
 from megarl.rollout.procs import ManagedProcess, PortTaken, new_log_file
 
 _PACKAGE_ROOT = str(Path(megarl.__file__).resolve().parent.parent)
@@ -84,7 +86,7 @@ class RolloutServerProcess(ManagedProcess):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(self.log_path, "ab") as log_file:
-            self.process = subprocess.Popen(self.command(self.port), stdout=log_file, stderr=subprocess.STDOUT,
+            self.process = subprocess.Popen(lifeline.guarded(self.command(self.port)), stdout=log_file, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         atexit.register(self.stop)
 

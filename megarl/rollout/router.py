@@ -6,7 +6,8 @@
         router.remove_worker(engine_a.url)
 
 The router runs in its own process group (start_new_session): stop() sends SIGTERM to the group,
-then SIGKILL after a grace period; it is registered with atexit and safe to call twice. The process
+then SIGKILL after a grace period; it is registered with atexit and safe to call twice, and the
+router dies with whoever started it (lifeline.py: parent-death signal). The process
 renames itself `sglang::router`, so it is stopped by pid, never by name. port=0 picks a free port
 (and a free Prometheus port: every router otherwise binds 29000 and a second one on the same
 machine panics); a port taken between picking and binding is retried on new ones.
@@ -112,6 +113,7 @@ from pathlib import Path
 
 import httpx
 
+from megarl.rollout import lifeline
 from megarl.rollout.launcher import free_port
 from megarl.rollout.procs import ManagedProcess, PortTaken, new_log_file
 
@@ -203,7 +205,7 @@ class RouterProcess(ManagedProcess):
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
         with open(self.log_path, "ab") as log_file:
-            self.process = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT,
+            self.process = subprocess.Popen(lifeline.guarded(self.command()), stdout=log_file, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         atexit.register(self.stop)
 

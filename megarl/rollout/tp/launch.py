@@ -6,9 +6,10 @@
 
 Node rank R runs global ranks R*L .. R*L+L-1 (L = tp/nnodes). The node's own process is the first
 of them and spawns the others as child processes; they stay in its process group, so killing the
-group kills them. Node 0's first rank is rank 0: the HTTP server and scheduler (server.py). Any
-other node answers only `/health` on its --port (SGLang's dummy health server on non-zero node
-ranks: 200 while the node's process lives; the engine's health is node 0's).
+group kills them, and they die with it when it alone is killed (lifeline.die_with_parent). Node 0's
+first rank is rank 0: the HTTP server and scheduler (server.py). Any other node answers only
+`/health` on its --port (SGLang's dummy health server on non-zero node ranks: 200 while the node's
+process lives; the engine's health is node 0's).
 
 Rendezvous: rank 0 hosts a TCPStore at --dist-init-addr (one node: 127.0.0.1 and a free port); the
 process group (gloo on CPU, NCCL on CUDA) and the heartbeats (watchdog.py) use it. The group's
@@ -29,6 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 import torch.distributed as dist
 
+from megarl.rollout import lifeline
 from megarl.rollout.tp.channel import CommandChannel
 from megarl.rollout.tp.follower import follow
 from megarl.rollout.tp.runner import TPRunner
@@ -118,8 +120,12 @@ class MeshProcess:
 
     def spawn_children(self) -> None:
         spec, context = self.setup.spec, multiprocessing.get_context("spawn")
+        # children die with this process even when it is SIGKILLed (lifeline.py); the signal is
+        # tied to the spawning thread, so only when that is the main thread
+        parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
         for rank in range(spec.first_rank + 1, spec.first_rank + spec.ranks_per_node):
-            child = context.Process(target=_child_main, args=(self.setup, rank), name=f"tp-rank-{rank}", daemon=True)
+            child = context.Process(target=_child_main, args=(self.setup, rank, parent), name=f"tp-rank-{rank}",
+                                    daemon=True)
             child.start()
             self.children[rank] = child
         self.watchdog = Watchdog(self.setup.store_host, self.setup.store_port, self.rank, spec.tp,
@@ -193,7 +199,9 @@ def run_node(spec: MeshSpec, model_path: str, dtype: str, device: str, torch_thr
     health.shutdown()
 
 
-def _child_main(setup: RankSetup, rank: int) -> None:
+def _child_main(setup: RankSetup, rank: int, parent: int | None = None) -> None:
+    if parent is not None:
+        lifeline.die_with_parent(parent)
     torch.set_num_threads(setup.torch_threads)  # ranks share the cores; more threads each collapse
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
     process = MeshProcess(setup, rank)
