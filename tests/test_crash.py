@@ -17,7 +17,7 @@ import uuid
 import psutil
 import torch
 
-from tests._procs import SMALL_RUN, _start, _tree, _wait_for_line, _wait_until_none_left
+from tests._procs import SMALL_RUN, _marked, _start, _tree, _wait_for_line, _wait_until_none_left
 
 torch.set_num_threads(1)
 
@@ -70,7 +70,26 @@ def test_killed_launcher_actor_takes_its_server_and_tp_followers_down(tiny_model
 
 
 # A dead trainer rank (SIGKILL mid-run -> one line naming it and the last checkpoint -> resume) is
-# tested where the checkpoints are: tests/test_durability.py.
+# tested where the checkpoints are: tests/test_durability.py. Here: one dying while nobody calls it.
+def test_a_rank_dying_during_generation_stops_the_run_without_waiting_for_it(tmp_path):
+    """Generation calls no rank; the trainer's RankWatch finds the death within seconds, aborts
+    the engines' requests and stops the run (long rollouts would otherwise hide it for minutes).
+    8 rows at a time, up to 240 tokens each, for 1024 rows: generation lasts far longer than this."""
+    run_id = uuid.uuid4().hex
+    proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}", "data.num_train=64",
+                   "rollout.n=64", "rollout.max_new_tokens=240", "rollout.max_batch_size=8",
+                   "trainer.val_every=0", "trainer.tensorboard=false"], run_id)
+    _wait_for_line(proc, "megarl: run dir", timeout_s=240)  # the first step's generation starts now
+    [rank1] = [p for p in _marked(run_id) if p.environ().get("MEGARL_WORKER") == "actor/1"
+               and p.name().startswith("ray::")]
+    tree = _tree(proc.pid)
+    os.kill(rank1.pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    last = [line for line in out.splitlines() if line.strip()][-1]
+    assert proc.returncode == 1 and "step 1/" not in out, out[-3000:]
+    assert last.startswith(f"megarl: actor rank 1 (pid {rank1.pid}, node ") and "died during check_alive()" in last
+    _wait_until_none_left(run_id, within_s=30, also=tree)
+
 
 
 # ---- the two mechanisms alone, in plain processes (no Ray) ------------------------------------------

@@ -224,6 +224,28 @@ def test_shutdown_kills_the_actors_but_keeps_a_placement_group_it_did_not_create
     _wait_for_free_cpus(free_before + 3 * 0.25)
 
 
+def test_a_rank_that_dies_while_nobody_calls_it_is_found_by_the_rank_watch(cluster):
+    """Generation calls no rank: RankWatch's liveness checks find a death then, abort the wait
+    (on_death) and raise the rank's WorkerError when the block ends."""
+    import threading
+
+    from megarl.trainer.rank_watch import RankWatch
+
+    group = RayWorkerGroup(ToyWorker, 2, num_cpus_per_worker=0.25, name_prefix="watched")
+    try:
+        group.check_alive()  # both alive: no error
+        aborted = threading.Event()
+        with pytest.raises(WorkerError) as caught:
+            with RankWatch([group, None], on_death=aborted.set, every_s=0.2):
+                os.kill(group.processes[1]["pid"], signal.SIGKILL)
+                assert aborted.wait(60), "the watch never noticed the dead rank"
+        assert caught.value.rank == 1
+        assert caught.value.summary.startswith(f"watched rank 1 (pid {group.processes[1]['pid']}, node ")
+        assert "died during check_alive()" in caught.value.summary
+    finally:
+        group.shutdown()
+
+
 def test_sigterm_during_a_call_unwinds_and_the_cluster_leaves_no_ray_process(cluster, dp_group):
     """Runs last: it closes the module's cluster, the way a SIGTERM'd controller would."""
     ray_processes = [p for p in psutil.Process().children(recursive=True) if _is_ray_process(p)]
@@ -266,3 +288,4 @@ def _wait_for_free_cpus(expected: float, timeout_s: float = 30.0) -> None:
     while ray.available_resources().get("CPU", 0.0) < expected - 1e-6 and time.monotonic() < deadline:
         time.sleep(0.1)  # placement-group removal is asynchronous
     assert ray.available_resources().get("CPU", 0.0) == pytest.approx(expected)
+

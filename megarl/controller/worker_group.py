@@ -202,6 +202,16 @@ class RayWorkerGroup:
         refs = [getattr(actor, method_name).remote(*a, **k) for actor, (a, k) in zip(self.actors, calls)]
         return PendingCall(self, method_name, dispatch, refs)
 
+    def check_alive(self, timeout_s: float = 30.0) -> None:
+        """Raise WorkerError naming the first rank whose process died. Each rank answers Ray's
+        built-in no-op (`__ray_ready__`) at once when idle; a rank busy or slow past `timeout_s`
+        counts as alive (this looks for deaths, not hangs)."""
+        try:
+            self._gather([a.__ray_ready__.remote() for a in self.actors], "check_alive",
+                         timeout_s=timeout_s)
+        except TimeoutError:
+            pass
+
     def _gather(self, refs: list[ray.ObjectRef], method_name: str, timeout_s: float | None = None) -> list[Any]:
         """Results in rank order; the first worker failure is raised at once, naming its rank."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -40,6 +40,7 @@ from megarl.reward import make_reward_function, score_rows
 from megarl.rollout.manager import SamplingSpec
 from megarl.trainer import checkpoints
 from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.rank_watch import RankWatch
 
 
 class ParityError(RuntimeError):
@@ -134,7 +135,7 @@ class SyncTrainer:
     def train_step(self, step: int, prompts: Batch) -> dict:
         cfg, timing = self.cfg, {}
         t_step, restarts_before = time.perf_counter(), self.rt.fleet.restarts
-        with _timer(timing, "gen"):
+        with _timer(timing, "gen"), self._watching_ranks():
             rows = self.rt.rollout.generate(prompts, self._sampling(step, train=True))
         rollout_stats = dict(self.rt.rollout.last_stats)
         if self.release:
@@ -198,10 +199,26 @@ class SyncTrainer:
         from megarl.data.dataset import PromptBatches
 
         val = PromptBatches(self.rt.val_data, len(self.rt.val_data), shuffle=False)
-        rows = self.rt.rollout.generate(val.batch_at(0), self._sampling(step, train=False))
+        with self._watching_ranks():
+            rows = self.rt.rollout.generate(val.batch_at(0), self._sampling(step, train=False))
         return {"val/reward_mean": float(self._score(rows).mean())}
 
     # ---------------------------------------------------------------- pieces
+    def _watching_ranks(self) -> RankWatch:
+        """Generation calls no rank: a rank dying meanwhile aborts it and is raised (rank_watch.py)."""
+        def abort_generation() -> None:  # own clients: the manager's belong to the main thread
+            from megarl.rollout.client import RolloutClient
+
+            for url in self.rt.fleet.engine_urls:
+                client = RolloutClient(url, timeout_s=10.0, max_retries=0, api_key=self.rt.fleet.api_key)
+                try:
+                    client.abort_request(abort_all=True)
+                except Exception:  # noqa: BLE001  (an engine that cannot be reached has nothing running)
+                    pass
+                finally:
+                    client.close()
+        return RankWatch([self.rt.actor, self.rt.critic], abort_generation)
+
     def _sampling(self, step: int, train: bool) -> SamplingSpec:
         r, t = self.cfg.rollout, self.cfg.trainer
         return SamplingSpec(n=r.n if train else 1,
