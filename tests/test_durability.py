@@ -212,6 +212,11 @@ def test_a_second_run_on_a_live_run_dir_is_refused_naming_the_first(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid} on"):
             RunDirLock(tmp_path).acquire()
+        second = subprocess.run([sys.executable, "-m", "megarl.cli", "train", "configs/quickstart.yaml",
+                                 f"trainer.output_dir={tmp_path.parent}", f"trainer.experiment_name={tmp_path.name}"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"is in use by another live run: pid {holder.pid} on" in second.stderr
     finally:
         holder.kill()
         holder.wait()
