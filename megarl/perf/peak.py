@@ -1,0 +1,191 @@
+"""Peak FLOP/s of a device, the denominator of MFU.
+
+GPUs: vendor datasheet numbers (dense, i.e. without 2:4 structured sparsity, which datasheets
+mark with an asterisk and which doubles the figure). CPU: there is no meaningful datasheet peak
+for "whatever this machine is", so it is this machine's own GEMM throughput, measured once by a
+short microbenchmark (square matmuls, best of several) and cached per (CPU model, torch thread
+count, torch version, dtype) in $MEGARL_CACHE_DIR/cpu_peak.json (default ~/.cache/megarl). An MFU
+on CPU is then the fraction of what torch's own matmul reaches on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+T = 1e12
+
+# TFLOPS per GPU, dense. Sources (NVIDIA datasheets; sparse figures halved):
+# - H100 SXM / H100 PCIe / H100 NVL: "NVIDIA H100 Tensor Core GPU" datasheet. SXM: FP32 67,
+#   TF32 989*, BF16 1,979*, FP8 3,958*. PCIe: FP32 51, TF32 756*, BF16 1,513*, FP8 3,026*.
+#   NVL: FP32 60, TF32 835*, BF16 1,671*, FP8 3,341*.
+# - H200 SXM: "NVIDIA H200 Tensor Core GPU" datasheet: FP32 67, TF32 989*, BF16 1,979*,
+#   FP8 3,958* (same GH100 compute as H100 SXM, more and faster memory). GH200 likewise.
+# - B200: HGX B200 specifications, per GPU (1,000 W): FP32 75, TF32 2.2 PF*, BF16 4.5 PF*,
+#   FP8 9 PF*. (The 1,200 W B200 inside GB200 is faster: 2.5 PF BF16 dense; not listed here.)
+# - A100 (SXM4 and PCIe, 40 and 80 GB): "NVIDIA A100 Tensor Core GPU" datasheet: FP32 19.5,
+#   TF32 312*, BF16 624*; no FP8 support.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 SXM": {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp8": 1979.0},
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp8": 1513.0},
+    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5},
+    "H200": {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp8": 1979.0},
+    "B200": {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp8": 4500.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
+}
+
+# torch.cuda.get_device_name -> table entry; first match wins, so the specific names come first.
+# Real names: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200",
+# "NVIDIA GH200 480GB", "NVIDIA B200", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe".
+_NAME_RULES: list[tuple[tuple[str, ...], str]] = [
+    (("H100", "PCIE"), "H100 PCIe"),
+    (("H100", "NVL"), "H100 NVL"),
+    (("H100",), "H100 SXM"),
+    (("H200",), "H200"),  # also GH200: the same Hopper compute
+    (("B200",), "B200"),
+    (("A100",), "A100"),
+]
+
+_DTYPE_ALIASES = {
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "bf16", "float16": "bf16", "half": "bf16", "torch.float16": "bf16",  # same tensor-core rate
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "tf32": "tf32",
+    "fp8": "fp8", "e4m3": "fp8", "float8_e4m3fn": "fp8",
+}
+
+# The CPU benchmark: square matmuls of these sizes, best of REPEATS timed runs each.
+CPU_SIZES = (256, 512, 1024)
+CPU_REPEATS = 5
+
+
+def normalize_dtype(dtype) -> str:
+    """'bf16' | 'fp32' | 'tf32' | 'fp8' from a name or a torch dtype."""
+    key = str(dtype).lower()
+    if key not in _DTYPE_ALIASES:
+        raise ValueError(f"unknown dtype {dtype!r} for the peak-FLOPs table; use one of bf16, fp32, tf32, fp8")
+    return _DTYPE_ALIASES[key]
+
+
+def gpu_table_entry(gpu_name: str) -> str:
+    """The PEAK_TFLOPS key of a torch.cuda.get_device_name() string."""
+    upper = gpu_name.upper()
+    for needles, entry in _NAME_RULES:
+        if all(n in upper for n in needles):
+            return entry
+    raise ValueError(f"no peak-FLOPs entry for GPU {gpu_name!r}; known: {', '.join(PEAK_TFLOPS)}. "
+                     "Add its datasheet numbers to megarl/perf/peak.py PEAK_TFLOPS")
+
+
+def gpu_peak_flops(gpu_name: str, dtype) -> float:
+    """Dense datasheet FLOP/s of one GPU of this name in this dtype."""
+    entry, dt = gpu_table_entry(gpu_name), normalize_dtype(dtype)
+    if dt not in PEAK_TFLOPS[entry]:
+        raise ValueError(f"{gpu_name!r} ({entry}) has no {dt} tensor cores; "
+                         f"its table has {', '.join(PEAK_TFLOPS[entry])}")
+    return PEAK_TFLOPS[entry][dt] * T
+
+
+def _gpu_name(index: int) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(index)
+
+
+def _cache_path(cache_dir: str | os.PathLike | None) -> Path:
+    root = cache_dir or os.environ.get("MEGARL_CACHE_DIR") or Path.home() / ".cache" / "megarl"
+    return Path(root) / "cpu_peak.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def cpu_cache_key(dtype: str = "fp32") -> str:
+    """The cache key of this process: CPU model, torch thread count, torch version, dtype."""
+    import torch
+
+    return f"{_cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+
+
+def measure_cpu_gemm_flops(dtype: str = "fp32") -> tuple[float, float]:
+    """(best FLOP/s over CPU_SIZES x CPU_REPEATS square matmuls, seconds the benchmark took)."""
+    import torch
+
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    start = time.perf_counter()
+    best = 0.0
+    gen = torch.Generator().manual_seed(0)
+    for n in CPU_SIZES:
+        a = torch.randn(n, n, generator=gen).to(tdtype)
+        b = torch.randn(n, n, generator=gen).to(tdtype)
+        out = torch.empty(n, n, dtype=tdtype)
+        torch.mm(a, b, out=out)  # warm-up: first-call allocation and kernel selection
+        for _ in range(CPU_REPEATS):
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=out)
+            dt = time.perf_counter() - t0
+            best = max(best, 2.0 * n ** 3 / dt)
+    return best, time.perf_counter() - start
+
+
+def cpu_peak_flops(dtype="fp32", cache_dir: str | os.PathLike | None = None) -> float:
+    """This machine's GEMM FLOP/s in fp32 (or bf16), measured on the first call and cached."""
+    dt = normalize_dtype(dtype)
+    if dt not in ("fp32", "bf16"):
+        raise ValueError(f"CPU peak is measured for fp32 or bf16 matmuls, not {dt}")
+    path, key = _cache_path(cache_dir), cpu_cache_key(dt)
+    cache = _read_cache(path)
+    if key in cache:
+        return float(cache[key]["flops"])
+    flops, seconds = measure_cpu_gemm_flops(dt)
+    cache = _read_cache(path)  # another process may have written meanwhile: keep its entries
+    cache[key] = {"flops": flops, "benchmark_s": round(seconds, 3), "sizes": list(CPU_SIZES),
+                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    return flops
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent or unreadable: measure again and rewrite it
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def device_peak_flops(device, dtype, cache_dir: str | os.PathLike | None = None) -> float:
+    """Peak FLOP/s of one device: "cuda[:N]" from the datasheet table, "cpu" measured (cached)."""
+    dev = str(device)
+    if dev == "cpu":
+        return cpu_peak_flops(dtype, cache_dir)
+    if dev == "cuda" or dev.startswith("cuda:"):
+        index = int(dev.split(":", 1)[1]) if ":" in dev else _current_cuda_index()
+        return gpu_peak_flops(_gpu_name(index), dtype)
+    raise ValueError(f"device {dev!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+
+
+def _current_cuda_index() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def mfu(flops: float, seconds: float, devices: int, peak_per_device: float) -> float:
+    """Model FLOPs utilisation: achieved FLOPs / (seconds x devices x peak FLOP/s per device)."""
+    if seconds <= 0 or devices <= 0 or peak_per_device <= 0:
+        raise ValueError(f"mfu needs positive seconds, devices and peak; got {seconds}, {devices}, {peak_per_device}")
+    return flops / (seconds * devices * peak_per_device)
