@@ -238,3 +238,17 @@ def test_mfu():
     assert peak.mfu(4e15, 2.0, 4, 1e15) == 0.5
     with pytest.raises(ValueError):
         peak.mfu(1.0, 0.0, 1, 1.0)
+
+
+def test_step_mfu_divides_model_flops_by_time_devices_and_peak():
+    from megarl.models.tiny import PRESETS
+    from megarl.perf.flops import forward_flops, train_flops
+    from megarl.trainer.mfu import StepMfu
+
+    cfg, lengths = dict(PRESETS["tiny-qwen3-moe"]), [7, 9, 12]
+    step = StepMfu(cfg, devices=2, peak_flops=1e9, ppo_epochs=2)
+    got = step.metrics(lengths, {"perf/update_s": 0.5, "perf/old_log_prob_s": 0.25})
+    assert got["perf/mfu/update"] == pytest.approx(2 * train_flops(cfg, lengths) / (0.5 * 2 * 1e9))
+    assert got["perf/mfu/log_prob"] == pytest.approx(forward_flops(cfg, lengths) / (0.25 * 2 * 1e9))
+    assert got["perf/tflops_per_device/update"] == pytest.approx(got["perf/mfu/update"] * 1e9 / 1e12)
+    assert "perf/mfu/ref" not in got  # no reference pass timed: nothing claimed

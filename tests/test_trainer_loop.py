@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -20,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ["reward/mean", "response/length_mean", "actor/kl", "actor/kl_loss", "actor/entropy",
             "actor/grad_norm", "actor/pg_loss", "rollout/logprob_diff_max", "perf/gen_s",
             "perf/reward_s", "perf/old_log_prob_s", "perf/ref_s", "perf/update_s", "perf/sync_s",
-            "perf/step_s", "perf/release_s", "perf/resume_s", "rollout/retries", "rollout/engine_restarts"]
+            "perf/step_s", "perf/release_s", "perf/resume_s", "rollout/retries", "rollout/engine_restarts",
+            "perf/mfu/update", "perf/mfu/log_prob", "perf/mfu/ref", "perf/tflops_per_device/update"]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,7 @@ def test_weight_sync_keeps_server_and_trainer_in_parity(three_steps):
 def test_console_progress_tensorboard_and_summary(three_steps):
     summary, _, run_dir, console = three_steps
     assert "step 3/3 | reward" in console
+    assert re.search(r"\| mfu \d+\.\d% \|", console), console[-500:]
     assert "reward curve: first 3 steps mean" in console
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3

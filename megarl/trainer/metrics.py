@@ -17,6 +17,7 @@ CONSOLE_KEYS = [
     ("actor/entropy", "ent", "{:.3f}"),
     ("actor/grad_norm", "gnorm", "{:.3f}"),
     ("rollout/logprob_diff_max", "lpdiff", "{:.1e}"),
+    ("perf/mfu/update", "mfu", "{:.1%}"),
     ("perf/step_s", "s/step", "{:.2f}"),
 ]
 

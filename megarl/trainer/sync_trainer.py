@@ -40,6 +40,7 @@ from megarl.reward import make_reward_function, score_rows
 from megarl.rollout.manager import SamplingSpec
 from megarl.trainer import checkpoints
 from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.mfu import StepMfu
 from megarl.trainer.rank_watch import RankWatch
 
 
@@ -61,6 +62,7 @@ class SyncTrainer:
         self.checkpointer = checkpoints.RunCheckpointer(runtime.run_dir, self.cfg.trainer.max_checkpoints)
         self.last_checkpoint = resume[0] if resume else None
         self._carried: dict[str, float] = {}  # a checkpoint save's time, logged with the next step
+        self.mfu: StepMfu | None = None  # made by fit(): it asks rank 0 for its device's peak
         runtime.fleet.on_restart = self._resync
 
     # ---------------------------------------------------------------- steps
@@ -69,6 +71,7 @@ class SyncTrainer:
 
         d, t = self.cfg.data, self.cfg.trainer
         batches = PromptBatches(self.rt.train_data, d.train_batch_size, d.shuffle, d.seed)
+        self.mfu = StepMfu.for_run(self.rt.model_path, self.rt.actor, self.cfg)
         if self.resume_from is not None:
             self.restore(*self.resume_from)
         steps = batches.iterate(self.start_step, max(0, t.total_steps - self.start_step))
@@ -172,6 +175,8 @@ class SyncTrainer:
             with _timer(timing, "resume_kv"):
                 self.rt.fleet.resume_memory(["kv_cache"])
         timing["perf/step_s"] = time.perf_counter() - t_step
+        if self.mfu is not None:
+            timing.update(self.mfu.metrics(self._token_lengths(rows), timing))
         # engines restarted anywhere in the step: in generation, memory release/resume or the sync
         rollout_stats["rollout/engine_restarts"] = float(self.rt.fleet.restarts - restarts_before)
         return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing,

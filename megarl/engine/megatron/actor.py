@@ -182,6 +182,14 @@ class MegatronActor(Worker):
             return self.actor.load_checkpoint(path, load_optimizer)
 
     @register(dispatch=Dispatch.RANK_ZERO)
+    def device_peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s of this rank's device for `dtype` (megarl/perf/peak.py; measured on CPU)."""
+        from megarl.perf.peak import device_peak_flops
+
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return device_peak_flops(device, dtype)
+
+    @register(dispatch=Dispatch.RANK_ZERO)
     def export_hf(self, out_dir: str, config_dir: str) -> dict:
         """The current policy as a Hugging Face folder at `out_dir` (safetensors shards, plus the
         config and tokenizer files of `config_dir`); rank 0 writes. Returns rank 0's summary."""

@@ -1,0 +1,41 @@
+"""MFU of a step's phases: the model FLOPs of what the step computed / (time x devices x peak).
+
+FLOPs come from the HF config (megarl/perf/flops.py) over the rows' real token counts (packed
+sequences: no padding FLOPs); the peak per device from megarl/perf/peak.py (a GPU's datasheet
+number for the training dtype; on CPU this machine's own fp32 GEMM throughput at the ranks' one
+thread each, measured once on actor rank 0 and cached). Model FLOPs, not hardware FLOPs:
+recompute, padding and MoE imbalance earn nothing (MFU as PaLM defines it and Megatron and verl
+report it). Times are the controller's (a phase's RPC included): what a user waits for.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class StepMfu:
+    def __init__(self, hf_config: dict, devices: int, peak_flops: float, ppo_epochs: int = 1):
+        self.config, self.devices, self.peak, self.epochs = hf_config, devices, peak_flops, ppo_epochs
+
+    @classmethod
+    def for_run(cls, model_path: str, actor_group, cfg) -> StepMfu:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        peak = actor_group.device_peak_flops("bf16" if cfg.actor.precision == "bf16" else "fp32")
+        return cls(config, len(actor_group.mesh), peak, cfg.actor.ppo_epochs)
+
+    def metrics(self, lengths: list[int], timing: dict[str, float]) -> dict[str, float]:
+        """perf/mfu/{update,log_prob,ref} and perf/tflops_per_device/... for the phases timed."""
+        from megarl.perf.flops import forward_flops, train_flops
+
+        forward = forward_flops(self.config, lengths)
+        phases = {"update": (train_flops(self.config, lengths) * self.epochs, timing.get("perf/update_s")),
+                  "log_prob": (forward, timing.get("perf/old_log_prob_s")),
+                  "ref": (forward, timing.get("perf/ref_s"))}
+        out = {}
+        for name, (flops, seconds) in phases.items():
+            if seconds:
+                per_device = flops / seconds / self.devices
+                out[f"perf/mfu/{name}"] = per_device / self.peak
+                out[f"perf/tflops_per_device/{name}"] = per_device / 1e12
+        return out
