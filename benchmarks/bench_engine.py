@@ -80,13 +80,15 @@ def pg_loss(logp, ent, mb):
     return -(logp * mb["advantages"] * mask).sum(), mask.sum(), {}
 
 
-def make_engine(model_path: str, packed: bool, micro_batch_size: int, train: bool = True):
+def make_engine(model_path: str, packed: bool, micro_batch_size: int, train: bool = True,
+                precision: str = "fp32"):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
     engine = MegatronEngine(EngineSpec(
         model_path=model_path, parallel=ParallelConfig(), micro_batch_size=micro_batch_size,
-        optim=OptimConfig(lr=1e-5, clip_grad=1.0) if train else None, pack_sequences=packed))
+        optim=OptimConfig(lr=1e-5, clip_grad=1.0) if train else None, pack_sequences=packed,
+        precision=precision))
     engine.initialize()
     return engine
 
@@ -117,13 +119,13 @@ def bench_packing(model_path: str, args) -> list[tuple]:
     return out
 
 
-def hf_peer(model_path: str, rows):
+def hf_peer(model_path: str, rows, device: str = "cpu", dtype=torch.float32):
     """Plain HF + torch on `rows` (no padding): (training step, forward) callables."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=dtype).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-    ids, responses, mask, adv = rows["input_ids"], rows["responses"], rows["response_mask"], rows["advantages"]
+    ids, responses, mask, adv = (rows[k].to(device) for k in ("input_ids", "responses", "response_mask", "advantages"))
     p = int(rows["prompt_lengths"][0])
     R = responses.shape[1]
 
