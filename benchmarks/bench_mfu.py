@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_mfu.py [--threads 1] [--steps 3] [--model mid|moe] [--rows 8] [--seq 512]
 
-A model large enough that GEMMs dominate the step (default `mid`: a dense Qwen2 of 48M parameters,
+A model large enough that GEMMs dominate the step (default `mid`: a dense Qwen2 of 52M parameters,
 hidden 1024, 4 layers, 16 heads / 4 KV heads, intermediate 2048, vocab 8192, random init; `moe`: a
 Qwen3-MoE of the same width, 16 experts top-4), `--rows` x `--seq` tokens, no padding. Timed, as in
 bench_engine.py (whose helpers this imports): megarl's `MegatronEngine.train_mini_batch` (forward,
