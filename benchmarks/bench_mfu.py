@@ -79,7 +79,7 @@ def peak_of(device: str, dtype: str) -> tuple[float, str]:
     if device == "cuda":
         name = torch.cuda.get_device_name(0)
         return flops, f"{name}: datasheet dense {dtype} ({peak.gpu_table_entry(name)}), {flops / 1e12:,.1f} TFLOP/s"
-    entry = peak._read_cache(peak._cache_path(None)).get(peak.cpu_cache_key(dtype), {})
+    entry = peak.cpu_peak_record(dtype)
     parts = ""
     if entry:
         parts = (f" = max(threaded {entry['threaded_flops'] / 1e9:.0f}, {entry['threads']} x single-thread "

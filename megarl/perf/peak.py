@@ -186,6 +186,12 @@ def cpu_peak_flops(dtype="fp32", cache_dir: str | os.PathLike | None = None) -> 
     return float(entry["flops"])
 
 
+def cpu_peak_record(dtype="fp32", cache_dir: str | os.PathLike | None = None) -> dict:
+    """How this machine's cached CPU peak was measured (threaded / single-thread FLOP/s, threads,
+    benchmark time, sizes, when); {} until cpu_peak_flops has measured it."""
+    return _read_cache(_cache_path(cache_dir)).get(cpu_cache_key(normalize_dtype(dtype)), {})
+
+
 def _read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
