@@ -10,10 +10,12 @@ line naming it (tests/test_durability.py). The time limits are the issue's: 30 s
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 import uuid
 
+import httpx
 import psutil
 import torch
 
@@ -79,9 +81,16 @@ def test_a_rank_dying_during_generation_stops_the_run_without_waiting_for_it(tmp
     proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}", "data.num_train=64",
                    "rollout.n=64", "rollout.max_new_tokens=240", "rollout.max_batch_size=8",
                    "trainer.val_every=0", "trainer.tensorboard=false"], run_id)
-    _wait_for_line(proc, "megarl: run dir", timeout_s=240)  # the first step's generation starts now
-    [rank1] = [p for p in _marked(run_id) if p.environ().get("MEGARL_WORKER") == "actor/1"
-               and p.name().startswith("ray::")]
+    header = _wait_for_line(proc, "megarl: run dir", timeout_s=240)
+    url = re.search(r"rollout engines \['(http://[^']+)'\]", header).group(1)
+    marked = _marked(run_id)
+    [rank1] = [p for p in marked if p.environ().get("MEGARL_WORKER") == "actor/1" and p.name().startswith("ray::")]
+    [key] = {p.environ().get("MEGARL_ROLLOUT_API_KEY") for p in marked} - {None}
+    deadline = time.monotonic() + 120  # the first step's generation is under way: kill then
+    while httpx.get(f"{url}/get_server_info", headers={"Authorization": f"Bearer {key}"},
+                    timeout=10).json()["pending_requests"] == 0:
+        assert time.monotonic() < deadline, "generation never started"
+        time.sleep(0.05)
     tree = _tree(proc.pid)
     os.kill(rank1.pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)
