@@ -22,6 +22,7 @@ import torch
 from megarl.rollout.engine_launcher import EngineLauncher, EngineNodeSpec
 from megarl.rollout.server import create_app
 from megarl.rollout.weights_codec import serialize_flattened_bucket, serialize_named_tensors
+from tests.test_rollout_security import _CreatesFile, _RunsCommand
 
 torch.set_num_threads(1)
 KEY = secrets.token_urlsafe(24)
@@ -130,20 +131,7 @@ def test_a_keyless_body_of_any_size_is_never_read():
 
 
 # ---- hostile bodies ----------------------------------------------------------------------------------
-class _CreatesFile:
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return open, (self.path, "w")
-
-
-class _RunsCommand:
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.path}",)
+# the code-running pickles of test_rollout_security (_CreatesFile, _RunsCommand), imported above
 
 
 def _evil(kind, flattened):
