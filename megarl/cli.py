@@ -2,6 +2,7 @@
 
     megarl train configs/quickstart.yaml actor.optim.lr=3e-4 trainer.total_steps=50 [--debug]
     megarl show-config configs/quickstart.yaml [overrides...]   # print the resolved config
+    megarl plan configs/deepseek-v3-671b.yaml --devices 256xH100  # memory and step time, predicted
     megarl export outputs/quickstart [--step N] [--out DIR]     # a checkpoint as a HF folder
     megarl compare-runs RUN_A RUN_B     # metrics.jsonl identical step for step (but wall clocks)?
 
@@ -9,7 +10,8 @@ Bad configuration exits with status 2 and one line naming the key, before any pr
 show-config needs neither the model's weights (a directory with only its config.json will do, as
 configs/models/* for the scale configs) nor a GPU or SGLang; train checks both. A run that fails
 ends with one line saying what failed and what to do (exit status 1); its traceback goes to
-RUN_DIR/train.log, and also to the terminal with --debug.
+RUN_DIR/train.log, and also to the terminal with --debug. A layout that does not fit the devices'
+memory (megarl/perf/plan.py) is refused by plan and train alike: exit 2, one line naming the knob.
 """
 
 from __future__ import annotations
@@ -22,11 +24,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "run RL training"),
-                       ("show-config", "print the validated, resolved config as YAML")):
+                       ("show-config", "print the validated, resolved config as YAML"),
+                       ("plan", "predict memory per device and step time; refuse a layout that cannot fit")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/quickstart.yaml)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=3e-4")
         p.add_argument("--config", dest="config_flag", help="YAML config file (alternative)")
+        if name == "plan":
+            p.add_argument("--devices", help="COUNTxTYPE, e.g. 256xH100 (default: the config's pools on "
+                           "cluster.device_type, or on this machine)")
+            p.add_argument("--response-len", type=float, default=None,
+                           help="mean response tokens for the time prediction (default: rollout.max_new_tokens)")
         if name == "train":
             p.add_argument("--debug", action="store_true",
                            help="print a failure's full traceback here too (it always goes to RUN_DIR/train.log)")
@@ -109,6 +117,72 @@ def _backend_unavailable(cfg) -> str | None:
     return sglang_unavailable_reason()
 
 
+def _model_config(cfg) -> dict:
+    from megarl.config.validate import read_model_config
+
+    return read_model_config(cfg) or _preset_model_config(cfg)
+
+
+def plan(cfg, devices: str | None, response_len: float | None) -> int:
+    """`megarl plan`: print the breakdown; exit 2 with one line when the layout cannot fit."""
+    from megarl.perf.hardware import parse_devices
+    from megarl.perf.plan import format_plan, make_plan, pool_sizes, refusal, run_device
+
+    hf = _model_config(cfg)
+    need = sum(pool_sizes(cfg))
+    if devices:
+        try:
+            count, device = parse_devices(devices, cfg.cluster.devices_per_node or need)
+        except ValueError as err:
+            print(f"megarl: plan: {err}", file=sys.stderr)
+            return 2
+        if count != need:
+            print(f"megarl: plan: --devices {devices} but the config's pools use {need} devices "
+                  f"(cluster.num_actor_ranks{' + cluster.num_rollout_devices' if need != cfg.cluster.num_actor_ranks else ''}); "
+                  f"set cluster.num_actor_ranks (and the layout) for {count} devices, or --devices {need}x...",
+                  file=sys.stderr)
+            return 2
+    else:
+        device, why = run_device(cfg)
+        if device is None:
+            print(f"megarl: plan: {why.split(': ', 1)[-1]}; or pass --devices COUNTxTYPE", file=sys.stderr)
+            return 2
+        if device.name == "CPU":
+            from megarl.perf.hardware import cpu_device
+
+            device = cpu_device(cfg.cluster.devices_per_node or need)
+    try:
+        result = make_plan(cfg, hf, device, response_len)
+    except ValueError as err:  # e.g. a model type the FLOPs model does not know
+        print(f"megarl: plan: {err}", file=sys.stderr)
+        return 2
+    print(format_plan(cfg, result))
+    reason = refusal(cfg, hf, result)
+    if reason:
+        print(f"megarl: plan: does not fit: {reason}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _memory_refusal(cfg) -> str | None:
+    """train's pre-start check: the planner's verdict on the run's own devices (None: fits, or
+    the devices are unknown from here, which is said once on the terminal)."""
+    from megarl.perf.plan import make_plan, refusal, run_device
+
+    device, why = run_device(cfg)
+    if device is None:
+        print(f"megarl: {why}", file=sys.stderr)
+        return None
+    hf = _model_config(cfg)
+    try:
+        result = make_plan(cfg, hf, device, timed=False)
+    except ValueError as err:
+        print(f"megarl: memory check skipped: {err}", file=sys.stderr)
+        return None
+    reason = refusal(cfg, hf, result)
+    return f"does not fit in memory: {reason} (megarl plan CONFIG prints the breakdown)" if reason else None
+
+
 def export(run_dir: str, step: int | None, out: str | None, overwrite: bool) -> int:
     """`megarl export`: a run checkpoint's actor -> HF folder (checkpoint_convert's streaming
     mcore-to-hf, any layout, one process), with the config and tokenizer of the run's model."""
@@ -183,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "show-config":
         print(dump(cfg), end="")
         return 0
+    if args.command == "plan":
+        return plan(cfg, args.devices, args.response_len)
+    reason = _memory_refusal(cfg)
+    if reason:
+        print(f"megarl: config error: {reason}", file=sys.stderr)
+        return 2
     reason = _missing_weights(cfg) or _backend_unavailable(cfg)
     if reason:
         print(f"megarl: config error: {reason}", file=sys.stderr)

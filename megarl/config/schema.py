@@ -166,6 +166,10 @@ class RolloutConfig:
     release_memory: bool | None = None    # None: colocated engines release weights + KV cache
                                           # while the trainer runs (SGLang's memory saver)
     max_batch_size: int = 256             # sequences one server decodes at once
+    # sglang: the fraction of each GPU SGLang takes for weights + KV cache (--mem-fraction-static);
+    # None: SGLang's own default (0.79-0.88 by tp and GPU). Colocated, the trainer's resident state
+    # must fit in the rest: `megarl plan` says how much that is
+    mem_fraction_static: float | None = None
     request_timeout_s: float = 60.0
     max_retries: int = 3                  # HTTP retries per request (each counted in rollout/retries)
     max_engine_restarts: int = 3          # restarts of dead engines per run before the run fails
@@ -228,6 +232,11 @@ class ClusterConfig:
     num_actor_ranks: int = 2              # devices of the actor pool = Megatron world size
     num_rollout_devices: int | None = None  # disaggregated rollout pool; None = num_servers * tp
     devices_per_node: int | None = None   # None: every pool fits on one node (a laptop)
+    # the accelerator the pools are made of, for the memory check before start (`megarl plan`'s
+    # --devices names it too): H100, H100 PCIe, H200, H20, B200, A100 or CPU. None: this
+    # machine's (its first CUDA device, else CPU); on a cluster joined from a CPU-only head node,
+    # set it, or the check is skipped with a note
+    device_type: str | None = None
 
 
 @dataclass

@@ -130,6 +130,15 @@ def num_experts(model_config: dict | None) -> int:
     return 0
 
 
+def check_device_type(cfg: RunConfig) -> None:
+    from megarl.perf.hardware import GPUS, canonical_device
+
+    kind = cfg.cluster.device_type
+    _require(kind is None or canonical_device(kind) is not None, "cluster.device_type",
+             f"cluster.device_type={kind!r} is not a device the planner knows; use one of "
+             f"{', '.join(list(GPUS) + ['CPU'])} (or null: this machine's)")
+
+
 def check_parallel(cfg: RunConfig, model_config: dict | None) -> None:
     check_layout("actor", cfg.actor.parallel, cfg.cluster.num_actor_ranks, model_config)
     check_nodes(cfg)
@@ -320,6 +329,7 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     if model_config is None:
         model_config = read_model_config(cfg)
     check_parallel(cfg, model_config)
+    check_device_type(cfg)
     check_batch_sizes(cfg)
     check_critic(cfg, model_config)
     check_rollout(cfg, model_config)

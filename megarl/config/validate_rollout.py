@@ -36,6 +36,12 @@ def check_rollout(cfg: RunConfig, model_config: dict | None) -> None:
     for key in ("tp", "nnodes", "ep", "dp", "startup_timeout_s"):
         value = getattr(r, key)
         _require(value > 0, f"rollout.{key}", f"rollout.{key}={value!r} must be > 0")
+    frac = r.mem_fraction_static
+    _require(frac is None or 0.0 < frac < 1.0, "rollout.mem_fraction_static",
+             f"rollout.mem_fraction_static={frac!r} must be in (0, 1) (or null: SGLang's default)")
+    _require(frac is None or r.backend == "sglang", "rollout.mem_fraction_static",
+             "rollout.mem_fraction_static is SGLang's; the embedded engine allocates what its batch "
+             "needs: set it to null, or rollout.backend=sglang")
     _require(r.max_engine_restarts >= 0, "rollout.max_engine_restarts",
              f"rollout.max_engine_restarts={r.max_engine_restarts} must be >= 0")
     _require(r.tp % r.nnodes == 0, "rollout.nnodes",

@@ -199,3 +199,38 @@ def generation_flops(hf_config: dict, prompt_lens: Sequence[int], response_lens:
         fed = p + max(r - 1, 0)  # positions that go through the model
         total += 2.0 * c.matmul_active * fed + per_pair * fed * (fed + 1) // 2
     return total
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Layer i's parameters by how a Megatron layout splits them (the planner's unit).
+
+    attn / mlp: matrices sharded by tensor parallel (attention q/k/v/o and MLA's up-projections;
+    a dense MLP or the shared experts); replicated: copied on every tensor-parallel rank (norms, biases,
+    the router, MLA's low-rank down-projections q_a / kv_a); expert: one routed expert (sharded by
+    expert parallel, then by expert tensor parallel); experts: how many this layer has (0: dense).
+    """
+
+    attn: int
+    mlp: int
+    replicated: int
+    expert: int
+    experts: int
+
+
+def layer_params(hf_config, i: int) -> LayerParams:
+    cfg = _as_dict(hf_config)
+    _model_type(cfg)
+    h = cfg["hidden_size"]
+    attn_mm, attn_other = _attention_params(cfg)
+    replicated = attn_other + 2 * h  # + input / post-attention norms
+    if cfg["model_type"] == "deepseek_v3":  # q_a / kv_a are not split (Megatron's MLA)
+        down = h * (cfg.get("q_lora_rank") or 0) + h * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+        attn_mm, replicated = attn_mm - down, replicated + down
+    if not _is_moe_layer(cfg, i):
+        mlp = _mlp_params(cfg, i)
+        return LayerParams(attn_mm, mlp.matmul_active, replicated + mlp.total - mlp.matmul_active, 0, 0)
+    n_exp = cfg["num_experts"] if cfg["model_type"] == "qwen3_moe" else cfg["n_routed_experts"]
+    expert = 3 * h * cfg["moe_intermediate_size"]
+    shared = expert * (cfg.get("n_shared_experts") or 0)
+    return LayerParams(attn_mm, shared, replicated + n_exp * h, expert, n_exp)

@@ -39,6 +39,7 @@ class EngineNodeSpec:
     max_batch_size: int = 256
     seed: int = 0
     colocated: bool = False      # SGLang: --enable-memory-saver so it can release memory
+    mem_fraction_static: float | None = None  # SGLang: --mem-fraction-static (None: its default)
     log_path: str = "rollout_server.log"
     startup_timeout_s: float = 300.0
     env: dict = field(default_factory=dict)

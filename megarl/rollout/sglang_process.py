@@ -28,7 +28,8 @@ class SGLangServerProcess(RolloutServerProcess):
         spec = SGLangServerSpec(
             model_path=n.model_path, host=n.host, port=port, tp_size=n.tp, ep_size=n.ep, dp_size=n.dp,
             nnodes=n.nnodes, node_rank=n.node_rank, dist_init_addr=self.dist_init_addr,
-            enable_memory_saver=n.colocated, random_seed=n.seed, api_key_config=self._key_file)
+            enable_memory_saver=n.colocated, random_seed=n.seed, api_key_config=self._key_file,
+            mem_fraction_static=n.mem_fraction_static)
         return server_argv(spec)
 
     def __del__(self):

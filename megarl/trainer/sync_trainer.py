@@ -301,4 +301,6 @@ class _timer:
 def _average(dicts: list[dict]) -> dict:
     dicts = [d for d in dicts if d]
     keys = {k for d in dicts for k in d}
-    return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
+    # perf/memory/*: the largest rank's (the one that decides whether a layout fits); the rest: means
+    return {k: (max(d[k] for d in dicts if k in d) if k.startswith("perf/memory/") else
+                sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts)) for k in keys}

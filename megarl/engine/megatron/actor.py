@@ -23,6 +23,7 @@ from megarl.controller.dispatch import Dispatch, MeshCoord
 from megarl.controller.worker import Worker
 from megarl.data.batch import Batch
 from megarl.engine.megatron.engine import EngineSpec, MegatronEngine, mean_metrics
+from megarl.engine.megatron.offload import memory_metrics
 from megarl.engine.megatron.offload_policy import OffloadPolicy
 
 
@@ -141,7 +142,9 @@ class MegatronActor(Worker):
                     collected.append(self.actor.train_mini_batch(
                         mini, lambda lp, ent, mb: actor_loss(self.loss_spec, lp, ent, mb), temperature,
                         head=head))
+            memory = memory_metrics(self.actor.model, self.actor.optimizer)  # all resident here
         metrics = mean_metrics(collected)
+        metrics.update(memory)
         metrics["actor/num_updates"] = float(len(collected))
         metrics["perf/update_s"] = time.perf_counter() - start
         metrics.update(self.actor_offload.metrics("actor"))

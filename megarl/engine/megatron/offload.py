@@ -88,3 +88,19 @@ def offload_groups(chunks: list, optimizer) -> dict[str, list[torch.Tensor]]:
     # Adam's scalar step counter lives on the host even when the model is on a GPU
     opt_tensors = [t for t in opt_tensors if _key(t) not in taken and t.device.type == device.type]
     return {"params": params, "grads": grads, "optimizer": opt_tensors}
+
+
+def memory_metrics(chunks: list, optimizer, prefix: str = "actor") -> dict[str, float]:
+    """perf/memory/{prefix}_{params,grads,optimizer}_gib: the bytes of this rank's resident state (call
+    it while nothing is offloaded), and perf/memory/{prefix}_peak_gib: the device's peak allocation
+    (CUDA), or this process's peak resident set on CPU. The trainer reports the max over ranks."""
+    import resource
+
+    out = {f"perf/memory/{prefix}_{name}_gib": sum(t.numel() * t.element_size() for t in tensors) / 2 ** 30
+           for name, tensors in offload_groups(chunks, optimizer).items()}
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    out[f"perf/memory/{prefix}_peak_gib"] = peak / 2 ** 30
+    return out

@@ -1,0 +1,163 @@
+"""The planner against what was measured: published RL runs, and two quickstart layouts on this machine.
+
+    .venv/bin/python benchmarks/bench_plan.py [--calibration] [--cpu] [--steps 8]
+
+--calibration: `megarl plan`'s prediction for published runs, expressed as overrides of our scale
+configs, next to the published numbers (sources: verl docs/perf/dpsk.md and its example scripts at
+volcengine/verl b178a3cd; NeMo-RL docs/about/performance-summary.md at v0.6.0). Their rollout
+engine is vLLM (planned here as SGLang with the same memory fraction); their GPUs are H20 (verl)
+and H100 (NeMo-RL); verl's MFU is the actor update's (flops * epochs / (peak * GPUs * update
+time)); NeMo-RL's tokens/s/GPU are prompt + generated tokens / step time / GPUs.
+
+--cpu: runs the quickstart for --steps steps in two layouts (tp1/pp1/ep2, and pp2) and compares
+the medians of its logged phase times (steps 3..N) and the ranks' measured memory
+(perf/memory/*: parameters, gradients and optimizer state in bytes, peak RSS) with the plan's.
+The CPU efficiencies in megarl/perf/steptime.py were set from the first layout, so its time
+error is small by construction; the second layout is the out-of-sample check.
+Prints markdown for benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name, base config, overrides, devices, mean prompt, mean response, published {metric: value}
+CALIBRATION = [
+    ("verl DeepSeek-V3 671B, 96 x H20 (dpsk.md; run_deepseek671b_math_megatron_96gb.sh)",
+     "deepseek-v3-671b",
+     ["cluster.num_actor_ranks=96", "actor.parallel.tp=8", "actor.parallel.pp=12", "actor.parallel.ep=8",
+      "actor.parallel.first_stage_layers=null", "actor.parallel.last_stage_layers=6", "actor.recompute=full",
+      "data.train_batch_size=96", "rollout.n=8", "actor.ppo_mini_batch_size=256",
+      "data.max_prompt_length=2048", "rollout.max_new_tokens=9632", "actor.max_tokens_per_micro_batch=11680",
+      "actor.use_kl_loss=true", "rollout.num_servers=3", "rollout.tp=32", "rollout.nnodes=4",
+      "rollout.ep=1", "rollout.dp=1", "rollout.mem_fraction_static=0.6"],
+     "96xH20", None, 1960, {"update MFU": 0.19, "step s": 1700, "generation s": 1050, "memory GiB": 66 / 1.074}),
+    ("NeMo-RL DeepSeek-V3, 256 x H100 (performance-summary.md v0.6.0; grpo-deepseek-v3-32n8g.yaml)",
+     "deepseek-v3-671b",
+     ["actor.parallel.tp=1", "actor.parallel.sequence_parallel=false", "actor.parallel.pp=16", "actor.parallel.ep=16",
+      "actor.recompute=full", "data.train_batch_size=32", "rollout.n=16", "actor.ppo_mini_batch_size=512",
+      "data.max_prompt_length=512", "rollout.max_new_tokens=1024", "actor.max_tokens_per_micro_batch=1536",
+      "actor.use_kl_loss=true", "rollout.num_servers=8", "rollout.tp=32", "rollout.nnodes=4",
+      "rollout.ep=1", "rollout.dp=1", "rollout.mem_fraction_static=0.6"],
+     "256xH100", 110, 701, {"tokens/s/GPU": 12.1, "step s": 134}),
+    ("verl Qwen3-30B-A3B, 8 x H20 (dpsk.md; run_qwen3moe-30b_megatron_96gb.sh)",
+     "qwen3-30b-a3b",
+     ["actor.parallel.tp=1", "actor.parallel.ep=8", "data.train_batch_size=512", "rollout.n=16",
+      "actor.ppo_mini_batch_size=2048", "data.max_prompt_length=2048", "rollout.max_new_tokens=8192",
+      "actor.max_tokens_per_micro_batch=10240", "rollout.num_servers=2", "rollout.tp=4",
+      "rollout.mem_fraction_static=0.7", "actor.recompute=none"],
+     "8xH20", None, 4096, {"update MFU": 0.40}),
+    ("NeMo-RL Qwen3-30B-A3B, 32 x H100 (performance-summary.md v0.6.0; grpo-qwen3-30ba3b-4n8g.yaml)",
+     "qwen3-30b-a3b",
+     ["cluster.num_actor_ranks=32", "actor.parallel.tp=1", "actor.parallel.ep=8", "data.train_batch_size=64",
+      "rollout.n=32", "actor.ppo_mini_batch_size=512", "data.max_prompt_length=512", "rollout.max_new_tokens=3584",
+      "actor.max_tokens_per_micro_batch=4096", "rollout.num_servers=16", "rollout.tp=2",
+      "rollout.mem_fraction_static=0.6", "actor.recompute=none", "data.num_train=65536"],
+     "32xH100", 110, 3203, {"tokens/s/GPU": 1102, "step s": 192}),
+]
+
+
+def calibration() -> None:
+    from megarl.config.loader import load_config
+    from megarl.config.validate import validate
+    from megarl.perf.hardware import GiB, parse_devices
+    from megarl.perf.plan import make_plan, update_mfu
+
+    print("| published run | metric | published | predicted | error |")
+    print("|---|---|---:|---:|---:|")
+    for name, base, overrides, devices, prompt, response, published in CALIBRATION:
+        cfg = validate(load_config(str(ROOT / "configs" / f"{base}.yaml"), overrides))
+        hf = json.loads((ROOT / cfg.model.path / "config.json").read_text())
+        count, device = parse_devices(devices)
+        plan = make_plan(cfg, hf, device, mean_response=response, mean_prompt=prompt)
+        t = plan.time
+        rows = cfg.data.train_batch_size * cfg.rollout.n
+        mean_prompt = prompt if prompt is not None else cfg.data.max_prompt_length
+        predicted = {"update MFU": update_mfu(cfg, plan), "step s": t.total, "generation s": t.generation,
+                     "tokens/s/GPU": rows * (mean_prompt + response) / t.total / count,
+                     "memory GiB": plan.peak("train") / GiB}
+        for metric, value in published.items():
+            p = predicted[metric]
+            print(f"| {name} | {metric} | {value:.3g} | {p:.3g} | {(p - value) / value:+.0%} |")
+        print(f"| | (phases, s) | | gen {t.generation:.0f}, log-prob {t.log_prob:.0f}, update {t.update:.0f}, "
+              f"sync {t.weight_sync:.0f}; train peak {plan.peak('train') / GiB:.0f} GiB"
+              f"{'' if plan.fits else ' (does not fit)'} | |")
+
+
+def _run_quickstart(out: Path, steps: int, overrides: list[str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "megarl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
+           f"trainer.total_steps={steps}", "trainer.val_every=0", "trainer.export_hf=false",
+           f"trainer.output_dir={out}", "trainer.tensorboard=false", *overrides]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return [json.loads(line) for line in (out / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+
+
+def cpu(steps: int) -> None:
+    from megarl.config.loader import load_config
+    from megarl.config.validate import validate
+    from megarl.perf.hardware import MiB, cpu_device
+    from megarl.perf.plan import make_plan
+
+    layouts = {"tp1 pp1 ep2 (default; calibrates the CPU constants)": [],
+               "pp2 ep1 (out of sample)": ["actor.parallel.pp=2", "actor.parallel.ep=1"]}
+    print("| layout | quantity | measured | predicted | error |")
+    print("|---|---|---:|---:|---:|")
+    for name, overrides in layouts.items():
+        cfg = validate(load_config(str(ROOT / "configs" / "quickstart.yaml"), overrides))
+        from megarl.cli import _model_config
+
+        hf = _model_config(cfg)
+        plan = make_plan(cfg, hf, cpu_device(2))
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = _run_quickstart(Path(tmp), steps, overrides)[2:]
+
+        def med(*keys):
+            return statistics.median(sum(r.get(k, 0.0) for k in keys) for r in rows)
+
+        t = plan.time
+        measured = {"generation s": med("perf/gen_s"), "log-probs s": med("perf/old_log_prob_s", "perf/ref_s"),
+                    "update s": med("perf/update_s"),
+                    "weight sync s (+ release/resume)": med("perf/sync_s", "perf/release_s", "perf/resume_s",
+                                                           "perf/resume_kv_s"),
+                    "step s": med("perf/step_s"),
+                    "params MiB (largest rank)": med("perf/memory/actor_params_gib") * 1024,
+                    "grads MiB": med("perf/memory/actor_grads_gib") * 1024,
+                    "optimizer MiB": med("perf/memory/actor_optimizer_gib") * 1024,
+                    "rank peak RSS MiB vs train peak of the trainer": med("perf/memory/actor_peak_gib") * 1024}
+        trainer_peak = plan.train.peak
+        predicted = {"generation s": t.generation, "log-probs s": t.log_prob, "update s": t.update,
+                     "weight sync s (+ release/resume)": t.weight_sync, "step s": t.total,
+                     "params MiB (largest rank)": plan.train.params / MiB, "grads MiB": plan.train.grads / MiB,
+                     "optimizer MiB": plan.train.optimizer / MiB,
+                     "rank peak RSS MiB vs train peak of the trainer": trainer_peak / MiB}
+        for q, m in measured.items():
+            p = predicted[q]
+            print(f"| {name} | {q} | {m:.3g} | {p:.3g} | {(p - m) / m:+.0%} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calibration", action="store_true")
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    if args.calibration or not args.cpu:
+        calibration()
+    if args.cpu or not args.calibration:
+        print()
+        cpu(args.steps)
+
+
+if __name__ == "__main__":
+    main()
