@@ -107,3 +107,12 @@ def test_runtime_passes_recompute_to_the_engines():
     cfg = load_config(None, ["actor.recompute=full", "critic.recompute=selective"])
     assert engine_spec(cfg, "m").recompute == "full"
     assert critic_engine_spec(cfg, "m").recompute == "selective"
+
+
+@pytest.mark.parametrize("name, recompute", [("deepseek-v3-671b", "full"), ("qwen3-235b-a22b", "full"),
+                                             ("qwen3-30b-a3b", "none")])
+def test_scale_configs_choose_recompute(name, recompute):
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    assert load_config(config, []).actor.recompute == recompute
