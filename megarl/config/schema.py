@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
+# Activation recompute (Megatron's): trade backward-pass compute for activation memory; the numbers
+# are unchanged (tests/test_engine_recompute.py). "none" keeps every activation. "selective"
+# recomputes core attention (Megatron's default recompute_modules ["core_attn"]): the [s, s]
+# attention scores are not kept, for a few % more compute. "full" keeps only each layer's input and
+# recomputes the whole layer in backward (granularity full, method uniform, 1 layer per unit): the
+# least memory, for about one more forward pass per step (~+33% compute). MFU counts model FLOPs, so
+# recompute does not raise it (trainer/mfu.py).
+Recompute = Literal["none", "selective", "full"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
 
@@ -112,6 +120,7 @@ class ActorConfig:
     # and log-probs computed in fp32 (Megatron's mixed precision). bf16 is the GPU setting; on CPU
     # it runs, slowly (no bf16 matrix units). The reference policy follows the actor
     precision: Literal["fp32", "bf16"] = "fp32"
+    recompute: Recompute = "none"         # activation recompute (Recompute above); ref: never
     seed: int = 0
 
 
@@ -141,6 +150,7 @@ class CriticConfig:
     cliprange_value: float = 0.5          # |v - v_old| beyond this is clipped in the value loss
     loss_agg_mode: LossAggMode = "token-mean"
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    recompute: Recompute = "none"         # activation recompute (Recompute above)
     seed: int = 0                         # also seeds the value head's initialisation
 
 

@@ -11,6 +11,10 @@ Parallel layout rules (Megatron-core's, for world = cluster.num_actor_ranks):
   * vpp > 1 (interleaved 1F1B) needs pp > 1, and pp*vpp divides num_hidden_layers (every virtual
     stage holds the same number of layers); uneven first/last stages: validate_pipeline.py
   * with cluster.devices_per_node, tensor (and context) parallel groups stay inside one node
+  * actor/critic.recompute needs no check beyond its Literal: Megatron's one layout rule for it
+    (1 <= recompute_num_layers <= layers per pipeline rank; "full" uses 1) holds for every split
+    stage_layers accepts, and what else Megatron refuses with recompute (its own cpu_offloading,
+    distribute_saved_activations under SP, MoE comm overlap, fp8 recipes) megarl never turns on
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ sequences: no padding FLOPs); the peak per device from megarl/perf/peak.py (a GP
 number for the training dtype; on CPU this machine's own fp32 GEMM throughput at the ranks' one
 thread each, measured once on actor rank 0 and cached). Model FLOPs, not hardware FLOPs:
 recompute, padding and MoE imbalance earn nothing (MFU as PaLM defines it and Megatron and verl
-report it). Times are the controller's (a phase's RPC included): what a user waits for.
+report it): actor.recompute does not change the FLOPs counted here (train_flops' recompute stays
+off), only the time, so a recomputing run shows a lower MFU for the same model work. Times are the controller's (a phase's RPC included): what a user waits for.
 """
 
 from __future__ import annotations

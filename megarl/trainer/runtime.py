@@ -63,7 +63,7 @@ def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
                       moe_dispatcher=cfg.actor.moe.dispatcher,
                       pack_sequences=cfg.actor.pack_sequences,
                       max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
-                      precision=cfg.actor.precision)
+                      precision=cfg.actor.precision, recompute=cfg.actor.recompute)
 
 
 def critic_engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
@@ -71,7 +71,7 @@ def critic_engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
     c = cfg.critic
     return EngineSpec(model_path=c.model.path or model_path, parallel=c.parallel, optim=c.optim,
                       micro_batch_size=c.micro_batch_size, seed=c.seed,
-                      moe_dispatcher=cfg.actor.moe.dispatcher, value_head=True)
+                      moe_dispatcher=cfg.actor.moe.dispatcher, value_head=True, recompute=c.recompute)
 
 
 def critic_loss_spec(cfg: RunConfig) -> CriticLossSpec:

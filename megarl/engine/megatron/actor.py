@@ -91,7 +91,8 @@ class MegatronActor(Worker):
         self.actor_offload = OffloadPolicy(self.actor, self.offload_config)
         self.actor_offload.release()
         if self.with_ref:
-            ref_spec = dataclasses.replace(self.engine_spec, optim=None)
+            # forward-only: nothing to recompute (Megatron recomputes only in training mode anyway)
+            ref_spec = dataclasses.replace(self.engine_spec, optim=None, recompute="none")
             self.ref = MegatronEngine(ref_spec)
             self.ref.initialize()
             self.ref_offload_policy = OffloadPolicy(self.ref, OffloadConfig(params=self.ref_offload))

@@ -182,6 +182,11 @@ def _patch_rng():
     mrandom.initialize_rng_tracker = lambda *a, **k: None
     mrandom.get_cuda_rng_tracker = lambda *a, **k: mrandom._CUDA_RNG_STATE_TRACKER
     torch.cuda.manual_seed = torch.manual_seed
+    # Activation recompute (CheckpointFunction, actor.recompute) saves the CUDA generator beside the
+    # CPU one and the tracker's: "Torch not compiled with CUDA enabled". A CPU process has no device
+    # generator; its CPU state is saved and restored next to it already.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
 # --------------------------------------------------------------------------------------------

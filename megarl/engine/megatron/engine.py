@@ -27,7 +27,7 @@ from megarl.data.batch import Batch
 from megarl.engine.megatron import cpu_compat, mcore_fixes
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
-from megarl.engine.megatron.model import make_bridge, pipeline_split_args, precision_dtype
+from megarl.engine.megatron.model import make_bridge, pipeline_split_args, precision_dtype, recompute_args
 from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
 from megarl.engine.megatron import inputs as rows
 from megarl.engine.megatron import value_head as vh
@@ -51,6 +51,7 @@ class EngineSpec:
     # loaded into them (checkpoint_convert's mcore-to-hf has no Hugging Face weights to read)
     load_hf: bool = True
     precision: str = "fp32"  # actor.precision: fp32 | bf16 (model.precision_dtype)
+    recompute: str = "none"  # actor/critic.recompute: none | selective | full (model.recompute_args)
 
 
 # A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
@@ -104,6 +105,7 @@ class MegatronEngine:
             expert_tensor_parallel_size=p.etp,
             moe_token_dispatcher_type=self.spec.moe_dispatcher,
             **pipeline_split_args(p),
+            **recompute_args(self.spec.recompute),
             # Megatron's allgather dispatcher refuses variable sequence lengths; every micro-batch of
             # one call is padded to the same length here, so the pipeline's shapes are fixed anyway
             **({"variable_seq_lengths": False} if self.spec.moe_dispatcher == "allgather" else {}),

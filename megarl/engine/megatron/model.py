@@ -152,6 +152,23 @@ def use_local_mla(block_spec):
     return block_spec
 
 
+# actor.recompute / critic.recompute -> Megatron's activation-recompute options (schema.py says what
+# each saves and costs). "selective" keeps recompute_modules at Megatron's default (["core_attn"]).
+RECOMPUTE_ARGS = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def recompute_args(recompute: str) -> dict:
+    """Megatron's TransformerConfig options for a recompute setting."""
+    if recompute not in RECOMPUTE_ARGS:
+        raise ValueError(f"recompute={recompute!r} (actor.recompute / critic.recompute) is not supported; "
+                         f"use one of {list(RECOMPUTE_ARGS)}")
+    return dict(RECOMPUTE_ARGS[recompute])
+
+
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
