@@ -259,11 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "plan":
         return plan(cfg, args.devices, args.response_len)
-    reason = _memory_refusal(cfg)
-    if reason:
-        print(f"megarl: config error: {reason}", file=sys.stderr)
-        return 2
-    reason = _missing_weights(cfg) or _backend_unavailable(cfg)
+    reason = _missing_weights(cfg) or _backend_unavailable(cfg) or _memory_refusal(cfg)
     if reason:
         print(f"megarl: config error: {reason}", file=sys.stderr)
         return 2

@@ -110,7 +110,7 @@ def test_runtime_passes_recompute_to_the_engines():
 
 
 @pytest.mark.parametrize("name, recompute", [("deepseek-v3-671b", "full"), ("qwen3-235b-a22b", "full"),
-                                             ("qwen3-30b-a3b", "none")])
+                                             ("qwen3-30b-a3b", "full")])
 def test_scale_configs_choose_recompute(name, recompute):
     from pathlib import Path
 

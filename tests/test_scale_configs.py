@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCALE = {
     "deepseek-v3-671b.yaml": dict(world=256, tp=8, pp=16, ep=16, stages=[3] + [4] * 14 + [2]),
     "qwen3-235b-a22b.yaml": dict(world=128, tp=4, pp=8, ep=16, stages=[11] + [12] * 6 + [11]),
-    "qwen3-30b-a3b.yaml": dict(world=8, tp=2, pp=1, ep=8, stages=[48]),
+    "qwen3-30b-a3b.yaml": dict(world=16, tp=2, pp=1, ep=8, stages=[48]),
 }
 
 

@@ -163,10 +163,23 @@ def _with_change(cfg, hf: dict, device: Device, key: str, value, mean_response):
     return make_plan(changed, hf, device, mean_response, timed=False)
 
 
-_ITEM_KNOB = {"actor optimizer": "actor.optim.use_distributed_optimizer", "actor params": "actor.parallel.pp",
-              "actor grads": "actor.parallel.pp", "actor activations": "actor.recompute",
-              "actor logits": "actor.max_tokens_per_micro_batch", "rollout weights + KV": "rollout.mem_fraction_static",
-              "rollout weights": "rollout.tp", "reference params": "ref.offload"}
+def _fallback_knob(cfg, phase: str, items: dict) -> str:
+    """The knob for the largest item when no single change fits: one not already at its limit."""
+    a, p = cfg.actor, cfg.actor.parallel
+    kept = {k: v for k, v in items.items() if k.startswith("actor ")}
+    if phase == "generate" and kept:  # what the trainer keeps while the engine generates
+        return f"actor.offload.{max(kept, key=kept.get).split()[1]}"
+    item = max(items, key=items.get)
+    ep_room = p.ep * p.etp * p.pp < cfg.cluster.num_actor_ranks
+    options = {"actor optimizer": ["actor.optim.use_distributed_optimizer" if not a.optim.use_distributed_optimizer
+                                   else None, "actor.parallel.ep" if ep_room else None],
+               "actor activations": ["actor.recompute" if getattr(a, "recompute", "full") != "full" else None,
+                                     "actor.max_tokens_per_micro_batch", "actor.parallel.pp"],
+               "actor logits": ["actor.max_tokens_per_micro_batch", "actor.parallel.tp"],
+               "actor params": ["actor.parallel.pp"], "actor grads": ["actor.parallel.pp"],
+               "rollout weights + KV": ["rollout.mem_fraction_static"], "rollout weights": ["rollout.tp"],
+               "reference params": ["ref.offload"]}.get(item, [])
+    return next((k for k in options if k), "cluster.num_actor_ranks")
 
 
 def refusal(cfg, hf: dict, plan: Plan) -> str | None:
@@ -190,7 +203,9 @@ def refusal(cfg, hf: dict, plan: Plan) -> str | None:
             worst = max(other.phases, key=other.peak)
             return (f"{what}; set {key}={_show(value)} (then {other.peak(worst) / GiB:.1f} GiB at the "
                     f"{worst} phase)")
-    knob = "rollout.tp" if phase == "kv" else _ITEM_KNOB.get(top, "cluster.num_actor_ranks")
+    knob = "rollout.tp" if phase == "kv" else _fallback_knob(cfg, phase, plan.phases[phase])
+    if knob == "cluster.num_actor_ranks":
+        return f"{what}; no single change fits and the layout shards it as far as it goes: more devices (cluster.num_actor_ranks)"
     return f"{what}; no single change fits: start with {knob}, or more devices (cluster.num_actor_ranks)"
 
 

@@ -7,7 +7,8 @@ stated efficiency, plus its communication and fixed costs:
   (compute-bound), then decode steps. A step of B running sequences costs the larger of its FLOPs
   and its bytes read (the weights it touches: dense weights always, routed experts as far as
   B * top_k tokens reach them; the KV cache of B sequences at their mean context) plus a per-step
-  fixed cost and two tensor-parallel reductions per layer. B is rollout.max_batch_size, or fewer
+  fixed cost and two tensor-parallel all-reduces per layer (latency + B hidden states over
+  NVLink, or over the network when the engine spans nodes). B is rollout.max_batch_size, or fewer
   when the KV cache cannot hold that many full-length sequences. With continuous batching the
   engine runs rows * mean / B steps, and the longest response adds its tail (max - mean) at the end.
 - log-probs (old, ref, critic values): forward FLOPs of every row at prompt + mean response.
@@ -39,7 +40,7 @@ class Efficiency:
     decode_bw: float = 0.6       # decode: fraction of HBM bandwidth reached
     decode_compute: float = 0.3  # decode: fraction of peak when a step is compute-bound
     link: float = 0.7            # NVLink / network / PCIe: fraction of the datasheet bandwidth
-    step_overhead_s: float = 0.004   # per decode step: scheduler, sampling, launches (CUDA graphs)
+    step_overhead_s: float = 0.010   # per decode step: scheduler, sampling, launches, stragglers
     collective_s: float = 10e-6      # latency of one tensor-parallel all-reduce inside a node
     micro_batch_s: float = 0.0       # fixed cost per micro-batch forward (Python, dispatch); backward 1x more
     optimizer_step_s: float = 0.0    # fixed cost per optimizer step (clip, step, gathers)
@@ -100,7 +101,11 @@ def generation_time(cfg, hf: dict, device: Device, rollout_mem, mean_response: f
     step_bytes = weights + kv
     step_flops = running * (2 * c.matmul_active + pair * ctx)
     layers = hf["num_hidden_layers"]
-    comm = 2 * layers * eff.collective_s * (1 if r.nnodes == 1 else 3)
+    # two tensor-parallel all-reduces per layer: latency, and B hidden states each over the link
+    link = (device.nvlink_bw if r.nnodes == 1 else device.net_bw) * eff.link
+    attn_tp = max(r.tp // r.dp, 1)
+    reduce_bytes = running / r.dp * hf["hidden_size"] * 2 * 2 * (attn_tp - 1) / attn_tp
+    comm = 2 * layers * (eff.collective_s * (1 if r.nnodes == 1 else 3) + reduce_bytes / link)
     t_step = max(step_bytes / (r.tp * device.hbm_bw * eff.decode_bw),
                  step_flops / (peak * eff.decode_compute)) + eff.step_overhead_s + comm
     steps = max(r.max_new_tokens, seqs * mean_response / running + (r.max_new_tokens - mean_response))
