@@ -3,10 +3,10 @@
 One launcher per node of an engine, placed in the engine's resource-pool bundle, so a multi-node
 cluster works like a laptop: the driver never spawns servers itself. The launcher starts the
 server (the embedded `megarl.rollout.server` or real SGLang) as a subprocess in its own process
-group, with its log in the run dir, and can stop or restart it. A restart on a free port
-(rollout.port=0) never gets a port an earlier server of this launcher had: the old URL may still
-be known somewhere (a router entry, a kept client), and nothing may reach the new server by it. Node rank 0 of an engine serves
+group, with its log in the run dir, and can stop or restart it. Node rank 0 of an engine serves
 the HTTP API; the other nodes run their ranks and answer /health, so every node is probed alike.
+A restart on a free port (rollout.port=0) never gets a port an earlier server of this launcher
+had: the old URL may still be known somewhere (a router entry, a kept client).
 
 The API key reaches the server through the environment (embedded) or a 0600 --config file
 (SGLang), never through a command line or a log. An embedded server gets the spec's weight
