@@ -243,3 +243,60 @@ def test_a_sender_dying_mid_sync_fails_it_and_engines_keep_their_weights(engines
     # the engines still serve, unchanged, to anyone
     for url, v1 in zip(engines, rank0["v1"]):
         assert torch.equal(server_response_logprobs(url), v1)
+
+
+def _resync_on_the_same_url(rank, model_path, transport, port, tmp_dir):
+    """v1 reaches an engine on a fixed port; the engine is SIGKILLed and a new one comes up on the
+    same URL (a fleet restart with rollout.port set, or a free port the OS hands out again); the
+    fleet's resync (restarted=True) and the next ordinary sync must reach the new process."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from megarl.bridge import BridgeSpec, make_transport
+    from megarl.rollout.launcher import RolloutServerProcess
+    from tests.test_megatron_engine import _engine
+
+    url = f"http://127.0.0.1:{port}"
+    server = RolloutServerProcess(model_path, port=port, torch_threads=1, seed=0) if rank == 0 else None
+    engine, rows = _engine(model_path, train=True, tp=1, ep=2), make_rows()
+    bridge = make_transport(BridgeSpec(transport, (url,), BUCKET, timeout_s=30), rank, dist.get_world_size(),
+                            "127.0.0.1")
+    try:
+        if rank == 0:
+            server.start()
+        dist.barrier()
+        _step(engine, rows)
+        bridge.sync(engine, "v1", [url])
+        if rank == 0:
+            os.kill(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+            server.start()  # the same port: requested explicitly
+        dist.barrier()
+        bridge.sync(engine, "v1", [url], restarted=True)  # the resync of the restarted engine
+        resynced = server_response_logprobs(url) if rank == 0 else None
+        _step(engine, rows)
+        bridge.sync(engine, "v2", [url])
+        trainer = engine.compute_log_prob(rows)
+        return {"resynced": resynced, "trainer": None if trainer is None else trainer["log_probs"],
+                "engine": server_response_logprobs(url) if rank == 0 else None,
+                "version": httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"]}
+    finally:
+        bridge.close()
+        if server is not None:
+            server.stop()
+
+
+@pytest.mark.parametrize("transport", ["distributed", "reshard"])
+def test_an_engine_restarted_on_its_predecessors_url_is_resynced(tiny_model_path, tmp_path, transport):
+    """Groups and plans are kept per engine URL; a restart on the same URL must not inherit them
+    (the new process never joined the old group: the resync failed before restarted=True)."""
+    from megarl.rollout.launcher import free_port
+
+    mask = make_rows()["response_mask"].bool()
+    results = run_ranks(_resync_on_the_same_url, 2, tiny_model_path, transport, free_port(), tmp_path)
+    trainer = next(r["trainer"] for r in results if r["trainer"] is not None)
+    assert results[0]["version"] == "v2"
+    assert (trainer - results[0]["resynced"])[mask].abs().max() > 10 * TOL  # v2 moved past the resync
+    torch.testing.assert_close(results[0]["engine"][mask], trainer[mask], atol=TOL, rtol=0)

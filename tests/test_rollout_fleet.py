@@ -1,7 +1,9 @@
 """The rollout side as a mesh on a real local Ray cluster: engines started by launcher actors in
 a resource pool, sglang-router in front, generation with n samples of a prompt on one engine,
 and failover (SIGKILL an engine mid-generation: every row still comes back, the engine is
-restarted, gets the current weights before it rejoins the router, every retry is counted)."""
+restarted, gets the current weights before it rejoins the router, every retry is counted). An
+answer with another weight version than the one asked for is never used; a restarted engine whose
+resync failed is served by no one until a resync succeeds; a restart never reuses a port."""
 
 from __future__ import annotations
 
@@ -185,3 +187,99 @@ def test_two_node_engine_is_started_by_one_launcher_per_node_and_restarted_whole
         assert node0 not in pids and node1 not in pids
     assert (tmp_path / "node0.log").stat().st_size and (tmp_path / "node1.log").stat().st_size
     assert not any(psutil.pid_exists(p) for p in pids)
+
+
+def label(url: str, version: str) -> None:
+    """What a weight sync writes: the version the engine reports with every answer."""
+    body = {"new_version": version, "abort_all_requests": False}
+    assert httpx.post(f"{url}/update_weight_version", json=body, headers=AUTH, timeout=10).status_code == 200
+
+
+def test_an_engine_on_another_weight_version_is_never_used_silently(two_engines):
+    from megarl.rollout.client import RolloutRequestError
+
+    fleet, manager = two_engines
+    url0, url1 = fleet.engine_urls
+    try:
+        label(url0, "7")
+        label(url1, "7")
+        rows = manager.generate(prompt_batch(PROMPTS), SamplingSpec(n=2, max_new_tokens=2), weight_version="7")
+        assert list(rows["rollout_weight_version"]) == ["7"] * len(PROMPTS) * 2
+        assert manager.last_stats["rollout/retries"] == 0.0
+        # engine 1 missed the last sync: its prompts are re-sent once, then the call fails saying so
+        # (direct routes here, so which prompts land on engine 1 is fixed: half of them)
+        label(url1, "6")
+        direct = RolloutManager([url0, url1], max_retries=0, timeout_s=60, api_key=KEY)
+        try:
+            with pytest.raises(RolloutRequestError, match="served with weight_version '6', but the engines "
+                                                          "were synced to '7'"):
+                direct.generate(prompt_batch(PROMPTS), SamplingSpec(n=2, max_new_tokens=2), weight_version="7")
+        finally:
+            direct.close()
+        # behind the router: a row from engine 1 is never returned (the call fails, or holds only "7")
+        try:
+            rows = manager.generate(prompt_batch(MANY_PROMPTS), SamplingSpec(n=2, max_new_tokens=2),
+                                    weight_version="7")
+            assert set(rows["rollout_weight_version"]) == {"7"}
+        except RolloutRequestError as exc:
+            assert "weight_version '6'" in str(exc)
+    finally:
+        label(url0, "default")
+        label(url1, "default")
+
+
+def test_a_restarted_engine_whose_resync_failed_is_not_served_until_a_resync_succeeds(two_engines):
+    fleet, manager = two_engines
+    import ray
+
+    old_url, pid = fleet.engine_urls[1], fleet.server_pids()[1][0]
+    resyncs = []
+
+    def resync_failing_once(urls):
+        resyncs.append((list(urls), finished(urls[0])))
+        if len(resyncs) == 1:
+            raise RuntimeError("weight push failed")
+
+    os.kill(pid, signal.SIGKILL)
+    _wait_dead(pid)
+    fleet.on_restart = resync_failing_once
+    try:
+        with pytest.raises(RuntimeError, match="weight push failed"):
+            fleet.recover(wait=True)
+        (new_url,), _ = resyncs[0]
+        # up, but without the current weights: neither routed to nor a direct target
+        assert new_url != old_url and new_url not in fleet.live_urls()
+        assert ray.get(fleet.router.workers.remote()) == [fleet.engine_urls[0]]
+        # the next call is served by engine 0 alone; its end repeats the resync, then routes to it
+        rows = manager.generate(prompt_batch(MANY_PROMPTS), SamplingSpec(n=2, max_new_tokens=2))
+    finally:
+        fleet.on_restart = None
+    assert len(rows) == len(MANY_PROMPTS) * 2
+    assert resyncs[1] == ([new_url], 0)  # the engine had served nothing before its weights came
+    assert new_url in fleet.live_urls() and fleet.engine_urls[1] == new_url
+    assert sorted(ray.get(fleet.router.workers.remote())) == sorted(fleet.engine_urls)
+
+
+def test_a_free_port_is_never_one_a_predecessor_had(monkeypatch):
+    from megarl.rollout import launcher
+
+    offered = iter([41000, 41000, 41001])
+
+    class Socket:
+        def __init__(self, *args):
+            self.port = next(offered)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launcher.socket, "socket", Socket)
+    assert launcher.free_port("127.0.0.1", avoid={41000}) == 41001

@@ -176,3 +176,50 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
     for m in metrics:
         assert m["rollout/logprob_diff_max"] < 1e-4, m["rollout/logprob_diff_max"]
     assert not any(psutil.pid_exists(p) for p in pids + killed)
+
+
+def test_a_parity_error_names_the_row_its_served_version_and_every_engines_version():
+    """What the next parity failure says: stale weights (many rows, engines on another version)
+    and a numerics branch (one row, a few tokens, the right version) read differently."""
+    import numpy as np
+    import torch
+
+    from megarl.data.batch import Batch
+    from megarl.trainer.sync_trainer import ParityError, SyncTrainer
+
+    class Client:
+        def __init__(self, url):
+            self.url = url
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def get_weight_version(self):
+            if "dead" in self.url:
+                raise ConnectionError("refused")
+            return "3"
+
+    class Fleet:
+        engine_urls = ["http://e0", "http://dead"]
+        client = staticmethod(lambda url, **kw: Client(url))
+
+    cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", []))
+    trainer = SyncTrainer.__new__(SyncTrainer)
+    trainer.cfg, trainer.weight_version = cfg, 3
+    trainer.rt = type("Runtime", (), {"fleet": Fleet()})()
+    old = torch.zeros(4, 3)
+    rollout = old.clone()
+    rollout[2, 1] = 2.5e-3  # one token of one row off
+    rows = Batch({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": torch.ones(4, 3),
+                  "prompt_lengths": torch.full((4,), 5)},
+                 non_tensors={"rollout_weight_version": np.array(["3"] * 4, dtype=object)})
+    with pytest.raises(ParityError) as error:
+        trainer._check_parity(rows, 2)
+    message = str(error.value)
+    assert "up to 2.50e-03" in message and "weight version 3" in message
+    assert "row 2 (5-token prompt, response token 1" in message and "served with weight_version '3'" in message
+    assert "1 tokens in 1 of 4 rows exceed" in message
+    assert "http://e0: '3'" in message and "http://dead: unreachable (ConnectionError)" in message

@@ -50,6 +50,13 @@ class EngineSet:
         self.engines = [self._known[u] for u in urls]
         return self.engines
 
+    def forget(self, urls) -> None:
+        """Drop what is kept for `urls` (restarted engines): the next use() asks them afresh."""
+        for url in urls:
+            engine = self._known.pop(url, None)
+            if engine is not None:
+                engine.close()
+
     @property
     def total_ranks(self) -> int:
         return sum(e.tp for e in self.engines)

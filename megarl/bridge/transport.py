@@ -2,6 +2,7 @@
 
     transport = make_transport(spec, rank, world_size, address)   # once per run, on every trainer rank
     stats = transport.sync(source, version, server_urls)          # after every update, on every rank
+    transport.sync(source, version, [url], restarted=True)        # a restarted engine (same URL or not)
     transport.close()
 
 A sync is all or nothing on the embedded engines: buckets are staged and applied on commit, so a
@@ -49,9 +50,18 @@ class WeightTransport(ABC):
             self._engines = EngineSet(self.spec.timeout_s, self.spec.api_key, self.spec.pause_generation)
         return self._engines
 
-    def sync(self, source: WeightSource, version: str, server_urls=None) -> dict:
+    def sync(self, source: WeightSource, version: str, server_urls=None, restarted: bool = False) -> dict:
+        """`restarted`: the engines at `server_urls` are new processes (a fleet restart), so what
+        was kept for those URLs (clients, their TP size, update groups, the reshard plan) belongs
+        to their dead predecessors: a restart may come back on the same URL (a fixed
+        rollout.port, or a free port the OS hands out again)."""
         start = time.perf_counter()
-        stats = self._sync(source, str(version), list(server_urls or self.spec.server_urls))
+        urls = list(server_urls or self.spec.server_urls)
+        if restarted:
+            self._broken()
+            if self._engines is not None:
+                self._engines.forget(urls)
+        stats = self._sync(source, str(version), urls)
         if stats:
             stats["perf/weight_sync_s"] = time.perf_counter() - start
         return stats

@@ -5,6 +5,8 @@ cluster works like a laptop: the driver never spawns servers itself. The launche
 server (the embedded `megarl.rollout.server` or real SGLang) as a subprocess in its own process
 group, with its log in the run dir, and can stop or restart it. Node rank 0 of an engine serves
 the HTTP API; the other nodes run their ranks and answer /health, so every node is probed alike.
+A restart on a free port (rollout.port=0) never gets a port an earlier server of this launcher
+had: the old URL may still be known somewhere (a router entry, a kept client).
 
 The API key reaches the server through the environment (embedded) or a 0600 --config file
 (SGLang), never through a command line or a log. An embedded server gets the spec's weight
@@ -56,6 +58,7 @@ class EngineLauncher:
         self.spec, self._api_key, self.gpu_ids = spec, api_key, list(gpu_ids or [])
         self.server: RolloutServerProcess | None = None
         self._url: str | None = None
+        self._used_ports: set[int] = set()  # a restart never comes back on a predecessor's port
 
     def node_ip(self) -> str:
         from megarl.controller.worker import get_node_ip
@@ -94,7 +97,9 @@ class EngineLauncher:
                 s.model_path, host=s.host, port=s.port, max_batch_size=s.max_batch_size, seed=s.seed,
                 torch_threads=1, extra_args=tuple(_mesh_args(s, dist_init_addr) + _limit_args(s)), env=env,
                 log_path=s.log_path, startup_timeout_s=s.startup_timeout_s)
+        self.server.avoid_ports = set(self._used_ports)
         self.server.start()
+        self._used_ports.add(self.server.port)
         self._url = f"http://{_url_host(self._reachable_host())}:{self.server.port}"
         return self._url
 

@@ -234,12 +234,14 @@ class RolloutFleet:
                         raise
                     engine.restarts += 1
                     self.restarts += 1
-                    refs = self._start_refs(engine)
+                    refs = self._pending[index] = self._start_refs(engine)
             restarted.append(engine)
-        self._pending.clear()
         urls = [e.url for e in restarted]
         if self.on_restart is not None:
+            # still pending meanwhile: not in live_urls (direct routes) nor in the router. Should
+            # this fail, they stay so, and the next finish_recovery gives them the weights again
             self.on_restart(urls)
+        self._pending.clear()
         for engine in restarted:
             self._attach(engine)
         log.warning("restarted rollout engines %s in %.1fs", urls, time.perf_counter() - started)

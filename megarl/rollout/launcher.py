@@ -8,7 +8,8 @@ it spawned: SIGTERM to the group, then SIGKILL after a grace period. stop() is a
 with atexit, so an exception or a normal interpreter exit never leaves a server behind, and the
 server is started under lifeline.py's parent-death signal, so a SIGKILL of the parent (a killed
 driver or Ray actor) takes it down too. port=0 picks a
-free port here and passes it on; if another process grabs it first, start() retries on a new one.
+free port here (never one of `avoid_ports`) and passes it on; if another process grabs it first,
+start() retries on a new one.
 Output goes to a log file whose last lines are quoted in every startup error.
 """
 
@@ -31,10 +32,16 @@ from megarl.rollout.procs import ManagedProcess, PortTaken, new_log_file
 _PACKAGE_ROOT = str(Path(megarl.__file__).resolve().parent.parent)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid=()) -> int:
+    """A port the OS reports free on `host`, never one of `avoid` (the OS may hand a port it gave
+    out before straight back)."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise RuntimeError(f"the OS kept offering ports in {sorted(avoid)[:8]} on {host}")
 
 
 class RolloutServerProcess(ManagedProcess):
@@ -49,6 +56,8 @@ class RolloutServerProcess(ManagedProcess):
                         "--dtype": dtype, "--torch-threads": torch_threads}
         self.extra_args, self.python, self.startup_timeout_s = list(extra_args), python, startup_timeout_s
         self.env = env
+        # ports a picked free port must not be (EngineLauncher: its earlier servers' ports)
+        self.avoid_ports: set[int] = set()
         self.log_path = Path(log_path) if log_path else new_log_file("megarl-rollout-server-")
         self.process: subprocess.Popen | None = None
 
@@ -71,7 +80,7 @@ class RolloutServerProcess(ManagedProcess):
             raise RuntimeError(f"the rollout server at {self.url} is already running (pid {self.process.pid})")
         attempts = 3 if self.requested_port == 0 else 1
         for attempt in range(attempts):
-            self.port = self.requested_port or free_port(self.host)
+            self.port = self.requested_port or free_port(self.host, self.avoid_ports)
             self._spawn()
             try:
                 self._wait_until_healthy()

@@ -14,6 +14,11 @@ dead engines out of service and started their restart: to the engines still aliv
 restarted engine once it has the current weights. Every re-send is counted: `last_stats` has
 `rollout/retries` and `rollout/engine_restarts` for the last call. Without a fleet, or when no
 engine is found dead, the failure is raised with the server's message.
+
+`weight_version` (the trainer's last synced version) is checked against the version every answer
+reports in meta_info (SGLang's field; the embedded server's too): an answer from an engine with
+other weights is not used but re-sent like a failed request, and raised (StaleWeightsError's
+message) if it persists. The served version of every row is its `rollout_weight_version`.
 """
 
 from __future__ import annotations
@@ -71,8 +76,9 @@ class RolloutManager:
             client.close()
         self._clients.clear()
 
-    def generate(self, prompts: Batch, sampling: SamplingSpec) -> Batch:
+    def generate(self, prompts: Batch, sampling: SamplingSpec, weight_version: str | None = None) -> Batch:
         """rows = len(prompts) * n, prompt-major (the n samples of a prompt are adjacent).
+        `weight_version`: the version every answer must report (None: not checked).
 
         Requires the non-tensor column `raw_prompt_ids`; every other non-tensor column of
         `prompts` is repeated onto its rows.
@@ -82,7 +88,7 @@ class RolloutManager:
         retries_before, restarts_before = self._client_retries(), self._restarts()
         pending, resent = list(range(len(prompt_ids))), 0
         for round_index in range(self.max_rounds):
-            failures = asyncio.run(self._round(pending, prompt_ids, sampling, outputs))
+            failures = asyncio.run(self._round(pending, prompt_ids, sampling, outputs, weight_version))
             if not failures:
                 break
             dead = self.fleet.recover() if self.fleet is not None else []
@@ -103,7 +109,8 @@ class RolloutManager:
         return repeated.union(batch)
 
     # ---- one round over the current targets ------------------------------------------------------
-    async def _round(self, pending: list[int], prompt_ids, sampling: SamplingSpec, outputs) -> dict[int, Exception]:
+    async def _round(self, pending: list[int], prompt_ids, sampling: SamplingSpec, outputs,
+                     weight_version: str | None = None) -> dict[int, Exception]:
         """Send every pending prompt once; fill `outputs`; return the failures by prompt index."""
         work = self._requests(pending, prompt_ids, sampling)
         results = await asyncio.gather(*[
@@ -115,6 +122,10 @@ class RolloutManager:
                 if not isinstance(result, Exception):
                     raise result
                 failures.update(dict.fromkeys(idx, result))
+                continue
+            stale = _stale(result, idx, weight_version, sampling.n)
+            if stale is not None:
+                failures.update(dict.fromkeys(idx, stale))
                 continue
             for k, i in enumerate(idx):
                 outputs[i] = result[k * sampling.n:(k + 1) * sampling.n]
@@ -170,6 +181,22 @@ def row_seed(seed: tuple[int, ...], row: int) -> int:
     return (int(hi) << 31) ^ int(lo)
 
 
+class StaleWeightsError(RuntimeError):
+    """An engine answered with a weight version other than the one the trainer synced last."""
+
+
+def _stale(outputs: list[GenerateOutput], idx: list[int], expected: str | None, n: int) -> StaleWeightsError | None:
+    if expected is None:
+        return None
+    for k, out in enumerate(outputs):
+        served = out.meta_info.get("weight_version")
+        if served is not None and str(served) != expected:
+            return StaleWeightsError(
+                f"prompt {idx[k // n]} was served with weight_version {served!r}, but the engines were "
+                f"synced to {expected!r}: an engine generates with weights other than the trainer's")
+    return None
+
+
 def _failed(failures: dict[int, Exception], rounds: int) -> RolloutRequestError:
     first = next(iter(failures.values()))
     return RolloutRequestError(f"rollout: {len(failures)} prompts still failed after {rounds} round(s) "
@@ -213,5 +240,7 @@ def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]]) -> Batch:
             "response_text": np.array([out.text for _, out in rows], dtype=object),
             "finish_reason": np.array([out.finish_reason.get("type", "") for _, out in rows],
                                       dtype=object),
+            "rollout_weight_version": np.array([out.meta_info.get("weight_version") for _, out in rows],
+                                               dtype=object),
         },
     )

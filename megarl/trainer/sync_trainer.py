@@ -139,7 +139,7 @@ class SyncTrainer:
         cfg, timing = self.cfg, {}
         t_step, restarts_before = time.perf_counter(), self.rt.fleet.restarts
         with _timer(timing, "gen"), self._watching_ranks():
-            rows = self.rt.rollout.generate(prompts, self._sampling(step, train=True))
+            rows = self.rt.rollout.generate(prompts, self._sampling(step, train=True), self._served_version())
         rollout_stats = dict(self.rt.rollout.last_stats)
         if self.release:
             with _timer(timing, "release"):
@@ -205,10 +205,16 @@ class SyncTrainer:
 
         val = PromptBatches(self.rt.val_data, len(self.rt.val_data), shuffle=False)
         with self._watching_ranks():
-            rows = self.rt.rollout.generate(val.batch_at(0), self._sampling(step, train=False))
+            rows = self.rt.rollout.generate(val.batch_at(0), self._sampling(step, train=False),
+                                            self._served_version())
         return {"val/reward_mean": float(self._score(rows).mean())}
 
     # ---------------------------------------------------------------- pieces
+    def _served_version(self) -> str | None:
+        """The version every rollout answer must report. Version 0 is the initial checkpoint, which
+        every engine loads (labelled "default", or "0" after a restart's resync): not checked."""
+        return str(self.weight_version) if self.weight_version else None
+
     def _watching_ranks(self) -> RankWatch:
         """Generation calls no rank: a rank dying meanwhile aborts it and is raised (rank_watch.py)."""
         def abort_generation() -> None:  # own clients: the manager's belong to the main thread
@@ -253,15 +259,39 @@ class SyncTrainer:
         """The server sampled with the weights the trainer just scored with: their log-probs
         of the same tokens must agree, or the weight sync is broken."""
         mask = rows["response_mask"].bool()
-        diff = (rows["old_log_probs"] - rows["rollout_log_probs"]).abs()[mask]
+        per_token = (rows["old_log_probs"] - rows["rollout_log_probs"]).abs() * mask
+        diff = per_token[mask]
         worst = float(diff.max()) if diff.numel() else 0.0
         if self.cfg.bridge.check_parity and worst > self.cfg.bridge.parity_atol:
             raise ParityError(
                 f"step {step}: rollout server and trainer log-probs differ by up to {worst:.2e} "
                 f"(bridge.parity_atol={self.cfg.bridge.parity_atol}) for weight version "
-                f"{self.weight_version}; the weight sync did not reproduce the trainer's weights")
+                f"{self.weight_version}; the weight sync did not reproduce the trainer's weights. "
+                + self._parity_detail(rows, per_token))
         return {"rollout/logprob_diff_max": worst,
                 "rollout/logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0}
+
+    def _parity_detail(self, rows: Batch, per_token: torch.Tensor) -> str:
+        """Where the disagreement is: the worst row, the version it was served with, how many
+        tokens and rows are off, and the version each engine reports now. Every row off and
+        engines on another version: stale weights. One row, a few tokens, the right version: the
+        two sides' numerics took different branches (an MoE router's near-tied experts)."""
+        atol = self.cfg.bridge.parity_atol
+        row, token = divmod(int(per_token.argmax()), per_token.shape[1])
+        served = rows["rollout_weight_version"][row] if "rollout_weight_version" in rows.non_tensors else None
+        off = per_token > atol
+        engines = []
+        for url in self.rt.fleet.engine_urls:
+            try:
+                with self.rt.fleet.client(url, max_retries=0, timeout_s=10.0) as client:
+                    engines.append(f"{url}: {client.get_weight_version()!r}")
+            except Exception as exc:  # noqa: BLE001  (a diagnostic: say what happened, go on)
+                engines.append(f"{url}: unreachable ({type(exc).__name__})")
+        return (f"Worst: row {row} ({rows['prompt_lengths'][row].item()}-token prompt, response token {token}: "
+                f"trainer {rows['old_log_probs'][row, token].item():.6f}, server "
+                f"{rows['rollout_log_probs'][row, token].item():.6f}), served with weight_version {served!r}; "
+                f"{int(off.sum())} tokens in {int(off.any(1).sum())} of {len(rows)} rows exceed the "
+                f"tolerance; engines report weight versions {', '.join(engines) or 'none'}")
 
     def _rollout_metrics(self, rows: Batch) -> dict:
         mask = rows["response_mask"]

@@ -161,14 +161,15 @@ class MegatronActor(Worker):
         from megarl.bridge import make_transport
 
         # one transport per run: its groups, plan, buffers and connections are reused; engines come
-        # and go (restarts move them to new ports) without rebuilding it
+        # and go without rebuilding it (what it kept for a restarted engine's URL is dropped)
         if not spec.same_transport(self._transport_spec):
             if self._transport is not None:
                 self._transport.close()
             self._transport = make_transport(spec, self.rank, self.world_size, self.get_node_ip())
             self._transport_spec = spec
         with self.actor_offload.forward():  # the step is over: the actor leaves the device
-            return self._transport.sync(self.actor, weight_version, server_urls or spec.server_urls)
+            return self._transport.sync(self.actor, weight_version, server_urls or spec.server_urls,
+                                        restarted=server_urls is not None)
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str) -> dict:
