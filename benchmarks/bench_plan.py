@@ -1,6 +1,6 @@
 """The planner against what was measured: published RL runs, and two quickstart layouts on this machine.
 
-    .venv/bin/python benchmarks/bench_plan.py [--calibration] [--cpu] [--steps 8]
+    .venv/bin/python benchmarks/bench_plan.py [--calibration] [--cpu] [--steps 12] [--repeats 3]
 
 --calibration: `megarl plan`'s prediction for published runs, expressed as overrides of our scale
 configs, next to the published numbers (sources: verl docs/perf/dpsk.md and its example scripts at
@@ -9,11 +9,12 @@ engine is vLLM (planned here as SGLang with the same memory fraction); their GPU
 and H100 (NeMo-RL); verl's MFU is the actor update's (flops * epochs / (peak * GPUs * update
 time)); NeMo-RL's tokens/s/GPU are prompt + generated tokens / step time / GPUs.
 
---cpu: runs the quickstart for --steps steps in two layouts (tp1/pp1/ep2, and pp2) and compares
-the medians of its logged phase times (steps 3..N) and the ranks' measured memory
+--cpu: runs the quickstart for --steps steps in two layouts (tp1/pp1/ep2, and pp2), --repeats times
+interleaved, and compares the medians of its logged phase times (steps 3..N; then the median over
+runs, with the range) and the ranks' measured memory
 (perf/memory/*: parameters, gradients and optimizer state in bytes, peak RSS) with the plan's.
-The CPU efficiencies in megarl/perf/steptime.py were set from the first layout, so its time
-error is small by construction; the second layout is the out-of-sample check.
+The CPU constants in megarl/perf/steptime.py were set from earlier runs of the first layout; the
+second layout is the out-of-sample check.
 Prints markdown for benchmarks/RESULTS.md.
 """
 
@@ -65,6 +66,18 @@ CALIBRATION = [
       "actor.max_tokens_per_micro_batch=4096", "rollout.num_servers=16", "rollout.tp=2",
       "rollout.mem_fraction_static=0.6", "actor.recompute=none", "data.num_train=65536"],
      "32xH100", 110, 3203, {"tokens/s/GPU": 1102, "step s": 192}),
+    # weight sync alone, trainer pool -> rollout pool over the network (verl docs/advance/fully_async.md,
+    # "without checkpoint-engine", H20, Megatron): the 30B row set Efficiency.tensor_s, the 235B row checks it
+    ("verl Qwen3-30B-A3B weight sync, 16 -> 16 H20 (fully_async.md)", "qwen3-30b-a3b",
+     ["cluster.placement=disaggregated", "cluster.num_rollout_devices=16", "bridge.transport=distributed",
+      "rollout.release_memory=null"],
+     "32xH20", None, 1024, {"weight sync s": 15.76}),
+    ("verl Qwen3-235B-A22B weight sync, 64 -> 64 H20 (fully_async.md)", "qwen3-235b-a22b",
+     ["cluster.num_actor_ranks=64", "actor.parallel.pp=2", "actor.parallel.first_stage_layers=null",
+      "actor.parallel.last_stage_layers=null", "cluster.placement=disaggregated", "cluster.num_rollout_devices=64",
+      "rollout.num_servers=8", "rollout.tp=8", "bridge.transport=distributed", "rollout.release_memory=null",
+      "actor.ppo_mini_batch_size=64"],
+     "128xH20", None, 1024, {"weight sync s": 58.57}),
 ]
 
 
@@ -85,6 +98,7 @@ def calibration() -> None:
         rows = cfg.data.train_batch_size * cfg.rollout.n
         mean_prompt = prompt if prompt is not None else cfg.data.max_prompt_length
         predicted = {"update MFU": update_mfu(cfg, plan), "step s": t.total, "generation s": t.generation,
+                     "weight sync s": t.weight_sync,
                      "tokens/s/GPU": rows * (mean_prompt + response) / t.total / count,
                      "memory GiB": plan.peak("train") / GiB,
                      # verl runs Adam on the host (optimizer offload fraction 1.0): no optimizer state on
@@ -107,60 +121,57 @@ def _run_quickstart(out: Path, steps: int, overrides: list[str]) -> list[dict]:
     return [json.loads(line) for line in (out / "quickstart" / "metrics.jsonl").read_text().splitlines()]
 
 
-def cpu(steps: int) -> None:
+def cpu(steps: int, repeats: int) -> None:
+    from megarl.cli import _model_config
     from megarl.config.loader import load_config
     from megarl.config.validate import validate
     from megarl.perf.hardware import MiB, cpu_device
     from megarl.perf.plan import make_plan
 
-    layouts = {"tp1 pp1 ep2 (default; calibrates the CPU constants)": [],
+    layouts = {"tp1 pp1 ep2 (default; its earlier runs set the CPU constants)": [],
                "pp2 ep1 (out of sample)": ["actor.parallel.pp=2", "actor.parallel.ep=1"]}
-    print("| layout | quantity | measured | predicted | error |")
+    times = {"generation s": ["perf/gen_s"], "log-probs s": ["perf/old_log_prob_s", "perf/ref_s"],
+             "update s": ["perf/update_s"],
+             "weight sync s (+ release/resume)": ["perf/sync_s", "perf/release_s", "perf/resume_s", "perf/resume_kv_s"],
+             "step s": ["perf/step_s"], "params MiB (largest rank)": ["perf/memory/actor_params_gib"],
+             "grads MiB": ["perf/memory/actor_grads_gib"], "optimizer MiB": ["perf/memory/actor_optimizer_gib"],
+             "rank peak RSS MiB vs the plan's trainer peak": ["perf/memory/actor_peak_gib"]}
+    runs: dict[str, list[dict]] = {name: [] for name in layouts}
+    for _ in range(repeats):  # layouts interleaved, so machine noise hits both alike
+        for name, overrides in layouts.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                rows = _run_quickstart(Path(tmp), steps, overrides)[2:]
+            runs[name].append({q: statistics.median(sum(r.get(k, 0.0) for k in keys) for r in rows)
+                               * (1024 if "MiB" in q else 1) for q, keys in times.items()})
+    print(f"| layout | quantity | measured (median of {repeats} runs; range) | predicted | error |")
     print("|---|---|---:|---:|---:|")
     for name, overrides in layouts.items():
         cfg = validate(load_config(str(ROOT / "configs" / "quickstart.yaml"), overrides))
-        from megarl.cli import _model_config
-
-        hf = _model_config(cfg)
-        plan = make_plan(cfg, hf, cpu_device(2))
-        with tempfile.TemporaryDirectory() as tmp:
-            rows = _run_quickstart(Path(tmp), steps, overrides)[2:]
-
-        def med(*keys):
-            return statistics.median(sum(r.get(k, 0.0) for k in keys) for r in rows)
-
+        plan = make_plan(cfg, _model_config(cfg), cpu_device(2))
         t = plan.time
-        measured = {"generation s": med("perf/gen_s"), "log-probs s": med("perf/old_log_prob_s", "perf/ref_s"),
-                    "update s": med("perf/update_s"),
-                    "weight sync s (+ release/resume)": med("perf/sync_s", "perf/release_s", "perf/resume_s",
-                                                           "perf/resume_kv_s"),
-                    "step s": med("perf/step_s"),
-                    "params MiB (largest rank)": med("perf/memory/actor_params_gib") * 1024,
-                    "grads MiB": med("perf/memory/actor_grads_gib") * 1024,
-                    "optimizer MiB": med("perf/memory/actor_optimizer_gib") * 1024,
-                    "rank peak RSS MiB vs train peak of the trainer": med("perf/memory/actor_peak_gib") * 1024}
-        trainer_peak = plan.train.peak
         predicted = {"generation s": t.generation, "log-probs s": t.log_prob, "update s": t.update,
                      "weight sync s (+ release/resume)": t.weight_sync, "step s": t.total,
                      "params MiB (largest rank)": plan.train.params / MiB, "grads MiB": plan.train.grads / MiB,
                      "optimizer MiB": plan.train.optimizer / MiB,
-                     "rank peak RSS MiB vs train peak of the trainer": trainer_peak / MiB}
-        for q, m in measured.items():
-            p = predicted[q]
-            print(f"| {name} | {q} | {m:.3g} | {p:.3g} | {(p - m) / m:+.0%} |")
+                     "rank peak RSS MiB vs the plan's trainer peak": plan.train.peak / MiB}
+        for q in times:
+            values = [run[q] for run in runs[name]]
+            m, p = statistics.median(values), predicted[q]
+            print(f"| {name} | {q} | {m:.3g} ({min(values):.3g}-{max(values):.3g}) | {p:.3g} | {(p - m) / m:+.0%} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibration", action="store_true")
     ap.add_argument("--cpu", action="store_true")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     if args.calibration or not args.cpu:
         calibration()
     if args.cpu or not args.calibration:
         print()
-        cpu(args.steps)
+        cpu(args.steps, args.repeats)
 
 
 if __name__ == "__main__":

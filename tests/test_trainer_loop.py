@@ -223,3 +223,33 @@ def test_a_parity_error_names_the_row_its_served_version_and_every_engines_versi
     assert "row 2 (5-token prompt, response token 1" in message and "served with weight_version '3'" in message
     assert "1 tokens in 1 of 4 rows exceed" in message
     assert "http://e0: '3'" in message and "http://dead: unreachable (ConnectionError)" in message
+
+
+def test_parity_tolerates_an_isolated_row_but_not_a_stale_sync():
+    """bridge.parity_rows_off: one row of 256 with a token off (an MoE router near-tie) passes and
+    is counted; three rows (above 1% of 256 = 2) fail, as every row of a stale sync would."""
+    import torch
+
+    from megarl.data.batch import Batch
+    from megarl.trainer.sync_trainer import ParityError, SyncTrainer
+
+    cfg = validate(load_config(ROOT / "configs/quickstart.yaml", []))
+    trainer = SyncTrainer.__new__(SyncTrainer)
+    trainer.cfg, trainer.weight_version = cfg, 1
+    trainer.rt = type("Runtime", (), {"fleet": type("Fleet", (), {"engine_urls": []})()})()
+    old = torch.zeros(256, 2)
+
+    def rows_with(off: int) -> Batch:
+        rollout = old.clone()
+        rollout[:off, 1] = 2.5e-3
+        return Batch({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": torch.ones(256, 2),
+                      "prompt_lengths": torch.full((256,), 5)})
+
+    metrics = trainer._check_parity(rows_with(1), 2)
+    assert metrics["rollout/logprob_rows_off"] == 1.0 and metrics["rollout/logprob_diff_max"] == pytest.approx(2.5e-3)
+    assert trainer._check_parity(rows_with(2), 2)["rollout/logprob_rows_off"] == 2.0
+    with pytest.raises(ParityError, match="in 3 rows, more than the 2 bridge.parity_rows_off=0.01 allows"):
+        trainer._check_parity(rows_with(3), 2)
+    cfg.bridge.parity_rows_off = 0.0  # strict
+    with pytest.raises(ParityError):
+        trainer._check_parity(rows_with(1), 2)

@@ -73,6 +73,10 @@ def check_ranges(cfg: RunConfig) -> None:
     _require(budget is None or budget > 0, "actor.max_tokens_per_micro_batch",
              f"actor.max_tokens_per_micro_batch={budget!r} must be > 0 (or null: micro-batches by "
              "actor.micro_batch_size rows)")
+    frac = cfg.bridge.parity_rows_off
+    _require(0 <= frac < 1, "bridge.parity_rows_off",
+             f"bridge.parity_rows_off={frac!r} must be in [0, 1): the fraction of checked rows allowed "
+             "a token beyond bridge.parity_atol (0 = strict)")
     low = cfg.actor.clip_ratio_low
     _require(low < 1, "actor.clip_ratio_low", f"actor.clip_ratio_low={low} must be < 1 "
              "(the ratio is clipped to [1 - low, 1 + high])")

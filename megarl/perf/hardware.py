@@ -80,9 +80,10 @@ def cpu_device(devices_on_node: int, host_memory: float | None = None, peak: flo
         from megarl.perf.peak import cpu_peak_flops
 
         peak = cpu_peak_flops("fp32")
-    # per process: Python + torch + Megatron imports, ~0.5 GiB resident (measured: RESULTS.md)
+    # per process: Python + torch + Megatron imports, ~0.6 GiB resident (a quickstart rank: 590-626 MiB
+    # peak RSS, benchmarks/bench_plan.py --cpu)
     return Device("CPU", host_memory / max(devices_on_node, 1), CPU_COPY_BW, CPU_COPY_BW, CPU_COPY_BW,
-                  CPU_COPY_BW, 0.5 * GiB, {"fp32": peak, "bf16": peak})
+                  CPU_COPY_BW, 0.6 * GiB, {"fp32": peak, "bf16": peak})
 
 
 def canonical_device(kind: str) -> str | None:

@@ -18,7 +18,9 @@ stated efficiency, plus its communication and fixed costs:
   sequence-parallel gathers/scatters, the data-parallel gradient reduce-scatter and parameter
   all-gather per optimizer step, and the offload traffic over PCIe.
 - weight sync: the bf16 model gathered and handed to the engines (colocated: NVLink-bound
-  gathers and device copies; distributed: a network broadcast; disk: write + read).
+  gathers and device copies; distributed: a network broadcast; disk: write + read), plus a fixed
+  cost per checkpoint tensor (a MoE checkpoint has tens of thousands: each is gathered, named,
+  handed over and loaded by the engine on its own), calibrated on verl's published sync times.
 
 The efficiencies are the planner's one assumption; they are calibrated against published runs in
 benchmarks/RESULTS.md ("Planner calibration"), where the prediction errors are reported.
@@ -42,17 +44,19 @@ class Efficiency:
     link: float = 0.7            # NVLink / network / PCIe: fraction of the datasheet bandwidth
     step_overhead_s: float = 0.010   # per decode step: scheduler, sampling, launches, stragglers
     collective_s: float = 10e-6      # latency of one tensor-parallel all-reduce inside a node
-    micro_batch_s: float = 0.0       # fixed cost per micro-batch forward (Python, dispatch); backward 1x more
+    layer_pass_s: float = 0.0        # fixed cost per layer and micro-batch forward (launches, Python);
+                                     # backward as much again. A stage runs its own layers only
     optimizer_step_s: float = 0.0    # fixed cost per optimizer step (clip, step, gathers)
     phase_s: float = 0.0             # fixed cost per phase (RPCs to the ranks, gathers of results)
+    tensor_s: float = 0.75e-3        # weight sync: per checkpoint tensor (gather, handle, engine load)
 
 
 GPU_EFFICIENCY = Efficiency()
 # CPU: the quickstart's tiny model is all fixed costs; these come from timing the quickstart's
 # default layout on this 2-core machine (benchmarks/bench_plan.py, RESULTS.md "Planner on CPU")
 CPU_EFFICIENCY = Efficiency(gemm=0.5, prefill=0.3, decode_bw=0.5, decode_compute=0.3, link=0.5,
-                            step_overhead_s=0.02, collective_s=1e-4, micro_batch_s=0.06,
-                            optimizer_step_s=0.025, phase_s=0.03)
+                            step_overhead_s=0.02, collective_s=1e-4, layer_pass_s=0.017,
+                            optimizer_step_s=0.045, phase_s=0.03, tensor_s=3e-4)
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,8 @@ def update_time(cfg, hf: dict, device: Device, train_mem, mean_response: float, 
     moved = (train_mem.params if off.params else 0) + (train_mem.grads if off.grads else 0) \
         + (train_mem.optimizer if off.optimizer else 0)
     t += 2 * moved / (device.pcie_bw * eff.link)
-    t += micro_batches * steps * 2 * eff.micro_batch_s + steps * eff.optimizer_step_s + eff.phase_s
+    stage_layers = hf["num_hidden_layers"] / p.pp
+    t += micro_batches * steps * 2 * stage_layers * eff.layer_pass_s + steps * eff.optimizer_step_s + eff.phase_s
     return t, model_flops, compute
 
 
@@ -181,22 +186,41 @@ def log_prob_time(cfg, hf: dict, device: Device, mean_response: float, eff: Effi
     passes = 1 + bool(cfg.ref.enabled) + bool(cfg.critic.enabled)
     world = cfg.cluster.num_actor_ranks
     t = fwd / (world * device.peak_flops(_dtype(cfg, device)) * eff.gemm) * (1 + _bubble(p, micro_batches))
-    return passes * (t + micro_batches * eff.micro_batch_s + eff.phase_s)
+    return passes * (t + micro_batches * hf["num_hidden_layers"] / p.pp * eff.layer_pass_s + eff.phase_s)
+
+
+def hf_tensor_count(hf: dict) -> int:
+    """Tensors of the model's Hugging Face checkpoint (what a weight sync names one by one)."""
+    hf = _as_dict(hf)
+    mt = hf["model_type"]
+    n = 2 + (0 if hf.get("tie_word_embeddings") else 1)  # embedding, final norm, LM head
+    if mt == "deepseek_v3":
+        attn = 5 + (3 if hf.get("q_lora_rank") else 1)  # kv_a, kv_a_norm, kv_b, o + q (a, a_norm, b)
+    else:
+        attn = 4 + (3 if mt == "qwen2" or hf.get("attention_bias") else 0) + (2 if mt in ("qwen3", "qwen3_moe") else 0)
+    for i in range(hf["num_hidden_layers"]):
+        lp = layer_params(hf, i)
+        if lp.experts:
+            mlp = 1 + 3 * lp.experts + (3 if hf.get("n_shared_experts") else 0) + (mt == "deepseek_v3")
+        else:
+            mlp = 3
+        n += 2 + attn + mlp  # + the two norms
+    return n
 
 
 def sync_time(cfg, hf: dict, device: Device, rollout_mem, eff: Efficiency) -> float:
     model_bytes = count_params(hf).total * 2
     r = cfg.rollout
     per_device = rollout_mem.weights
-    buckets = math.ceil(model_bytes / (cfg.bridge.bucket_size_mb * 2 ** 20))
+    tensors = hf_tensor_count(hf)
     if cfg.bridge.transport == "disk":
-        return 2 * model_bytes / (2e9 * eff.link) + eff.phase_s
+        return 2 * model_bytes / (2e9 * eff.link) + tensors * eff.tensor_s + eff.phase_s
     if cfg.bridge.transport in ("distributed", "reshard") or cfg.cluster.placement == "disaggregated":
-        return model_bytes / (device.net_bw * eff.link) + buckets * 0.005 + eff.phase_s
+        return model_bytes / (device.net_bw * eff.link) + tensors * eff.tensor_s + eff.phase_s
     world = cfg.cluster.num_actor_ranks
     gather = model_bytes / (world * device.nvlink_bw * eff.link) * r.num_servers
     load = 2 * per_device / (device.hbm_bw * eff.decode_bw)
-    return gather + load + buckets * 0.005 + eff.phase_s
+    return gather + load + tensors * eff.tensor_s + eff.phase_s
 
 
 def step_time(cfg, hf: dict, device: Device, train_mem, rollout_mem, mean_response: float | None = None,

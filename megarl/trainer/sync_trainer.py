@@ -262,13 +262,17 @@ class SyncTrainer:
         per_token = (rows["old_log_probs"] - rows["rollout_log_probs"]).abs() * mask
         diff = per_token[mask]
         worst = float(diff.max()) if diff.numel() else 0.0
-        if self.cfg.bridge.check_parity and worst > self.cfg.bridge.parity_atol:
+        b = self.cfg.bridge
+        rows_off = int((per_token > b.parity_atol).any(1).sum())
+        allowed = int(b.parity_rows_off * len(rows))  # isolated rows: an MoE router's near-tie
+        if b.check_parity and rows_off > allowed:
             raise ParityError(
                 f"step {step}: rollout server and trainer log-probs differ by up to {worst:.2e} "
-                f"(bridge.parity_atol={self.cfg.bridge.parity_atol}) for weight version "
+                f"(bridge.parity_atol={b.parity_atol}) in {rows_off} rows, more than the {allowed} "
+                f"bridge.parity_rows_off={b.parity_rows_off} allows, for weight version "
                 f"{self.weight_version}; the weight sync did not reproduce the trainer's weights. "
                 + self._parity_detail(rows, per_token))
-        return {"rollout/logprob_diff_max": worst,
+        return {"rollout/logprob_diff_max": worst, "rollout/logprob_rows_off": float(rows_off),
                 "rollout/logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0}
 
     def _parity_detail(self, rows: Batch, per_token: torch.Tensor) -> str:
