@@ -49,10 +49,22 @@ class DataConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (megarl/trainer/dynamic_sampling.py): train only on groups whose
+    responses scored differently, generating from further prompt batches until a batch is full."""
+    enable: bool = False
+    max_num_gen_batches: int = 10         # generation rounds per step at most; 0 = no bound
+    # when the rounds run out: "pad" tops the batch up with uninformative groups (zero advantage;
+    # rollout/groups_padded counts them), "error" fails the step (verl's behaviour)
+    on_exhausted: Literal["pad", "error"] = "pad"
+
+
+@dataclass
 class AlgorithmConfig:
     name: Literal["grpo"] = "grpo"
     norm_adv_by_std: bool = True          # GRPO divides by the group std; False = Dr.GRPO style
     epsilon: float = 1e-6                 # added to the group std
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -203,8 +215,18 @@ class BridgeConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong shaping (megarl/reward/overlong.py): the last `len` tokens before
+    rollout.max_new_tokens cost up to penalty_factor of the score, linearly."""
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     custom_function: str | None = None    # "package.module:function"; None = rule by data_source
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass

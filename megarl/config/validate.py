@@ -307,6 +307,21 @@ def check_algorithm(cfg: RunConfig) -> None:
              "set ref.enabled to null (auto) or true")
 
 
+def check_dapo(cfg: RunConfig) -> None:
+    """Dynamic sampling (algorithm.filter_groups) and overlong shaping (reward.overlong_buffer)."""
+    f, o = cfg.algorithm.filter_groups, cfg.reward.overlong_buffer
+    _require(f.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches",
+             f"algorithm.filter_groups.max_num_gen_batches={f.max_num_gen_batches} must be >= 0 (0: no bound)")
+    _require(not f.enable or cfg.rollout.n >= 2, "algorithm.filter_groups.enable",
+             "algorithm.filter_groups keeps groups whose responses scored differently: it needs rollout.n >= 2")
+    if o.enable:
+        _require(0 < o.len <= cfg.rollout.max_new_tokens, "reward.overlong_buffer.len",
+                 f"reward.overlong_buffer.len={o.len} must be in (0, rollout.max_new_tokens="
+                 f"{cfg.rollout.max_new_tokens}]: the last tokens before the limit that are penalised")
+        _require(o.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor",
+                 f"reward.overlong_buffer.penalty_factor={o.penalty_factor} must be >= 0")
+
+
 def read_model_config(cfg: RunConfig) -> dict | None:
     """config.json of model.path, or None (a preset's caller passes its dict explicitly)."""
     if cfg.model.path is None:
@@ -342,5 +357,6 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_critic(cfg, model_config)
     check_rollout(cfg, model_config)
     check_algorithm(cfg)
+    check_dapo(cfg)
     check_resume(cfg)
     return resolve(cfg)

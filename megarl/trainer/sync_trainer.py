@@ -41,6 +41,8 @@ from megarl.rollout.manager import SamplingSpec
 from megarl.trainer import checkpoints
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
+from megarl.reward.overlong import overlong_penalty
+from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.rank_watch import RankWatch
 
 
@@ -62,6 +64,8 @@ class SyncTrainer:
         self.checkpointer = checkpoints.RunCheckpointer(runtime.run_dir, self.cfg.trainer.max_checkpoints)
         self.last_checkpoint = resume[0] if resume else None
         self._carried: dict[str, float] = {}  # a checkpoint save's time, logged with the next step
+        # prompt batches taken so far (one per step, more with dynamic sampling); checkpointed
+        self.data_cursor, self._batches = 0, None
         self.mfu: StepMfu | None = None  # made by fit(): it asks rank 0 for its device's peak
         runtime.fleet.on_restart = self._resync
 
@@ -74,8 +78,9 @@ class SyncTrainer:
         self.mfu = StepMfu.for_run(self.rt.model_path, self.rt.actor, self.cfg)
         if self.resume_from is not None:
             self.restore(*self.resume_from)
-        steps = batches.iterate(self.start_step, max(0, t.total_steps - self.start_step))
-        for step, prompts in enumerate(steps, start=self.start_step + 1):
+        self._batches = batches
+        for step in range(self.start_step + 1, t.total_steps + 1):
+            prompts = self._next_prompts()
             metrics = {**self.train_step(step, prompts), **self._carried}
             self._carried = {}
             if self.rt.val_data is not None and t.val_every and (
@@ -94,7 +99,7 @@ class SyncTrainer:
         self.rt.actor.save_checkpoint(str(partial / "actor"))
         if self.rt.critic is not None:
             self.rt.critic.save_checkpoint(str(partial / "critic"))
-        state = {"weight_version": self.weight_version, "data": self._data_identity(),
+        state = {"weight_version": self.weight_version, "data": self._data_identity(), "data_cursor": self.data_cursor,
                  "driver_rng": checkpoints.driver_rng_state(), "model_path": self.rt.model_path}
         from megarl.config.loader import dump
 
@@ -120,6 +125,7 @@ class SyncTrainer:
             self.rt.critic.load_checkpoint(str(path / "critic"))
         checkpoints.set_driver_rng_state(state["driver_rng"])
         self.start_step, self.weight_version = int(state["step"]), int(state["weight_version"])
+        self.data_cursor = int(state.get("data_cursor", self.start_step))
         self.sync_weights()  # the engines still hold the initial model
         self.logger.note(f"resumed from {path} (step {self.start_step}, weight version "
                          f"{self.weight_version}) in {time.perf_counter() - start:.1f} s")
@@ -138,14 +144,10 @@ class SyncTrainer:
     def train_step(self, step: int, prompts: Batch) -> dict:
         cfg, timing = self.cfg, {}
         t_step, restarts_before = time.perf_counter(), self.rt.fleet.restarts
-        with _timer(timing, "gen"), self._watching_ranks():
-            rows = self.rt.rollout.generate(prompts, self._sampling(step, train=True), self._served_version())
-        rollout_stats = dict(self.rt.rollout.last_stats)
+        rows, rollout_stats = self._generate_scored(step, prompts, timing)
         if self.release:
             with _timer(timing, "release"):
                 self.rt.fleet.release_memory(["weights", "kv_cache"])
-        with _timer(timing, "reward"):
-            rows["scores"] = self._score(rows)
         if cfg.trainer.balance_batch and self.dp_size > 1:
             rows = rows[balance_across_ranks(self._token_lengths(rows), self.dp_size)]
         with _timer(timing, "old_log_prob"):
@@ -210,6 +212,48 @@ class SyncTrainer:
         return {"val/reward_mean": float(self._score(rows).mean())}
 
     # ---------------------------------------------------------------- pieces
+    def _next_prompts(self) -> Batch:
+        prompts = self._batches.batch_at(self.data_cursor)
+        self.data_cursor += 1
+        return prompts
+
+    def _generate_scored(self, step: int, prompts: Batch, timing: dict) -> tuple[Batch, dict]:
+        """The step's scored rows. With algorithm.filter_groups: only groups whose responses scored
+        differently, generating from the next prompt batches until a batch is full
+        (dynamic_sampling.py); the rounds' rollout stats add up."""
+        f = self.cfg.algorithm.filter_groups
+        stats: dict[str, float] = {}
+
+        def generate(k: int) -> Batch:
+            with _timer(timing, "gen"), self._watching_ranks():
+                rows = self.rt.rollout.generate(prompts if k == 0 else self._next_prompts(),
+                                                self._sampling(step, train=True, round_=k), self._served_version())
+            for key, value in self.rt.rollout.last_stats.items():
+                stats[key] = stats.get(key, 0.0) + float(value)
+            with _timer(timing, "reward"):
+                rows["raw_scores"] = self._score(rows)
+                rows["scores"] = rows["raw_scores"] + self._overlong_penalty(rows)
+            return rows
+
+        if not f.enable:
+            return generate(0), stats
+        every: list[torch.Tensor] = []  # all rounds' scores: the policy's reward before the filter
+
+        def generate_all(k: int) -> Batch:
+            rows = generate(k)
+            every.append(rows["raw_scores"])
+            return rows
+
+        rows, filled = fill_informative(generate_all, self.cfg.data.train_batch_size, f.max_num_gen_batches,
+                                        pad=f.on_exhausted == "pad")
+        return rows, {**stats, **filled, "reward/generated_mean": float(torch.cat(every).mean())}
+
+    def _overlong_penalty(self, rows: Batch) -> torch.Tensor:
+        o = self.cfg.reward.overlong_buffer
+        if not o.enable:
+            return torch.zeros(len(rows))
+        return overlong_penalty(rows["response_mask"].sum(1), self.cfg.rollout.max_new_tokens, o.len, o.penalty_factor)
+
     def _served_version(self) -> str | None:
         """The version every rollout answer must report. Version 0 is the initial checkpoint, which
         every engine loads (labelled "default", or "0" after a restart's resync): not checked."""
@@ -230,12 +274,14 @@ class SyncTrainer:
                     client.close()
         return RankWatch([self.rt.actor, self.rt.critic], abort_generation)
 
-    def _sampling(self, step: int, train: bool) -> SamplingSpec:
+    def _sampling(self, step: int, train: bool, round_: int = 0) -> SamplingSpec:
+        """round_: a step's k-th generation round (dynamic sampling); its own seeds."""
         r, t = self.cfg.rollout, self.cfg.trainer
+        seed = (t.seed, step, 0 if train else 1) + ((round_,) if round_ else ())
         return SamplingSpec(n=r.n if train else 1,
                             temperature=r.temperature if train else r.val_temperature,
                             top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                            seed=(t.seed, step, 0 if train else 1) if t.deterministic else None)
+                            seed=seed if t.deterministic else None)
 
     def _score(self, rows: Batch) -> torch.Tensor:
         scores = score_rows(self.reward_fn, rows["data_source"], rows["response_text"],
@@ -308,6 +354,9 @@ class SyncTrainer:
             "response/clip_ratio": float(np.mean(rows["finish_reason"] == "length")),
             "rollout/entropy": float(masked_mean(rows["entropy"], mask)),
         }
+        if self.cfg.reward.overlong_buffer.enable:
+            out["reward/raw_mean"] = float(rows["raw_scores"].mean())
+            out["reward/overlong_penalized_frac"] = float((rows["scores"] < rows["raw_scores"]).float().mean())
         if "ref_log_probs" in rows:
             out["actor/kl"] = float(masked_mean(rows["old_log_probs"] - rows["ref_log_probs"], mask))
         return out
@@ -328,8 +377,9 @@ class _timer:
     def __enter__(self):
         self.t = time.perf_counter()
 
-    def __exit__(self, *exc):
-        self.out[f"perf/{self.name}_s"] = time.perf_counter() - self.t
+    def __exit__(self, *exc):  # a phase run several times in a step (generation rounds) adds up
+        key = f"perf/{self.name}_s"
+        self.out[key] = self.out.get(key, 0.0) + time.perf_counter() - self.t
 
 
 def _average(dicts: list[dict]) -> dict:
