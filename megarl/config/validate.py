@@ -308,7 +308,7 @@ def check_algorithm(cfg: RunConfig) -> None:
     for key in ("algorithm.gamma", "algorithm.lam"):
         _require(0 <= get(cfg, key) <= 1, key, f"{key}={get(cfg, key)} must be in [0, 1]")
     _require(not (a.adv_estimator == "gae" and not cfg.critic.enabled), "critic.enabled",
-             "algorithm.adv_estimator=gae needs the critic: set critic.enabled=true")
+             "critic.enabled=false but algorithm.adv_estimator=gae needs the critic: set critic.enabled=true")
     _require(a.adv_estimator != "gae", "algorithm.adv_estimator",
              "algorithm.adv_estimator=gae: the critic's values are not wired into the sync loop's "
              "advantage stage yet (PPO, issue 11); use a score-only estimator")
