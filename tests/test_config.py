@@ -117,6 +117,20 @@ BAD_CONFIGS = [
     (["actor.parallel.sequence_parallel=true"], "actor.parallel.sequence_parallel",
      "needs actor.parallel.tp > 1"),
     (["rollout.n=1"], "rollout.n", "must be >= 2 for grpo"),
+    # advantage estimators: group baselines need n >= 2; gae and remax are refused until wired
+    (["rollout.n=1", "algorithm.adv_estimator=rloo"], "rollout.n", "must be >= 2 for rloo"),
+    (["rollout.n=1", "algorithm.adv_estimator=opo"], "rollout.n", "must be >= 2 for opo"),
+    (["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus_baseline"], "rollout.n",
+     "must be >= 2 for reinforce_plus_plus_baseline"),
+    (["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus", "actor.ppo_mini_batch_size=8"],
+     None, None),  # no group baseline: one sample per prompt is fine (control)
+    (["algorithm.adv_estimator=dr_grpo", "actor.loss_agg_mode=seq-mean-token-sum"], None, None),
+    (["algorithm.adv_estimator=gae"], "critic.enabled", "gae needs the critic: set critic.enabled=true"),
+    (["algorithm.adv_estimator=gae", "critic.enabled=true"], "algorithm.adv_estimator",
+     "not wired into the sync loop"),
+    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator", "needs a greedy baseline rollout"),
+    (["algorithm.gamma=1.5"], "algorithm.gamma", "must be in [0, 1]"),
+    (["algorithm.lam=-0.1"], "algorithm.lam", "must be in [0, 1]"),
     (["actor.ppo_mini_batch_size=100"], "actor.ppo_mini_batch_size", "must divide the rows per step"),
     (["actor.ppo_mini_batch_size=1", "data.train_batch_size=1", "rollout.n=3"],
      "actor.ppo_mini_batch_size", "divisible by the data-parallel size 2"),
@@ -194,6 +208,16 @@ def test_bad_configs_name_the_key(overrides, key, fragment):
     assert info.value.key == key
     assert message.startswith(key) and fragment in message, message
     assert "\n" not in message
+
+
+def test_adv_estimator_is_checked_on_load_and_algorithm_name_is_gone():
+    with pytest.raises(ConfigError) as info:
+        load_config(QUICKSTART, ["algorithm.adv_estimator=ppo"])
+    assert info.value.key == "algorithm.adv_estimator" and "rloo" in str(info.value)
+    # algorithm.name (GRPO only) became algorithm.adv_estimator; an old file is told so
+    with pytest.raises(ConfigError) as info:
+        load_config(QUICKSTART, ["algorithm.name=grpo"])
+    assert info.value.key == "algorithm.name" and "algorithm.adv_estimator" in str(info.value)
 
 
 def test_moe_tp2_auto_enables_sequence_parallel():

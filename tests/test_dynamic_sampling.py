@@ -80,7 +80,7 @@ def test_overlong_penalty_by_hand():
 @pytest.mark.parametrize("overrides,key", [
     (["algorithm.filter_groups.max_num_gen_batches=-1"], "algorithm.filter_groups.max_num_gen_batches"),
     (["algorithm.filter_groups.enable=true", "rollout.n=1", "actor.ppo_mini_batch_size=16",
-      "algorithm.name=grpo"], "rollout.n"),
+      "algorithm.adv_estimator=reinforce_plus_plus"], "algorithm.filter_groups.enable"),
     (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=3"], "reward.overlong_buffer.len"),
 ])
 def test_bad_dapo_settings_are_refused_naming_the_key(overrides, key):

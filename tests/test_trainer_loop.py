@@ -33,7 +33,9 @@ def three_steps(tmp_path_factory):
     # TP=2 + sequence parallel here (the quickstart runs EP=2), KL loss on so the colocated
     # reference policy runs, validation on the last step; the actor offloads everything between
     # steps and the reference between calls (the sync parity below then covers the round trips);
-    # a critic group (EP=2, its own layout) is built from the config next to the actor.
+    # a critic group (EP=2, its own layout) is built from the config next to the actor. The
+    # advantages are rloo's (the reference curve test keeps grpo's; the other score-only
+    # estimators are checked by hand: README "Advantage estimators").
     cfg = validate(load_config(ROOT / "configs/quickstart.yaml", [
         f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.val_every=3",
         "trainer.tensorboard=true", "data.num_train=64", "data.num_val=16",
@@ -41,7 +43,8 @@ def three_steps(tmp_path_factory):
         "actor.kl_loss_coef=0.01", "rollout.n=4", "actor.ppo_mini_batch_size=32",
         "actor.micro_batch_size=16", "actor.offload.params=true", "actor.offload.grads=true",
         "actor.offload.optimizer=true", "ref.offload=true", "critic.enabled=true",
-        "critic.parallel.ep=2", "critic.ppo_mini_batch_size=32", "trainer.save_every=2"]))
+        "critic.parallel.ep=2", "critic.ppo_mini_batch_size=32", "trainer.save_every=2",
+        "algorithm.adv_estimator=rloo"]))
     stream = io.StringIO()
     summary = train(cfg, stream=stream)
     run_dir = out / "quickstart"

@@ -57,12 +57,18 @@ def _describe(tp: Any) -> str:
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
+# keys that were renamed: an old config is told the new name
+_RENAMED = {"algorithm.name": "algorithm.adv_estimator"}
+
+
 def _unknown_key(key: str, known_here: list[str]) -> ConfigError:
     leaf = key.rsplit(".", 1)[-1]
     section = key.rsplit(".", 1)[0] + "." if "." in key else ""
     close = [section + k for k in difflib.get_close_matches(leaf, known_here, n=3, cutoff=0.6)]
     close += [k for k in all_dotted_keys() if k.rsplit(".", 1)[-1] == leaf and k not in close]
     hint = f"; did you mean {', '.join(close)}?" if close else ""
+    if key in _RENAMED:
+        hint = f"; it was renamed to {_RENAMED[key]}"
     return ConfigError(key, f"{key} is not a config key{hint} (known here: {', '.join(known_here)})")
 
 

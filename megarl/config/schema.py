@@ -19,6 +19,8 @@ KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 # least memory, for about one more forward pass per step (~+33% compute). MFU counts model FLOPs, so
 # recompute does not raise it (trainer/mfu.py).
 Recompute = Literal["none", "selective", "full"]
+AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                       "remax", "opo", "gae"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
 
@@ -61,10 +63,14 @@ class FilterGroupsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: Literal["grpo"] = "grpo"
-    norm_adv_by_std: bool = True          # GRPO divides by the group std; False = Dr.GRPO style
+    # megarl/algo/advantages.py ESTIMATORS (README "Advantage estimators"); gae needs the critic,
+    # remax a greedy baseline rollout: neither is wired into the sync loop yet (validate refuses)
+    adv_estimator: AdvEstimator = "grpo"
+    norm_adv_by_std: bool = True          # grpo divides by the group std; False = mean-centring only
     epsilon: float = 1e-6                 # added to the group std
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    gamma: float = 1.0                    # discount (reinforce_plus_plus, gae)
+    lam: float = 1.0                      # GAE lambda
 
 
 @dataclass

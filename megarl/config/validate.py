@@ -49,6 +49,8 @@ _NON_NEGATIVE = [
     "rollout.val_temperature", "rollout.max_retries", "trainer.val_every", "trainer.save_every",
     "critic.optim.weight_decay", "critic.optim.clip_grad",
 ]
+# estimators whose baseline is the other samples of the same prompt
+_GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "opo", "reinforce_plus_plus_baseline")
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _DATA_SUFFIXES = (".parquet", ".jsonl")
 
@@ -101,9 +103,9 @@ def check_ranges(cfg: RunConfig) -> None:
 
 
 def check_batch_sizes(cfg: RunConfig) -> None:
-    n = cfg.rollout.n
-    if cfg.algorithm.name == "grpo":
-        _require(n >= 2, "rollout.n", f"rollout.n={n} must be >= 2 for grpo: advantages compare "
+    n, est = cfg.rollout.n, cfg.algorithm.adv_estimator
+    if est in _GROUP_ESTIMATORS:
+        _require(n >= 2, "rollout.n", f"rollout.n={n} must be >= 2 for {est}: advantages compare "
                  "responses to the same prompt, so a group of 1 learns nothing")
     rows = cfg.data.train_batch_size * n
     mini = cfg.actor.ppo_mini_batch_size
@@ -302,6 +304,17 @@ def check_resume(cfg: RunConfig) -> None:
 
 
 def check_algorithm(cfg: RunConfig) -> None:
+    a = cfg.algorithm
+    for key in ("algorithm.gamma", "algorithm.lam"):
+        _require(0 <= get(cfg, key) <= 1, key, f"{key}={get(cfg, key)} must be in [0, 1]")
+    _require(not (a.adv_estimator == "gae" and not cfg.critic.enabled), "critic.enabled",
+             "critic.enabled=false but algorithm.adv_estimator=gae needs the critic: set critic.enabled=true")
+    _require(a.adv_estimator != "gae", "algorithm.adv_estimator",
+             "algorithm.adv_estimator=gae: the critic's values are not wired into the sync loop's "
+             "advantage stage yet (PPO, issue 11); use a score-only estimator")
+    _require(a.adv_estimator != "remax", "algorithm.adv_estimator",
+             "algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, which is not "
+             "wired yet; use rloo or grpo")
     _require(not (cfg.actor.use_kl_loss and cfg.ref.enabled is False), "ref.enabled",
              "ref.enabled=false but actor.use_kl_loss=true needs reference log-probs; "
              "set ref.enabled to null (auto) or true")

@@ -1,4 +1,4 @@
-"""The synchronous GRPO loop: one controller, every heavy step an RPC to a worker group.
+"""The synchronous RL loop: one controller, every heavy step an RPC to a worker group.
 
     for step in steps:
         rows = rollout.generate(prompts)          # SGLang-API engines (behind sglang-router)
@@ -6,7 +6,7 @@
         rows = reward(rows)                       # rule verifiers by data_source
         rows |= actor.compute_log_prob(rows)      # Megatron, DP_COMPUTE
         rows |= actor.compute_ref_log_prob(rows)  # colocated reference (when KL is on)
-        rows["advantages"] = grpo_advantages(...)
+        rows["advantages"] = compute_advantages(algorithm.adv_estimator, ...)
         actor.update_actor(rows)                  # Megatron TP/PP/EP + distributed optimizer
         fleet.resume_memory(weights)              # colocated: re-allocate before the sync fills them
         actor.sync_weights(engines)               # bucketed weight stream -> every engine directly
@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from megarl.algo.advantages import grpo_advantages
+from megarl.algo.advantages import compute_advantages
 from megarl.algo.losses import masked_mean
 from megarl.bridge.spec import BridgeSpec
 from megarl.data.balance import balance_across_ranks
@@ -159,9 +159,10 @@ class SyncTrainer:
                 rows = rows.union(self.rt.actor.compute_ref_log_prob(
                     self._trainer_view(rows), cfg.rollout.temperature))
         with _timer(timing, "adv"):
-            rows["advantages"] = grpo_advantages(
-                rows["scores"], rows["response_mask"], rows["uid"],
-                norm_by_std=cfg.algorithm.norm_adv_by_std, eps=cfg.algorithm.epsilon)
+            a = cfg.algorithm  # score-only estimators (validate refuses gae and remax for now)
+            rows["advantages"], rows["returns"] = compute_advantages(
+                a.adv_estimator, rows["scores"], rows["response_mask"], rows["uid"],
+                gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std, eps=a.epsilon)
         with _timer(timing, "update"):
             keys = ["old_log_probs", "advantages"] + (["ref_log_probs"] if cfg.ref.enabled else [])
             per_rank = self.rt.actor.update_actor(
