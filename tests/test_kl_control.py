@@ -71,7 +71,9 @@ def test_apply_kl_penalty_hand_computed(kind, per_token):
 
 
 def test_kl_in_reward_config():
-    cfg = load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"])
+    cfg = load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+                             "algorithm.kl_penalty=k3"])
+    assert cfg.algorithm.kl_penalty == "k3" and cfg.algorithm.kl_ctrl.type == "adaptive"
     assert resolve(cfg).ref.enabled is True            # auto: the reward needs ref log-probs
     assert resolve(load_config(None, [])).ref.enabled is False
     with pytest.raises(ConfigError) as err:

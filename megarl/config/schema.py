@@ -64,9 +64,10 @@ class AlgorithmConfig:
     name: Literal["grpo"] = "grpo"
     norm_adv_by_std: bool = True          # GRPO divides by the group std; False = Dr.GRPO style
     epsilon: float = 1e-6                 # added to the group std
-    # subtract kl_ctrl's coefficient * KL(policy || ref) (estimator actor.kl_loss_type) from the
-    # token rewards before advantages; needs the reference policy (ref.enabled auto turns it on)
+    # subtract kl_ctrl's coefficient * KL(policy || ref) from the token rewards before advantages;
+    # needs the reference policy (ref.enabled auto turns it on)
     use_kl_in_reward: bool = False
+    kl_penalty: KlLossType = "k1"         # the per-token KL estimator in the reward (algo/kl.py)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
