@@ -62,6 +62,17 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class KLControlConfig:
+    """The KL-in-reward coefficient (megarl/algo/kl.py): fixed at kl_coef, or adaptive (Ziegler
+    et al.): starts at kl_coef and moves towards keeping the per-token KL near target_kl, by at
+    most 20% per `horizon` samples."""
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1                # adaptive only
+    horizon: int = 10000                  # adaptive only: samples (rows) over which it adapts
+
+
+@dataclass
 class AlgorithmConfig:
     # megarl/algo/advantages.py ESTIMATORS (README "Advantage estimators"); gae needs the critic,
     # remax a greedy baseline rollout: neither is wired into the sync loop yet (validate refuses)
@@ -71,6 +82,11 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     gamma: float = 1.0                    # discount (reinforce_plus_plus, gae)
     lam: float = 1.0                      # GAE lambda
+    # subtract kl_ctrl's coefficient * KL(policy || ref) from the token rewards before advantages;
+    # needs the reference policy (ref.enabled auto turns it on)
+    use_kl_in_reward: bool = False
+    kl_penalty: KlLossType = "k1"         # the per-token KL estimator in the reward (algo/kl.py)
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
 @dataclass
@@ -108,6 +124,16 @@ class MoEConfig:
 
 
 @dataclass
+class RolloutISConfig:
+    """Truncated importance sampling against the rollout engine's log-probs (algo/corrections.py):
+    each token's policy loss is weighted by min(exp(old_logp - rollout_logp), threshold) (token),
+    or by the row's min(exp(sum of them), threshold) (sequence). null: off. The mismatch KL
+    (rollout/mismatch_kl) is logged either way."""
+    level: Literal["token", "sequence"] | None = None
+    threshold: float = 2.0
+
+
+@dataclass
 class OffloadConfig:
     """What leaves the device between calls (colocation): host memory, pinned on GPU machines.
     Parameters come back for every forward, gradients and optimizer state only for updates."""
@@ -126,8 +152,17 @@ class ActorConfig:
     max_tokens_per_micro_batch: int | None = None  # set: micro-batches by token budget, not rows
     pack_sequences: bool = True           # THD packing inside the engine; False: right-padded rows
     ppo_epochs: int = 1                   # passes over each step's rows
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    # the policy loss (megarl/algo/losses.py): vanilla PPO clip (+ dual-clip), gspo, cispo
+    policy_loss: Literal["vanilla", "gspo", "cispo"] = "vanilla"
+    clip_ratio_low: float = 0.2           # vanilla: ratio clipped to [1 - low, 1 + high];
+    clip_ratio_high: float = 0.2          # high > low is DAPO's clip-higher (e.g. 0.28)
+    clip_ratio_c: float | None = None     # vanilla: dual-clip (> 1, e.g. 3): for A < 0 the loss is
+                                          # at most -A * clip_ratio_c; null: off
+    gspo_clip_ratio_low: float = 3e-4     # gspo: the sequence ratio's range (GSPO's paper values;
+    gspo_clip_ratio_high: float = 4e-4    # it is a per-token-mean ratio, so far tighter than PPO's)
+    cispo_clip_ratio_low: float = 1.0     # cispo: IS weight clipped to [1 - low, 1 + high];
+    cispo_clip_ratio_high: float = 0.28   # low = 1: no lower bound (MiniMax-M1 tuned only high)
+    rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: KlLossType = "low_var_kl"
@@ -144,7 +179,8 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    enabled: bool | None = None           # None: on exactly when actor.use_kl_loss
+    enabled: bool | None = None           # None: on exactly when actor.use_kl_loss or
+                                          # algorithm.use_kl_in_reward
     offload: bool = False                 # the reference's weights leave the device between calls
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from megarl.config.loader import ConfigError, check_types
 from megarl.config.schema import RunConfig
 from megarl.config.validate_pipeline import check_stage_options, check_virtual_pipeline, stage_layers
+from megarl.config.validate_losses import check_losses, resolve_ref
 from megarl.config.validate_rollout import check_rollout, resolve_rollout
 
 
@@ -343,13 +344,12 @@ def read_model_config(cfg: RunConfig) -> dict | None:
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """A copy with auto fields decided: sequence parallel on iff tp > 1; ref iff KL loss."""
+    """A copy with auto fields decided: sequence parallel on iff tp > 1; ref iff a KL needs it."""
     out = copy.deepcopy(cfg)
     for p in (out.actor.parallel, out.critic.parallel):
         if p.sequence_parallel is None:
             p.sequence_parallel = p.tp > 1
-    if out.ref.enabled is None:
-        out.ref.enabled = out.actor.use_kl_loss
+    resolve_ref(out)
     resolve_rollout(out)
     return out
 
@@ -371,5 +371,6 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_rollout(cfg, model_config)
     check_algorithm(cfg)
     check_dapo(cfg)
+    check_losses(cfg)
     check_resume(cfg)
     return resolve(cfg)

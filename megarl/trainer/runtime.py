@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.algo.losses import PolicyLossConfig
 from megarl.config.schema import RunConfig
 from megarl.engine.megatron.actor import ActorLossSpec, MegatronActor
 from megarl.engine.megatron.critic import CriticLossSpec, MegatronCritic
@@ -81,9 +82,13 @@ def critic_loss_spec(cfg: RunConfig) -> CriticLossSpec:
 
 def loss_spec(cfg: RunConfig) -> ActorLossSpec:
     a = cfg.actor
-    return ActorLossSpec(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-                         loss_agg_mode=a.loss_agg_mode, use_kl_loss=a.use_kl_loss,
-                         kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+    policy = PolicyLossConfig(
+        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+        gspo_clip_ratio_low=a.gspo_clip_ratio_low, gspo_clip_ratio_high=a.gspo_clip_ratio_high,
+        cispo_clip_ratio_low=a.cispo_clip_ratio_low, cispo_clip_ratio_high=a.cispo_clip_ratio_high)
+    return ActorLossSpec(policy_loss=a.policy_loss, policy=policy, rollout_is_level=a.rollout_is.level,
+                         rollout_is_threshold=a.rollout_is.threshold, loss_agg_mode=a.loss_agg_mode,
+                         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
                          entropy_coeff=a.entropy_coeff)
 
 

@@ -164,7 +164,7 @@ class SyncTrainer:
                 a.adv_estimator, rows["scores"], rows["response_mask"], rows["uid"],
                 gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std, eps=a.epsilon)
         with _timer(timing, "update"):
-            keys = ["old_log_probs", "advantages"] + (["ref_log_probs"] if cfg.ref.enabled else [])
+            keys = ["old_log_probs", "advantages", "rollout_log_probs"] + (["ref_log_probs"] if cfg.ref.enabled else [])
             per_rank = self.rt.actor.update_actor(
                 self._trainer_view(rows, *keys), cfg.actor.ppo_mini_batch_size,
                 cfg.actor.ppo_epochs, cfg.rollout.temperature, cfg.trainer.seed + step)

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.algo.corrections import mismatch_metrics, rollout_is_weights
 from megarl.algo.kl import kl_penalty
+from megarl.algo.losses import PolicyLossConfig, agg_loss, get_policy_loss, masked_mean
 from megarl.bridge.spec import BridgeSpec
-from megarl.algo.losses import agg_loss, masked_mean, policy_loss
 from megarl.config.schema import OffloadConfig
 from megarl.controller.decorator import register
 from megarl.controller.dispatch import Dispatch, MeshCoord
@@ -29,8 +30,10 @@ from megarl.engine.megatron.offload_policy import OffloadPolicy
 
 @dataclass
 class ActorLossSpec:
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    policy_loss: str = "vanilla"          # a name registered in megarl/algo/losses.py
+    policy: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
+    rollout_is_level: str | None = None   # token | sequence | None (off): megarl/algo/corrections.py
+    rollout_is_threshold: float = 2.0
     loss_agg_mode: str = "token-mean"
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -46,15 +49,27 @@ def actor_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
     """
     mask = mb["response_mask"].to(log_prob.dtype)
     units = mask.sum() if spec.loss_agg_mode == "token-mean" else torch.tensor(float(len(mb)))
-    pg, pg_metrics = policy_loss(
-        log_prob, mb["old_log_probs"], mb["advantages"], mask,
-        clip_ratio_low=spec.clip_ratio_low, clip_ratio_high=spec.clip_ratio_high,
-        loss_agg_mode=spec.loss_agg_mode, global_denominator=1.0)
+    weights, extra = None, {}
+    if "rollout_log_probs" in mb:  # the rollout engine's log-probs: the mismatch is always logged
+        old, rollout = mb["old_log_probs"], mb["rollout_log_probs"].to(log_prob.dtype)
+        extra.update(mismatch_metrics(old, rollout, mask))
+        if spec.rollout_is_level is not None:
+            weights, is_metrics = rollout_is_weights(old, rollout, mask, spec.rollout_is_level,
+                                                     spec.rollout_is_threshold)
+            extra.update(is_metrics)
+    elif spec.rollout_is_level is not None:
+        raise ValueError("actor.rollout_is is on but the update batch has no rollout_log_probs")
+    pg, pg_metrics = get_policy_loss(spec.policy_loss)(
+        log_prob, mb["old_log_probs"], mb["advantages"], mask, spec.policy,
+        loss_agg_mode=spec.loss_agg_mode, global_denominator=1.0, weights=weights)
     loss = pg
     metrics = {
         "actor/pg_clipfrac": float(pg_metrics["pg_clipfrac"]),
         "actor/ppo_kl": float(pg_metrics["ppo_kl"]),
         "actor/entropy": float(masked_mean(entropy.detach(), mask)),
+        **{f"actor/{k}": float(v) for k, v in pg_metrics.items()
+           if k not in ("pg_loss", "pg_clipfrac", "ppo_kl")},
+        **{k: float(v) for k, v in extra.items()},
     }
     if spec.entropy_coeff:
         loss = loss - spec.entropy_coeff * agg_loss(entropy, mask, spec.loss_agg_mode, 1.0)

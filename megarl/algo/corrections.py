@@ -1,0 +1,62 @@
+"""Corrections for the mismatch between the rollout engine and the trainer.
+
+The rollout engine (SGLang or the embedded server) samples with its own kernels, and for MoE
+models possibly other experts, so its log-probs of the sampled tokens (`rollout_log_probs`) are
+not the trainer's (`old_log_probs`) even with the same weights. The policy gradient is taken
+under the trainer's policy, so the samples are off-policy by that ratio. Truncated importance
+sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+training") reweights each token's loss by the ratio, truncated at `threshold` to bound variance:
+
+  token     w_t = min(exp(old_logp_t - rollout_logp_t), threshold)
+  sequence  w_i = min(exp(sum_t (old_logp_t - rollout_logp_t)), threshold), the same at every
+            token of the row
+
+The weights are constants to the loss (detached). mismatch_metrics is what to log whether or not
+the correction is on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megarl.algo.losses import masked_mean
+
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+
+
+def mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                     response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """rollout/mismatch_kl: mean over response tokens of rollout_logp - old_logp, the k1 estimate
+    of KL(rollout || trainer) on tokens the rollout engine sampled (0 when the engines agree)."""
+    return {"rollout/mismatch_kl": masked_mean(rollout_log_prob - old_log_prob, response_mask).detach()}
+
+
+def rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                       response_mask: torch.Tensor, level: str, threshold: float,
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance weights (batch, response_len), detached, zero off the response.
+
+    Metrics: rollout_is/mean and rollout_is/clipfrac (fraction truncated) over response tokens
+    (token level) or over rows with a response (sequence level).
+    """
+    if level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"rollout_is level {level!r} is not one of {ROLLOUT_IS_LEVELS}")
+    if threshold <= 0:
+        raise ValueError(f"rollout_is threshold={threshold} must be > 0")
+    mask = response_mask.to(old_log_prob.dtype)
+    log_ratio = (old_log_prob - rollout_log_prob).detach() * mask
+    log_threshold = math.log(threshold)
+    if level == "token":
+        log_w = log_ratio
+        unit_mask = mask
+    else:
+        log_w = log_ratio.sum(-1, keepdim=True)
+        unit_mask = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
+    # exp(min(log w, log threshold)) = min(w, threshold), without overflowing exp first
+    truncated = log_w > log_threshold
+    w = torch.exp(log_w.clamp(max=log_threshold))
+    metrics = {"rollout_is/mean": masked_mean(w, unit_mask),
+               "rollout_is/clipfrac": masked_mean(truncated.to(w.dtype), unit_mask)}
+    return (w * mask).detach(), metrics
