@@ -79,9 +79,7 @@ def test_kl_in_reward_config():
     with pytest.raises(ConfigError) as err:
         validate(load_config(None, ["algorithm.use_kl_in_reward=true", "ref.enabled=false"]), TINY)
     assert err.value.key == "ref.enabled" and "needs reference log-probs" in str(err.value)
-    with pytest.raises(ConfigError) as err:  # the loop does not apply it yet: refused, not ignored
-        validate(cfg, TINY)
-    assert err.value.key == "algorithm.use_kl_in_reward" and "not wired" in str(err.value)
+    assert validate(cfg, TINY).ref.enabled is True  # wired into the loop's advantage stage
     for override, key in [("algorithm.kl_ctrl.target_kl=0", "algorithm.kl_ctrl.target_kl"),
                           ("algorithm.kl_ctrl.horizon=0", "algorithm.kl_ctrl.horizon"),
                           ("algorithm.kl_ctrl.kl_coef=-1", "algorithm.kl_ctrl.kl_coef")]:

@@ -310,9 +310,9 @@ def check_algorithm(cfg: RunConfig) -> None:
         _require(0 <= get(cfg, key) <= 1, key, f"{key}={get(cfg, key)} must be in [0, 1]")
     _require(not (a.adv_estimator == "gae" and not cfg.critic.enabled), "critic.enabled",
              "critic.enabled=false but algorithm.adv_estimator=gae needs the critic: set critic.enabled=true")
-    _require(a.adv_estimator != "gae", "algorithm.adv_estimator",
-             "algorithm.adv_estimator=gae: the critic's values are not wired into the sync loop's "
-             "advantage stage yet (PPO, issue 11); use a score-only estimator")
+    _require(not (cfg.critic.enabled and a.adv_estimator != "gae"), "critic.enabled",
+             f"critic.enabled=true trains a value function that only algorithm.adv_estimator=gae uses "
+             f"(this run: {a.adv_estimator}); set algorithm.adv_estimator=gae (PPO) or critic.enabled=false")
     _require(a.adv_estimator != "remax", "algorithm.adv_estimator",
              "algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, which is not "
              "wired yet; use rloo or grpo")

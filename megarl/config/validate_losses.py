@@ -34,11 +34,6 @@ def check_losses(cfg: RunConfig) -> None:
     _require(not (cfg.algorithm.use_kl_in_reward and cfg.ref.enabled is False), "ref.enabled",
              "ref.enabled=false but algorithm.use_kl_in_reward=true needs reference log-probs; "
              "set ref.enabled to null (auto) or true")
-    # the pieces exist (megarl/algo/kl.py); the training loop does not apply them yet. Refused
-    # rather than silently ignored: delete this check in the commit that wires it
-    _require(not cfg.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward",
-             "algorithm.use_kl_in_reward=true is not wired into the training loop yet (issue 11); "
-             "use actor.use_kl_loss=true for a KL penalty meanwhile")
 
 
 def resolve_ref(cfg: RunConfig) -> None:

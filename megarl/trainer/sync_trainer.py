@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from megarl.algo.advantages import compute_advantages
+from megarl.algo.kl import make_kl_controller
 from megarl.algo.losses import masked_mean
 from megarl.bridge.spec import BridgeSpec
 from megarl.data.balance import balance_across_ranks
@@ -66,6 +67,9 @@ class SyncTrainer:
         self._carried: dict[str, float] = {}  # a checkpoint save's time, logged with the next step
         # prompt batches taken so far (one per step, more with dynamic sampling); checkpointed
         self.data_cursor, self._batches = 0, None
+        k = self.cfg.algorithm.kl_ctrl  # KL in the reward: its coefficient (adaptive: checkpointed)
+        self.kl_ctrl = (make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+                        if self.cfg.algorithm.use_kl_in_reward else None)
         self.mfu: StepMfu | None = None  # made by fit(): it asks rank 0 for its device's peak
         runtime.fleet.on_restart = self._resync
 
@@ -100,6 +104,7 @@ class SyncTrainer:
         if self.rt.critic is not None:
             self.rt.critic.save_checkpoint(str(partial / "critic"))
         state = {"weight_version": self.weight_version, "data": self._data_identity(), "data_cursor": self.data_cursor,
+                 "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None,
                  "driver_rng": checkpoints.driver_rng_state(), "model_path": self.rt.model_path}
         from megarl.config.loader import dump
 
@@ -126,6 +131,8 @@ class SyncTrainer:
         checkpoints.set_driver_rng_state(state["driver_rng"])
         self.start_step, self.weight_version = int(state["step"]), int(state["weight_version"])
         self.data_cursor = int(state.get("data_cursor", self.start_step))
+        if self.kl_ctrl is not None and state.get("kl_coef") is not None:
+            self.kl_ctrl.value = float(state["kl_coef"])
         self.sync_weights()  # the engines still hold the initial model
         self.logger.note(f"resumed from {path} (step {self.start_step}, weight version "
                          f"{self.weight_version}) in {time.perf_counter() - start:.1f} s")
@@ -158,11 +165,23 @@ class SyncTrainer:
             with _timer(timing, "ref"):
                 rows = rows.union(self.rt.actor.compute_ref_log_prob(
                     self._trainer_view(rows), cfg.rollout.temperature))
+        if self.rt.critic is not None:  # PPO: the value function's estimate at every response token
+            with _timer(timing, "values"):
+                rows = rows.union(self.rt.critic.compute_values(self._trainer_view(rows)))
         with _timer(timing, "adv"):
-            a = cfg.algorithm  # score-only estimators (validate refuses gae and remax for now)
+            a = cfg.algorithm  # validate refuses remax (no greedy baseline rollout yet)
+            rewards, kl_metrics = self._rewards(rows)
             rows["advantages"], rows["returns"] = compute_advantages(
-                a.adv_estimator, rows["scores"], rows["response_mask"], rows["uid"],
+                a.adv_estimator, rewards, rows["response_mask"], rows["uid"],
+                values=rows["values"] if "values" in rows else None,
                 gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std, eps=a.epsilon)
+        critic_metrics = []
+        if self.rt.critic is not None:
+            with _timer(timing, "critic_update"):
+                c = cfg.critic
+                critic_metrics = self.rt.critic.update_critic(
+                    self._trainer_view(rows, "values", "returns"), c.ppo_mini_batch_size, c.ppo_epochs,
+                    cfg.trainer.seed + step)
         with _timer(timing, "update"):
             keys = ["old_log_probs", "advantages", "rollout_log_probs"] + (["ref_log_probs"] if cfg.ref.enabled else [])
             per_rank = self.rt.actor.update_actor(
@@ -183,6 +202,7 @@ class SyncTrainer:
         # engines restarted anywhere in the step: in generation, memory release/resume or the sync
         rollout_stats["rollout/engine_restarts"] = float(self.rt.fleet.restarts - restarts_before)
         return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing,
+                **kl_metrics, **_average(critic_metrics or []),
                 **{k: float(v) for k, v in bridge_stats.items() if k.startswith("bridge/")}}
 
     def sync_weights(self) -> dict:
@@ -248,6 +268,21 @@ class SyncTrainer:
         rows, filled = fill_informative(generate_all, self.cfg.data.train_batch_size, f.max_num_gen_batches,
                                         pad=f.on_exhausted == "pad")
         return rows, {**stats, **filled, "reward/generated_mean": float(torch.cat(every).mean())}
+
+    def _rewards(self, rows: Batch) -> tuple[torch.Tensor, dict]:
+        """The estimator's rewards: the scores, or with algorithm.use_kl_in_reward token-level
+        rewards (the score on the last response token) minus kl_ctrl's coefficient times the
+        per-token KL to the reference; the controller then adapts to the KL it saw."""
+        if self.kl_ctrl is None:
+            return rows["scores"], {}
+        from megarl.algo.kl import apply_kl_penalty, token_level_scores
+
+        a = self.cfg.algorithm
+        rewards, metrics = apply_kl_penalty(
+            token_level_scores(rows["scores"], rows["response_mask"]), rows["old_log_probs"],
+            rows["ref_log_probs"], rows["response_mask"], self.kl_ctrl.value, a.kl_penalty)
+        self.kl_ctrl.update(metrics["kl_reward/kl"], n_steps=len(rows))
+        return rewards, metrics
 
     def _overlong_penalty(self, rows: Batch) -> torch.Tensor:
         o = self.cfg.reward.overlong_buffer
