@@ -134,11 +134,17 @@ from megarl.reward import take_counts  # noqa: E402
 PATHOLOGICAL = "The answer is \\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the tower for minutes
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _math_defaults_after_this_module():
+    yield
+    math_reward.configure(timeout_s=math_reward.DEFAULT_TIMEOUT_S, max_workers=4)
+
+
 @pytest.fixture
 def math_limits():
+    math_reward.configure(timeout_s=30.0, max_workers=4)  # generous: the machine may be loaded
     take_counts()
-    yield math_reward.configure
-    math_reward.configure(timeout_s=math_reward.DEFAULT_TIMEOUT_S, max_workers=4)
+    return math_reward.configure
 
 
 @pytest.mark.parametrize("data_source, response, truth, expected", [
@@ -178,7 +184,7 @@ def test_time_limit_from_a_thread_scores_zero_counts_and_recovers(math_limits):
     import threading
     import time
 
-    math_limits(timeout_s=1.0, max_workers=2)
+    math_limits(timeout_s=3.0, max_workers=2)
     assert score("math", "\\boxed{1}", "1") == 1.0  # the worker is started (not timed)
     out: list = []
     started = time.perf_counter()
@@ -186,9 +192,9 @@ def test_time_limit_from_a_thread_scores_zero_counts_and_recovers(math_limits):
     worker.start()
     worker.join(timeout=60)
     elapsed = time.perf_counter() - started
-    assert out == [0.0] and elapsed < 20  # killed at 1 s (+ slack on a loaded machine), not minutes
+    assert out == [0.0] and elapsed < 30  # killed at 3 s (+ slack on a loaded machine), not minutes
     assert take_counts()["reward/timeouts"] == 1
-    assert score("math", "\\boxed{\\frac{1}{2}}", "0.5") == 1.0  # a fresh worker judges the next one
+    assert score("math", "\\boxed{2}", "2") == 1.0  # a fresh worker judges the next one
 
 
 def test_threads_share_the_verifier_pool(math_limits):
@@ -217,7 +223,7 @@ def test_time_limit_in_a_daemonic_subprocess():
     import multiprocessing as mp
 
     with mp.get_context("spawn").Pool(1) as pool:
-        assert pool.apply(_pathological_in_child, (1.0,)) == (0.0, 1.0, 1.0)
+        assert pool.apply(_pathological_in_child, (3.0,)) == (0.0, 1.0, 1.0)
 
 
 def test_math_options_reach_the_verifier(math_limits):

@@ -109,7 +109,9 @@ class MathVerifier:
             reply = worker.ask(response, gold, self.timeout_s)
         finally:
             self._release(worker if reply is not None else None)
-        return reply if reply is not None else {"status": "timeout", "detail": f"response ends {response[-80:]!r}"}
+        if reply is None:
+            return {"status": "timeout", "detail": f"response ends {response[-80:]!r}"}
+        return reply
 
     def _acquire(self) -> _Worker:
         with self._free:
