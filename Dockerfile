@@ -21,6 +21,8 @@ ARG TRANSFORMERS_VERSION=4.57.6
 ARG RAY_VERSION=2.60.0
 ARG SGLANG_ROUTER_VERSION=0.3.2
 ARG SAFETENSORS_VERSION=0.8.0
+ARG MATH_VERIFY_VERSION=0.9.0
+ARG REASONING_GYM_VERSION=0.1.25
 ARG TRANSFORMER_ENGINE_VERSION=2.8.0
 # NVIDIA/apex has no releases on PyPI; a commit of its main branch, built from source below.
 ARG APEX_COMMIT=705cba91fc26413d484f5ce2983427d840199a97
@@ -62,6 +64,10 @@ RUN pip install --no-deps --ignore-requires-python "megatron-core==${MEGATRON_CO
 RUN pip install "ray[default]==${RAY_VERSION}" "sglang-router==${SGLANG_ROUTER_VERSION}" \
     "transformers==${TRANSFORMERS_VERSION}" "safetensors==${SAFETENSORS_VERSION}"
 
+# The rule rewards' verifiers: math-verify (math answers, megarl/reward/math.py) and reasoning-gym
+# (procedural tasks with their own scorers, data.task=rg:<name>).
+RUN pip install "math-verify==${MATH_VERIFY_VERSION}" "reasoning_gym==${REASONING_GYM_VERSION}"
+
 # megarl itself last: the layer that changes most often. install_requires is empty on purpose
 # (setup.py): every dependency is pinned above.
 WORKDIR /opt/megarl
@@ -69,7 +75,7 @@ COPY . /opt/megarl
 RUN pip install --no-deps -e /opt/megarl
 
 # Fail the build, not the first job, when a layer above broke an import.
-RUN python -c "import torch, sglang, transformer_engine, apex, megatron.core, mbridge, ray, megarl; \
+RUN python -c "import torch, sglang, transformer_engine, apex, megatron.core, mbridge, ray, megarl, math_verify, reasoning_gym; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 CMD ["megarl", "--help"]

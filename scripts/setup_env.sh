@@ -34,6 +34,6 @@ pipi --no-deps -e .
 if "$VPY" -m pip list 2>/dev/null | grep -qi nvidia; then
   echo "setup_env: CUDA packages were pulled in; refusing to continue" >&2; exit 1
 fi
-"$VPY" -c "import torch, megatron.core, mbridge, ray, transformers, gguf" 2>/dev/null \
+"$VPY" -c "import torch, megatron.core, mbridge, ray, transformers, gguf, math_verify, reasoning_gym" 2>/dev/null \
   || { echo "setup_env: import check failed" >&2; exit 1; }
 echo "$want" > "$stamp"

@@ -1,14 +1,12 @@
 """Procedural task generation, dataset validation/tokenization, deterministic batching."""
 
 import json
-import typing
 
 import numpy as np
 import pytest
 import torch
 
-from megarl.config import DataConfig, load_config
-from megarl.config.loader import field_types
+from megarl.config import load_config
 from megarl.data.batch import Batch
 from megarl.data.dataset import (DatasetError, PromptBatches, RLDataset, build_datasets,
                                  read_rows, validate_row)
@@ -69,9 +67,15 @@ def test_arith_rows_are_deterministic_and_score_through_the_registry():
         assert score(row["data_source"], f"{truth} plus one is {int(truth) + 1}", truth) == 0.0
 
 
-def test_config_task_choices_match_the_task_registry():
-    choices = typing.get_args(field_types(DataConfig)["task"])
-    assert set(choices) == set(TASKS)
+def test_config_accepts_the_tasks_and_names_a_bad_one():
+    from megarl.config import ConfigError, validate
+
+    for task in [*TASKS, "rg:basic_arithmetic", "rg:countdown"]:
+        validate(load_config(None, [f"data.task={task}"]))
+    with pytest.raises(ConfigError, match=r"data\.task='nope' must be digits, arith or rg:"):
+        validate(load_config(None, ["data.task=nope"]))
+    with pytest.raises(ConfigError, match=r"data\.task='rg:nope': reasoning-gym has no dataset 'nope'"):
+        validate(load_config(None, ["data.task=rg:nope"]))
 
 
 def test_unknown_task_is_named():
@@ -169,6 +173,17 @@ def test_too_long_prompt_is_rejected_with_its_row(tokenizer):
     assert len(RLDataset(rows, tokenizer, max_prompt_length=15)) == 2
 
 
+def test_too_long_prompts_filtered_are_counted_and_reported(tokenizer, caplog):
+    rows = [good_row("1"), good_row("1234567890123"), good_row("2")]
+    with caplog.at_level("WARNING", logger="megarl.data.dataset"):
+        data = RLDataset(rows, tokenizer, max_prompt_length=14, source="mem", overlong="filter")
+    assert len(data) == 2 and data.num_filtered == 1
+    assert [r["prompt"][0]["content"] for r in data.rows] == ["1", "2"]
+    assert "mem: dropped 1 of 3 prompts longer than data.max_prompt_length=14: row 1 (15 tokens)" in caplog.text
+    with pytest.raises(DatasetError, match=r"mem has no rows \(all 1 were longer"):
+        RLDataset(rows[1:2], tokenizer, max_prompt_length=14, source="mem", overlong="filter")
+
+
 def test_custom_prompt_key(tokenizer):
     row = good_row()
     row["messages"] = row.pop("prompt")
@@ -249,3 +264,54 @@ def test_build_datasets_from_config(tmp_path, tokenizer):
     train, val = build_datasets(cfg.data, tokenizer, tmp_path / "other")
     assert len(train) == 8 and val is None
     assert np.all([r["data_source"] == DIGITS_DATA_SOURCE for r in train.rows])
+
+
+# ------------------------------------------------------------------ reasoning-gym tasks
+RG_TASKS = ["basic_arithmetic", "chain_sum", "countdown"]
+
+
+@pytest.mark.parametrize("name", RG_TASKS)
+def test_reasoning_gym_rows_are_deterministic_by_seed(name):
+    rows = generate_task(f"rg:{name}", 6, seed=3)
+    assert rows == generate_task(f"rg:{name}", 6, seed=3)
+    assert [r["prompt"] for r in rows] != [r["prompt"] for r in generate_task(f"rg:{name}", 6, seed=4)]
+    for index, row in enumerate(rows):
+        validate_row(row, "rg")
+        assert row["data_source"] == f"reasoning_gym/{name}" and row["extra_info"]["index"] == index
+        assert json.loads(row["extra_info"]["rg_entry"])["question"] == row["prompt"][0]["content"]
+
+
+@pytest.mark.parametrize("name", RG_TASKS)
+def test_reasoning_gym_scorer_round_trip_through_a_file(tmp_path, name):
+    write_task(f"rg:{name}", 8, 0, tmp_path / "rg.parquet")
+    for row in read_rows(tmp_path / "rg.parquet"):  # the entry survives parquet
+        truth, extra = row["reward_model"]["ground_truth"], row["extra_info"]
+        assert score(row["data_source"], truth, truth, extra) == 1.0
+        assert score(row["data_source"], f"Let me think.\n<answer>{truth}</answer>", truth, extra) == 1.0
+        assert score(row["data_source"], "<answer>none</answer>", truth, extra) < 0.1  # wrong
+
+
+def test_reasoning_gym_entry_keeps_tuples_and_sets():
+    from megarl.reward.reasoning_gym_score import decode_entry, encode_entry
+
+    entry = {"answer": "x", "metadata": {"board": ((1, 2), (3, 4)), "seen": {5}, "list": [(6,)]}}
+    assert decode_entry(encode_entry(entry)) == entry
+
+
+def test_reasoning_gym_errors_are_named():
+    from megarl.reward import RewardError
+
+    with pytest.raises(ValueError, match="reasoning-gym has no dataset 'nope'"):
+        generate_task("rg:nope", 2)
+    with pytest.raises(RewardError, match="reasoning-gym has no dataset 'nope'"):
+        score("reasoning_gym/nope", "1", "1", {})
+    with pytest.raises(RewardError, match=r"needs extra_info\['rg_entry'\]"):
+        score("reasoning_gym/chain_sum", "1", "1", {})
+
+
+def test_build_datasets_with_a_reasoning_gym_task(tmp_path, tokenizer):
+    cfg = load_config(None, ["data.task=rg:chain_sum", "data.num_train=12", "data.num_val=4",
+                             "data.max_prompt_length=512"])
+    train, val = build_datasets(cfg.data, tokenizer, tmp_path)
+    assert (len(train), len(val)) == (12, 4) and (tmp_path / "rg_chain_sum_train.parquet").is_file()
+    assert {r["data_source"] for r in train.rows} == {"reasoning_gym/chain_sum"}

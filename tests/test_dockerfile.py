@@ -19,6 +19,8 @@ SHARED = {
     "RAY_VERSION": ("ray", "requirements.lock"),
     "SGLANG_ROUTER_VERSION": ("sglang-router", "requirements.lock"),
     "SAFETENSORS_VERSION": ("safetensors", "requirements.lock"),
+    "MATH_VERIFY_VERSION": ("math-verify", "requirements.lock"),
+    "REASONING_GYM_VERSION": ("reasoning_gym", "requirements.lock"),
 }
 GPU_ONLY = {"TRANSFORMER_ENGINE_VERSION": "transformer_engine[pytorch]"}  # no CPU counterpart
 

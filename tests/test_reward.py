@@ -46,9 +46,9 @@ def test_arith_score(response, truth, expected):
 
 def test_unknown_data_source_names_it_and_the_known_ones():
     with pytest.raises(RewardError) as info:
-        score("openai/gsm8k", "42", "42")
+        score("nobody/knows", "42", "42")
     message = str(info.value)
-    assert "'openai/gsm8k'" in message and "megarl/digits" in message
+    assert "'nobody/knows'" in message and "megarl/digits" in message
     assert "megarl/digits" in known_data_sources()
 
 
@@ -107,3 +107,125 @@ def test_default_reward_function_is_the_registry_and_score_rows():
     assert rewards == [1.0, 0.0, 1.0]
     with pytest.raises(RewardError, match="different lengths"):
         score_rows(fn, ["megarl/digits"], ["1", "2"], ["1"], [{}])
+
+
+# ------------------------------------------------------------------ errors name the row
+def test_a_reward_that_raises_or_returns_a_non_number_names_the_row(monkeypatch):
+    monkeypatch.setattr(rule, "_SCORERS", dict(rule._SCORERS))
+    @register_scorer("test/raises")
+    def raises(solution_str, ground_truth, extra_info):
+        raise ZeroDivisionError("division by zero")
+
+    fn = make_reward_function(None)
+    with pytest.raises(RewardError, match=r"row 1 \(data_source 'test/raises', ground_truth '7'\): "
+                                          r"the reward raised ZeroDivisionError: division by zero"):
+        score_rows(fn, ["megarl/digits", "test/raises"], ["7", "7"], ["7", "7"], [{}, {}])
+    with pytest.raises(RewardError, match=r"row 0 \(data_source 'x/y', ground_truth '1'\): the reward "
+                                          r"function returned 'oops', not a number"):
+        score_rows(lambda d, s, g, e: "oops", ["x/y"], ["1"], ["1"], [{}])
+    with pytest.raises(RewardError, match=r"row 2 \(data_source 'megarl/digits', .*\): .*empty ground_truth"):
+        score_rows(fn, ["megarl/digits"] * 3, ["1", "1", "1"], ["1", "1", ""], [{}] * 3)
+
+
+# ------------------------------------------------------------------ math (math-verify)
+from megarl.reward import math as math_reward  # noqa: E402
+from megarl.reward import take_counts  # noqa: E402
+
+PATHOLOGICAL = "The answer is \\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the tower for minutes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _math_defaults_after_this_module():
+    yield
+    math_reward.configure(timeout_s=math_reward.DEFAULT_TIMEOUT_S, max_workers=4)
+
+
+@pytest.fixture
+def math_limits():
+    math_reward.configure(timeout_s=30.0, max_workers=4)  # generous: the machine may be loaded
+    take_counts()
+    return math_reward.configure
+
+
+@pytest.mark.parametrize("data_source, response, truth, expected", [
+    ("math", "So the answer is $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}", 1.0),
+    ("math", "The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),        # LaTeX fraction vs decimal
+    ("math", "So the result is 0.5", "\\frac{1}{2}", 1.0),              # plain final answer
+    ("math", "\\boxed{\\dfrac{3}{4}}", "3/4", 1.0),
+    ("math", "$\\sqrt{2}/2$", "\\frac{\\sqrt{2}}{2}", 1.0),
+    ("math", "The final answer is $\\boxed{x^2+2x+1}$", "(x+1)^2", 1.0),  # symbolic equality
+    ("math", "The answer is 1,000", "1000", 1.0),
+    ("math", "\\boxed{3}", "4", 0.0),                                    # wrong
+    ("math", "I think 5, no wait, 7", "5", 0.0),                         # the last answer counts
+    ("math", "\\boxed{3}", "\\boxed{3}", 1.0),                           # a boxed ground truth
+    ("lighteval/MATH", "\\boxed{\\frac{2}{4}}", "\\frac12", 1.0),        # verl's aliases
+    ("HuggingFaceH4/MATH-500", "\\boxed{2}", "3", 0.0),
+    ("aime2024", "The answer is \\boxed{204}", "204", 1.0),
+    ("numina_olympiads", "\\boxed{-1}", "-1", 1.0),
+    ("openai/gsm8k", "She has 9 eggs left. #### 18", "16 - 3 - 4 = <<16-3-4=9>>9 ... #### 18", 1.0),
+    ("openai/gsm8k", "so 9 eggs\n#### 9", "#### 18", 0.0),
+    ("openai/gsm8k", "#### 1,000", "1000", 1.0),                          # commas in the answer
+    ("openai/gsm8k", "The total is \\boxed{18}", "18", 1.0),             # no ####: math-verify's answer
+])
+def test_math_verifier_table(math_limits, data_source, response, truth, expected):
+    assert score(data_source, response, truth, {}) == expected
+    assert take_counts()["reward/timeouts"] == 0
+
+
+def test_unparsable_answers_score_zero_and_are_counted(math_limits):
+    assert score("math", "I do not know.", "4") == 0.0
+    assert score("math", "", "4") == 0.0
+    counts = take_counts()
+    assert counts["reward/unparsable"] == 2 and counts["reward/timeouts"] == 0
+    assert take_counts()["reward/unparsable"] == 0  # taking resets
+
+
+def test_time_limit_from_a_thread_scores_zero_counts_and_recovers(math_limits):
+    import threading
+    import time
+
+    math_limits(timeout_s=3.0, max_workers=2)
+    assert score("math", "\\boxed{1}", "1") == 1.0  # the worker is started (not timed)
+    out: list = []
+    started = time.perf_counter()
+    worker = threading.Thread(target=lambda: out.append(score("math", PATHOLOGICAL, "1")))
+    worker.start()
+    worker.join(timeout=60)
+    elapsed = time.perf_counter() - started
+    assert out == [0.0] and elapsed < 30  # killed at 3 s (+ slack on a loaded machine), not minutes
+    assert take_counts()["reward/timeouts"] == 1
+    assert score("math", "\\boxed{2}", "2") == 1.0  # a fresh worker judges the next one
+
+
+def test_threads_share_the_verifier_pool(math_limits):
+    from concurrent.futures import ThreadPoolExecutor
+
+    math_limits(max_workers=2)
+    cases = [(f"\\boxed{{{i}}}", str(i if i % 3 else i + 1)) for i in range(24)]
+    with ThreadPoolExecutor(4) as pool:
+        scores = list(pool.map(lambda c: score("math", *c), cases))
+    assert scores == [0.0 if i % 3 == 0 else 1.0 for i in range(24)]
+    assert math_reward.verifier()._running == 0 and len(math_reward.verifier()._idle) <= 2
+
+
+def _pathological_in_child(timeout_s: float) -> tuple[float, float, float]:
+    from megarl.reward import math as child_math
+    from megarl.reward import score as child_score, take_counts as child_counts
+
+    child_math.configure(timeout_s=timeout_s)
+    return (child_score("math", PATHOLOGICAL, "1"), child_counts()["reward/timeouts"],
+            child_score("math", "\\boxed{2}", "2"))
+
+
+def test_time_limit_in_a_daemonic_subprocess():
+    """A multiprocessing pool's workers are daemonic and may not start multiprocessing children;
+    the verifier's workers are plain subprocesses, so the limit holds there too."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_pathological_in_child, (3.0,)) == (0.0, 1.0, 1.0)
+
+
+def test_math_options_reach_the_verifier(math_limits):
+    make_reward_function(None, math_timeout_s=2.5, math_workers=3)
+    assert (math_reward.verifier().timeout_s, math_reward.verifier().max_workers) == (2.5, 3)

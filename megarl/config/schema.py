@@ -40,11 +40,14 @@ class ModelConfig:
 class DataConfig:
     train_files: str | None = None        # .parquet or .jsonl; None generates `task`
     val_files: str | None = None          # None generates `task` with a different seed
-    task: Literal["digits", "arith"] = "digits"  # procedural task used when files are None
+    # procedural task used when files are None: digits | arith | rg:<reasoning-gym dataset>
+    # (rg:basic_arithmetic, rg:chain_sum, rg:countdown, ...; scored by the dataset's own scorer)
+    task: str = "digits"
     num_train: int = 1024                 # generated prompts (when train_files is None)
     num_val: int = 64
     prompt_key: str = "prompt"
-    max_prompt_length: int = 32           # tokens after the chat template; longer prompts error
+    max_prompt_length: int = 32           # tokens after the chat template
+    overlong_prompts: Literal["error", "filter"] = "error"  # longer prompts: refused, or dropped and counted
     train_batch_size: int = 16            # prompts per step (rows = this * rollout.n)
     shuffle: bool = True
     seed: int = 0
@@ -269,6 +272,8 @@ class OverlongBufferConfig:
 class RewardConfig:
     custom_function: str | None = None    # "package.module:function"; None = rule by data_source
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    math_timeout_s: float = 5.0           # per answer for the math verifiers; over it: 0, counted
+    math_workers: int = 4                 # math verifier processes (started on first use)
 
 
 @dataclass

@@ -43,6 +43,7 @@ _POSITIVE = [
     "critic.parallel.tp", "critic.parallel.pp", "critic.parallel.ep", "critic.parallel.etp",
     "critic.parallel.cp", "critic.ppo_mini_batch_size", "critic.micro_batch_size",
     "critic.ppo_epochs", "critic.optim.lr", "critic.optim.adam_eps", "critic.cliprange_value",
+    "reward.math_timeout_s", "reward.math_workers",
 ]
 _NON_NEGATIVE = [
     "data.num_val", "actor.optim.weight_decay", "actor.optim.clip_grad", "actor.clip_ratio_low",
@@ -124,6 +125,24 @@ def check_batch_sizes(cfg: RunConfig) -> None:
     if cfg.trainer.val_every > 0 and cfg.data.val_files is None:
         _require(cfg.data.num_val >= 1, "data.num_val",
                  "data.num_val=0 but trainer.val_every > 0; generate at least one val prompt")
+
+
+def check_task(cfg: RunConfig) -> None:
+    """data.task: a built-in procedural task or rg:<a reasoning-gym dataset> (used when a file is null)."""
+    task = cfg.data.task
+    if task in ("digits", "arith"):
+        return
+    _require(task.startswith("rg:") and len(task) > 3, "data.task",
+             f"data.task={task!r} must be digits, arith or rg:<reasoning-gym dataset> "
+             "(e.g. rg:basic_arithmetic)")
+    if cfg.data.train_files is None or (cfg.data.val_files is None and cfg.data.num_val > 0):
+        try:
+            from reasoning_gym.factory import DATASETS
+        except ImportError as err:
+            raise ConfigError("data.task", f"data.task={task!r} needs the reasoning-gym package "
+                              f"({err}); scripts/setup_env.sh installs it") from err
+        _require(task[3:] in DATASETS, "data.task", f"data.task={task!r}: reasoning-gym has no "
+                 f"dataset {task[3:]!r}; known: {', '.join(sorted(DATASETS))}")
 
 
 def data_parallel_size(cfg: RunConfig) -> int:
@@ -367,6 +386,7 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_parallel(cfg, model_config)
     check_device_type(cfg)
     check_batch_sizes(cfg)
+    check_task(cfg)
     check_critic(cfg, model_config)
     check_rollout(cfg, model_config)
     check_algorithm(cfg)

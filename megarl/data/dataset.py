@@ -6,12 +6,15 @@ A canonical row (parquet or jsonl):
     reward_model: {"ground_truth": str, "style": "rule" | "model"}
     extra_info: dict                                    (null is read as {})
 
-Problems are reported as "<file> row <i>: <what>" so a bad row can be found and fixed.
+Problems are reported as "<file> row <i>: <what>" so a bad row can be found and fixed. A prompt
+longer than max_prompt_length is one (overlong="error"), or is dropped, counted and reported
+(overlong="filter": RLDataset.num_filtered, and a warning naming the first few rows).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,9 @@ from megarl.data.batch import Batch
 from megarl.data.tasks import write_task
 
 REWARD_STYLES = ("rule", "model")
+OVERLONG = ("error", "filter")
+
+log = logging.getLogger(__name__)
 
 
 class DatasetError(ValueError):
@@ -100,26 +106,40 @@ class RLDataset:
     """Validated, tokenized prompt rows; row i is a dict with canonical fields + raw_prompt_ids."""
 
     def __init__(self, rows: list[dict], tokenizer, max_prompt_length: int,
-                 prompt_key: str = "prompt", source: str = "<rows>"):
+                 prompt_key: str = "prompt", source: str = "<rows>", overlong: str = "error"):
+        if overlong not in OVERLONG:
+            raise DatasetError(f"overlong={overlong!r} must be one of {OVERLONG}")
         self.source = source
         self.prompt_key = prompt_key
         self.rows: list[dict] = []
+        filtered: list[str] = []  # "row i (n tokens)" of the prompts dropped for their length
         for index, raw in enumerate(rows):
             where = f"{source} row {index}"
             row = validate_row(raw, where, prompt_key)
             ids = tokenize_prompt(tokenizer, row[prompt_key])
             if len(ids) > max_prompt_length:
-                raise DatasetError(f"{where}: prompt is {len(ids)} tokens, longer than "
-                                   f"data.max_prompt_length={max_prompt_length}; raise the limit "
-                                   "or drop the row")
+                if overlong == "error":
+                    raise DatasetError(f"{where}: prompt is {len(ids)} tokens, longer than "
+                                       f"data.max_prompt_length={max_prompt_length}; raise the "
+                                       "limit, drop the row or set data.overlong_prompts=filter")
+                filtered.append(f"row {index} ({len(ids)} tokens)")
+                continue
             self.rows.append({**row, "raw_prompt_ids": ids})
+        self.num_filtered = len(filtered)
+        if filtered:
+            log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_length=%d: %s%s",
+                        source, len(filtered), len(rows), max_prompt_length,
+                        ", ".join(filtered[:5]), ", ..." if len(filtered) > 5 else "")
         if not self.rows:
-            raise DatasetError(f"{source} has no rows")
+            reason = (f" (all {len(filtered)} were longer than data.max_prompt_length="
+                      f"{max_prompt_length})" if filtered else "")
+            raise DatasetError(f"{source} has no rows{reason}")
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer, max_prompt_length: int,
-                  prompt_key: str = "prompt") -> RLDataset:
-        return cls(read_rows(path), tokenizer, max_prompt_length, prompt_key, Path(path).name)
+                  prompt_key: str = "prompt", overlong: str = "error") -> RLDataset:
+        return cls(read_rows(path), tokenizer, max_prompt_length, prompt_key, Path(path).name,
+                   overlong)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -190,15 +210,16 @@ def build_datasets(data_cfg, tokenizer, work_dir: str | Path) -> tuple[RLDataset
     val is generated (seed + 1) when val_files is null and num_val > 0, else None.
     """
     work = Path(work_dir)
+    stem = data_cfg.task.replace(":", "_")  # rg:countdown -> rg_countdown_train.parquet
     train_path = data_cfg.train_files
     if train_path is None:
         train_path = write_task(data_cfg.task, data_cfg.num_train, data_cfg.seed,
-                                work / f"{data_cfg.task}_train.parquet")
+                                work / f"{stem}_train.parquet")
     val_path = data_cfg.val_files
     if val_path is None and data_cfg.num_val > 0:
         val_path = write_task(data_cfg.task, data_cfg.num_val, data_cfg.seed + 1,
-                              work / f"{data_cfg.task}_val.parquet")
-    args = (tokenizer, data_cfg.max_prompt_length, data_cfg.prompt_key)
+                              work / f"{stem}_val.parquet")
+    args = (tokenizer, data_cfg.max_prompt_length, data_cfg.prompt_key, data_cfg.overlong_prompts)
     train = RLDataset.from_file(train_path, *args)
     val = RLDataset.from_file(val_path, *args) if val_path is not None else None
     return train, val

@@ -1,8 +1,14 @@
 """Rule-based reward: a registry of verifiers chosen by each row's `data_source`.
 
-A scorer is fn(solution_str, ground_truth, extra_info) -> float in [0, 1]. A custom reward
-function ("package.module:function" or "path/to/file.py:function") has the full signature
-fn(data_source, solution_str, ground_truth, extra_info) -> float and replaces the registry.
+A scorer is fn(solution_str, ground_truth, extra_info) -> float in [0, 1]. A family of data
+sources sharing a prefix ("reasoning_gym/<name>") registers a factory that makes the scorer of
+each member on first use. A custom reward function ("package.module:function" or
+"path/to/file.py:function") has the full signature fn(data_source, solution_str, ground_truth,
+extra_info) -> float and replaces the registry.
+
+Answers a verifier could not judge (a time limit hit, nothing parsable) score 0 and are counted:
+`take_counts()` returns the counts since its last call as metrics (`reward/timeouts`, ...), for
+the trainer to log with the step's other metrics.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import importlib
 import importlib.util
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -18,6 +25,12 @@ Scorer = Callable[[str, str, dict], float]
 RewardFunction = Callable[[str, str, str, dict], float]
 
 _SCORERS: dict[str, Scorer] = {}
+_FAMILIES: dict[str, Callable[[str], Scorer]] = {}  # prefix -> factory(data_source) -> scorer
+
+# answers scored 0 because they could not be judged, per kind; always reported, 0 included
+COUNTED = ("reward/timeouts", "reward/unparsable", "reward/gold_unparsable", "reward/verifier_errors")
+_counts = dict.fromkeys(COUNTED, 0)
+_counts_lock = threading.Lock()
 
 
 class RewardError(ValueError):
@@ -35,8 +48,43 @@ def register_scorer(data_source: str) -> Callable[[Scorer], Scorer]:
     return decorate
 
 
+def register_scorer_family(prefix: str, factory: Callable[[str], Scorer]) -> None:
+    """Rows whose data_source starts with `prefix` are scored by factory(data_source), made once."""
+    if prefix in _FAMILIES and _FAMILIES[prefix] is not factory:
+        raise RewardError(f"data_source prefix {prefix!r} already has a scorer family")
+    _FAMILIES[prefix] = factory
+
+
 def known_data_sources() -> list[str]:
-    return sorted(_SCORERS)
+    return sorted(_SCORERS) + sorted(f"{prefix}*" for prefix in _FAMILIES)
+
+
+def count(name: str, n: int = 1) -> None:
+    """Add `n` to the counter `name` (one of COUNTED); thread-safe."""
+    if name not in _counts:
+        raise KeyError(f"unknown reward counter {name!r}; known: {COUNTED}")
+    with _counts_lock:
+        _counts[name] += n
+
+
+def take_counts() -> dict[str, float]:
+    """The counters since the last call (as float metrics), reset to 0. Counts this process only."""
+    with _counts_lock:
+        out = {k: float(v) for k, v in _counts.items()}
+        for k in _counts:
+            _counts[k] = 0
+    return out
+
+
+def _scorer_for(data_source: str) -> Scorer:
+    if data_source in _SCORERS:
+        return _SCORERS[data_source]
+    for prefix, factory in _FAMILIES.items():
+        if data_source.startswith(prefix):
+            return _SCORERS.setdefault(data_source, factory(data_source))
+    raise RewardError(f"no reward rule for data_source {data_source!r}; known data sources: "
+                      f"{known_data_sources()}. Register one with @register_scorer or set "
+                      "reward.custom_function")
 
 
 def _checked(value: object, what: str, unit_interval: bool) -> float:
@@ -53,11 +101,7 @@ def _checked(value: object, what: str, unit_interval: bool) -> float:
 def score(data_source: str, solution_str: str, ground_truth: str,
           extra_info: dict | None = None) -> float:
     """The registered rule verifier's score for one response, in [0, 1]."""
-    if data_source not in _SCORERS:
-        raise RewardError(f"no reward rule for data_source {data_source!r}; known data sources: "
-                          f"{known_data_sources()}. Register one with @register_scorer or set "
-                          "reward.custom_function")
-    value = _SCORERS[data_source](solution_str, ground_truth, extra_info or {})
+    value = _scorer_for(data_source)(solution_str, ground_truth, extra_info or {})
     return _checked(value, f"scorer for {data_source!r}", unit_interval=True)
 
 
@@ -85,8 +129,18 @@ def load_custom_function(spec: str) -> RewardFunction:
     return fn
 
 
-def make_reward_function(custom_function: str | None = None) -> RewardFunction:
-    """The run's reward: the custom function if configured, else the rule registry."""
+def make_reward_function(custom_function: str | None = None, *,
+                         math_timeout_s: float | None = None,
+                         math_workers: int | None = None) -> RewardFunction:
+    """The run's reward: the custom function if configured, else the rule registry.
+
+    math_timeout_s / math_workers (reward.math_timeout_s / reward.math_workers) set this process's
+    math verifier (megarl.reward.math.configure); None keeps its defaults.
+    """
+    if math_timeout_s is not None or math_workers is not None:
+        from megarl.reward.math import configure
+
+        configure(timeout_s=math_timeout_s, max_workers=math_workers)
     if custom_function is None:
         return score
     fn = load_custom_function(custom_function)
@@ -100,12 +154,29 @@ def make_reward_function(custom_function: str | None = None) -> RewardFunction:
 
 def score_rows(reward_fn: RewardFunction, data_sources: Sequence[str], solutions: Sequence[str],
                ground_truths: Sequence[str], extra_infos: Sequence[dict | None]) -> list[float]:
-    """reward_fn applied row by row (the columns must be equally long)."""
+    """reward_fn applied row by row (the columns must be equally long).
+
+    A reward that raises or returns something other than a number is re-raised as a RewardError
+    naming the row (its index in these columns), its data_source and its ground truth.
+    """
     lengths = {len(data_sources), len(solutions), len(ground_truths), len(extra_infos)}
     if len(lengths) != 1:
         raise RewardError(f"score_rows got columns of different lengths {sorted(lengths)}")
-    return [reward_fn(d, s, g, e) for d, s, g, e in zip(data_sources, solutions, ground_truths,
-                                                          extra_infos)]
+    scores = []
+    for row, (d, s, g, e) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
+        try:
+            scores.append(_checked(reward_fn(d, s, g, e), "the reward function", unit_interval=False))
+        except Exception as exc:
+            where = f"row {row} (data_source {d!r}, ground_truth {_short(g)})"
+            if isinstance(exc, RewardError):
+                raise RewardError(f"{where}: {exc}") from exc
+            raise RewardError(f"{where}: the reward raised {type(exc).__name__}: {exc}") from exc
+    return scores
+
+
+def _short(text: object, limit: int = 60) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit] + "...'"
 
 
 # ------------------------------------------------------------------ built-in verifiers
