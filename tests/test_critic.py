@@ -180,7 +180,7 @@ def test_critic_engine_spec_from_config():
     from megarl.trainer.runtime import critic_engine_spec, critic_loss_spec
     from tests.test_config import QUICKSTART
 
-    cfg = validate(load_config(QUICKSTART, ["critic.enabled=true", "critic.parallel.tp=2",
+    cfg = validate(load_config(QUICKSTART, ["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.parallel.tp=2",
                                             "critic.optim.lr=2e-5", "critic.cliprange_value=0.2"]),
                    dict(TINY_QWEN3_MOE))
     spec = critic_engine_spec(cfg, "/actor/ckpt")

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 
 import psutil
+import numpy as np
 import pytest
 
 from megarl.config.loader import load_config
@@ -33,9 +34,10 @@ def three_steps(tmp_path_factory):
     # TP=2 + sequence parallel here (the quickstart runs EP=2), KL loss on so the colocated
     # reference policy runs, validation on the last step; the actor offloads everything between
     # steps and the reference between calls (the sync parity below then covers the round trips);
-    # a critic group (EP=2, its own layout) is built from the config next to the actor. The
-    # advantages are rloo's (the reference curve test keeps grpo's; the other score-only
-    # estimators are checked by hand: README "Advantage estimators").
+    # a critic group (EP=2, its own layout) is built from the config next to the actor: PPO, GAE
+    # over its values, with the KL to the reference both in the loss and, adaptively, in the reward
+    # (the reference curve test keeps grpo's advantages; the score-only estimators are checked by
+    # hand: README "Advantage estimators").
     cfg = validate(load_config(ROOT / "configs/quickstart.yaml", [
         f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.val_every=3",
         "trainer.tensorboard=true", "data.num_train=64", "data.num_val=16",
@@ -44,7 +46,8 @@ def three_steps(tmp_path_factory):
         "actor.micro_batch_size=16", "actor.offload.params=true", "actor.offload.grads=true",
         "actor.offload.optimizer=true", "ref.offload=true", "critic.enabled=true",
         "critic.parallel.ep=2", "critic.ppo_mini_batch_size=32", "trainer.save_every=2",
-        "algorithm.adv_estimator=rloo"]))
+        "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.horizon=100", "critic.optim.lr=1e-3"]))
     stream = io.StringIO()
     summary = train(cfg, stream=stream)
     run_dir = out / "quickstart"
@@ -59,6 +62,12 @@ def test_offloaded_actor_and_reference_and_a_critic_group(three_steps):
                     "perf/ref_onload_s"):
             assert m[key] > 0, (m["step"], key)
     assert "critic mesh" in out
+    # PPO: the critic's values feed GAE and it trains every step; the adaptive KL coefficient moves
+    for m in steps:
+        assert m["perf/values_s"] > 0 and m["perf/critic_update_s"] > 0
+        assert np.isfinite(m["critic/vf_loss"]) and m["critic/num_updates"] >= 1
+    coefs = [m["kl_reward/coef"] for m in steps]
+    assert coefs[0] == 0.001 and len(set(coefs)) == 3, coefs
     # trainer.save_every=2 over 3 steps: steps 2 and 3 (the last), each with the critic's own
     # checkpoint next to the actor's (the reference is rebuilt from model.path, never saved)
     _, _, run_dir, _ = three_steps

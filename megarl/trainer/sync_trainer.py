@@ -37,7 +37,7 @@ from megarl.algo.losses import masked_mean
 from megarl.bridge.spec import BridgeSpec
 from megarl.data.balance import balance_across_ranks
 from megarl.data.batch import Batch
-from megarl.reward import make_reward_function, score_rows
+from megarl.reward import make_reward_function, score_rows, take_counts
 from megarl.rollout.manager import SamplingSpec
 from megarl.trainer import checkpoints
 from megarl.trainer.metrics import MetricsLogger
@@ -57,7 +57,9 @@ class SyncTrainer:
         self.rt = runtime
         self.cfg = runtime.cfg
         self.logger = logger
-        self.reward_fn = make_reward_function(self.cfg.reward.custom_function)
+        r = self.cfg.reward
+        self.reward_fn = make_reward_function(r.custom_function, math_timeout_s=r.math_timeout_s,
+                                              math_workers=r.math_workers)
         self.dp_size = runtime.actor.mesh[0].dp_size
         self.weight_version = 0
         self.release = bool(self.cfg.rollout.release_memory)
@@ -202,7 +204,7 @@ class SyncTrainer:
         # engines restarted anywhere in the step: in generation, memory release/resume or the sync
         rollout_stats["rollout/engine_restarts"] = float(self.rt.fleet.restarts - restarts_before)
         return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing,
-                **kl_metrics, **_average(critic_metrics or []),
+                **kl_metrics, **_average(critic_metrics or []), **take_counts(),
                 **{k: float(v) for k, v in bridge_stats.items() if k.startswith("bridge/")}}
 
     def sync_weights(self) -> dict:
