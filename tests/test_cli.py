@@ -87,7 +87,9 @@ def test_error_mid_run_stops_every_process_and_reports_it(tmp_path):
     assert proc.returncode == 1, out[-3000:]
     # one line for people: what failed, what to do, where the traceback went (not the terminal)
     last = out.strip().splitlines()[-1]
-    assert last.startswith("megarl: run failed: RuntimeError: flaky reward failed on purpose"), last
+    # the reward's failure names the row and its data_source (megarl/reward/rule.py RewardError)
+    assert last.startswith("megarl: run failed: RewardError: row "), last
+    assert "data_source 'megarl/digits'" in last and "raised RuntimeError: flaky reward failed on purpose" in last
     assert "no checkpoint was saved" in last and "train.log" in last and "--debug" in last
     assert "Traceback" not in out
     log = (tmp_path / "out" / "quickstart" / "train.log").read_text()
