@@ -186,8 +186,7 @@ def train_memory(cfg, hf: dict, device: Device, section: str = "actor") -> Train
             per_layer = [a + scores for a in per_layer]
         if recompute == "full":
             h = _as_dict(hf)["hidden_size"] / (p.tp if sp else 1)
-            kept = len(per_layer) * h * local * abytes
-            layer_acts = kept * 1.0
+            layer_acts = len(per_layer) * h * local * abytes  # each layer's input only
         else:
             layer_acts = sum(per_layer)
         flight = in_flight(p, s, m)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from megarl.perf.hardware import GiB, Device
 from megarl.perf.memory import TrainMemory, rollout_memory, reference_params_bytes, train_memory
-from megarl.perf.steptime import StepTime, step_time
+from megarl.perf.steptime import StepTime, _dtype, step_time
 
 
 @dataclass
@@ -243,10 +243,6 @@ def format_plan(cfg, plan: Plan) -> str:
               f"  weight sync  {t.weight_sync:10.{digits}f}", f"  total        {t.total:10.{digits}f}"]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
-
-
-def _dtype(cfg, dev: Device) -> str:
-    return "bf16" if cfg.actor.precision == "bf16" and dev.name != "CPU" else "fp32"
 
 
 def update_mfu(cfg, plan: Plan) -> float:
