@@ -117,7 +117,7 @@ BAD_CONFIGS = [
     (["actor.parallel.sequence_parallel=true"], "actor.parallel.sequence_parallel",
      "needs actor.parallel.tp > 1"),
     (["rollout.n=1"], "rollout.n", "must be >= 2 for grpo"),
-    # advantage estimators: group baselines need n >= 2; gae and remax are refused until wired
+    # advantage estimators: group baselines need n >= 2; gae needs the critic
     (["rollout.n=1", "algorithm.adv_estimator=rloo"], "rollout.n", "must be >= 2 for rloo"),
     (["rollout.n=1", "algorithm.adv_estimator=opo"], "rollout.n", "must be >= 2 for opo"),
     (["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus_baseline"], "rollout.n",
@@ -127,7 +127,8 @@ BAD_CONFIGS = [
     (["algorithm.adv_estimator=dr_grpo", "actor.loss_agg_mode=seq-mean-token-sum"], None, None),
     (["algorithm.adv_estimator=gae"], "critic.enabled", "gae needs the critic: set critic.enabled=true"),
     (["critic.enabled=true"], "critic.enabled", "only algorithm.adv_estimator=gae uses"),
-    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator", "needs a greedy baseline rollout"),
+    # remax's baseline is the greedy rollout, not the group: one sample per prompt is fine
+    (["algorithm.adv_estimator=remax", "rollout.n=1", "actor.ppo_mini_batch_size=8"], None, None),
     (["algorithm.gamma=1.5"], "algorithm.gamma", "must be in [0, 1]"),
     (["algorithm.lam=-0.1"], "algorithm.lam", "must be in [0, 1]"),
     (["actor.ppo_mini_batch_size=100"], "actor.ppo_mini_batch_size", "must divide the rows per step"),

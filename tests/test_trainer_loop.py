@@ -111,14 +111,15 @@ def test_console_progress_tensorboard_and_summary(three_steps):
 
 @pytest.fixture(scope="module")
 def disaggregated(tmp_path_factory):
-    """configs/disaggregated.yaml with two tp=1 engines behind sglang-router on their own pool."""
+    """configs/disaggregated.yaml with two tp=1 engines behind sglang-router on their own pool, with
+    ReMax's advantages (its greedy baseline rollout goes through the router too)."""
     from megarl.trainer.run import train
 
     out = tmp_path_factory.mktemp("disagg")
     cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", [
         f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.val_every=0", "data.num_train=64",
         "rollout.tp=1", "rollout.num_servers=2", "rollout.n=4", "actor.ppo_mini_batch_size=32",
-        "actor.micro_batch_size=16", "trainer.tensorboard=false"]))
+        "actor.micro_batch_size=16", "trainer.tensorboard=false", "algorithm.adv_estimator=remax"]))
     stream = io.StringIO()
     train(cfg, stream=stream)
     lines = (out / "disaggregated" / "metrics.jsonl").read_text().splitlines()
@@ -136,6 +137,10 @@ def test_disaggregated_engines_behind_the_router_stay_in_parity(disaggregated):
         assert "perf/release_s" not in m  # disaggregated engines keep their memory
         # reshard: each of the two tp=1 engines gets the whole model, point to point
         assert m["bridge/bytes"] == 2 * m["bridge/bytes_per_rollout_rank_max"] > 0
+        # remax: one greedy response per prompt (16 prompts), scored; its time is its own stage
+        assert m["perf/gen_baseline_s"] > 0 and 0.0 <= m["remax/baseline_mean"] <= 1.0
+        assert 0.0 <= m["remax/beats_baseline_frac"] <= 1.0 and m["remax/greedy_length_mean"] > 0
+        assert m["actor/grad_norm"] > 0
 
 
 def test_distributed_transport_through_the_loop_stays_in_parity(tmp_path):

@@ -77,8 +77,8 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # megarl/algo/advantages.py ESTIMATORS (README "Advantage estimators"); gae needs the critic,
-    # remax a greedy baseline rollout: neither is wired into the sync loop yet (validate refuses)
+    # megarl/algo/advantages.py ESTIMATORS (README "Advantage estimators"); gae needs the critic
+    # (critic.enabled), remax adds a greedy rollout of each prompt per step (trainer/remax.py)
     adv_estimator: AdvEstimator = "grpo"
     norm_adv_by_std: bool = True          # grpo divides by the group std; False = mean-centring only
     epsilon: float = 1e-6                 # added to the group std

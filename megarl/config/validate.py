@@ -332,9 +332,6 @@ def check_algorithm(cfg: RunConfig) -> None:
     _require(not (cfg.critic.enabled and a.adv_estimator != "gae"), "critic.enabled",
              f"critic.enabled=true trains a value function that only algorithm.adv_estimator=gae uses "
              f"(this run: {a.adv_estimator}); set algorithm.adv_estimator=gae (PPO) or critic.enabled=false")
-    _require(a.adv_estimator != "remax", "algorithm.adv_estimator",
-             "algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, which is not "
-             "wired yet; use rloo or grpo")
     _require(not (cfg.actor.use_kl_loss and cfg.ref.enabled is False), "ref.enabled",
              "ref.enabled=false but actor.use_kl_loss=true needs reference log-probs; "
              "set ref.enabled to null (auto) or true")

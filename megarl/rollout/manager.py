@@ -213,6 +213,10 @@ def _check_finished(rows) -> None:
                                "(return_logprob was requested)")
 
 
+# the non-tensor columns rows_to_batch adds; a rollout's other non-tensor columns are its prompts'
+GENERATED_NON_TENSORS = ("response_text", "finish_reason", "rollout_weight_version")
+
+
 def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]]) -> Batch:
     """Right-padded tensors: input_ids = prompt + response; responses, masks, rollout log-probs."""
     n = len(rows)

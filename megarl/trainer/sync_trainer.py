@@ -154,6 +154,9 @@ class SyncTrainer:
         cfg, timing = self.cfg, {}
         t_step, restarts_before = time.perf_counter(), self.rt.fleet.restarts
         rows, rollout_stats = self._generate_scored(step, prompts, timing)
+        if cfg.algorithm.adv_estimator == "remax":  # its baseline: the greedy response's score
+            rows["baseline_scores"], remax_metrics = self._remax_baseline(step, rows, timing)
+            rollout_stats.update(remax_metrics)
         if self.release:
             with _timer(timing, "release"):
                 self.rt.fleet.release_memory(["weights", "kv_cache"])
@@ -171,11 +174,12 @@ class SyncTrainer:
             with _timer(timing, "values"):
                 rows = rows.union(self.rt.critic.compute_values(self._trainer_view(rows)))
         with _timer(timing, "adv"):
-            a = cfg.algorithm  # validate refuses remax (no greedy baseline rollout yet)
+            a = cfg.algorithm
             rewards, kl_metrics = self._rewards(rows)
             rows["advantages"], rows["returns"] = compute_advantages(
                 a.adv_estimator, rewards, rows["response_mask"], rows["uid"],
                 values=rows["values"] if "values" in rows else None,
+                baseline_scores=rows["baseline_scores"] if "baseline_scores" in rows else None,
                 gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std, eps=a.epsilon)
         critic_metrics = []
         if self.rt.critic is not None:
@@ -270,6 +274,23 @@ class SyncTrainer:
         rows, filled = fill_informative(generate_all, self.cfg.data.train_batch_size, f.max_num_gen_batches,
                                         pad=f.on_exhausted == "pad")
         return rows, {**stats, **filled, "reward/generated_mean": float(torch.cat(every).mean())}
+
+    def _remax_baseline(self, step: int, rows: Batch, timing: dict) -> tuple[torch.Tensor, dict]:
+        from dataclasses import replace
+
+        from megarl.trainer.remax import greedy_baselines
+
+        base = self._sampling(step, train=False)  # seeds (seed, step, 2): neither training's nor validation's
+        greedy = replace(base, n=1, temperature=0.0, seed=base.seed and (self.cfg.trainer.seed, step, 2))
+
+        def generate(prompts: Batch) -> Batch:
+            with _timer(timing, "gen_baseline"), self._watching_ranks():
+                return self.rt.rollout.generate(prompts, greedy, self._served_version())
+
+        def score(out: Batch) -> torch.Tensor:
+            with _timer(timing, "reward"):
+                return self._score(out) + self._overlong_penalty(out)
+        return greedy_baselines(rows, generate, score)
 
     def _rewards(self, rows: Batch) -> tuple[torch.Tensor, dict]:
         """The estimator's rewards: the scores, or with algorithm.use_kl_in_reward token-level
