@@ -20,8 +20,11 @@ Training rank (Megatron, worst pipeline stage):
   input plus one layer's activations at a time; selective recompute (Megatron's core_attn) saves
   nothing measurable with flash attention and is counted as none. A pipeline stage keeps
   min(micro-batches, pp - stage) micro-batches in flight (1F1B), interleaved schedules their
-  warm-up chunks. The last stage also holds one micro-batch's logits: bf16, their fp32 copy and
-  the fp32 log-softmax (10 bytes per token and vocab entry / tp).
+  warm-up chunks. The last stage also holds one micro-batch's logits while the log-prob head
+  runs (engine/megatron/logprob.py): bf16 logits, their fp32 copy, the shifted logits, their exp
+  and the exp x shifted product of the entropy, 18 bytes per token and vocab entry / tp (16 in
+  fp32); measured on an H100 (benchmarks/bench_gpu_plan.py, RESULTS.md), where 10 bytes had
+  under-predicted a 152k-vocabulary model's peak by 30%.
 - a runtime reserve per process (hardware.py): context, communication buffers, fragmentation.
 
 Rollout device: the engine's weights (attention over tp / dp with DP attention, MLP and experts
@@ -42,7 +45,9 @@ from megarl.perf.hardware import Device
 # SGLang picks mem_fraction_static by tp size and GPU memory (0.79-0.88 on 80 GB cards); the
 # planner assumes this when rollout.mem_fraction_static is not set
 SGLANG_DEFAULT_MEM_FRACTION = 0.85
-LOGIT_BYTES = 10  # per token and vocab entry on the last stage (bf16 logits + fp32 copy + log-softmax)
+# per token and vocab entry on the last stage during the log-prob head: bf16 logits 2 + fp32 copy 4
+# + shifted 4 + exp 4 + exp * shifted 4 (fp32 training: the logits are the fp32 copy, 16)
+LOGIT_BYTES = {"bf16": 18, "fp32": 16}
 
 
 @dataclass(frozen=True)
@@ -193,7 +198,7 @@ def train_memory(cfg, hf: dict, device: Device, section: str = "actor") -> Train
         acts = layer_acts * flight + (max(per_layer, default=0.0) if recompute == "full" else 0.0)
         logits = 0.0
         if s == p.pp - 1 and section != "critic":
-            logits = local * _as_dict(hf)["vocab_size"] / p.tp * (LOGIT_BYTES if bf16 else 12)
+            logits = local * _as_dict(hf)["vocab_size"] / p.tp * LOGIT_BYTES["bf16" if bf16 else "fp32"]
         mem = TrainMemory(s, params, grads, optimizer, acts, logits, device.runtime_reserve, flight, tokens)
         if best is None or mem.peak > best.peak:
             best = mem
