@@ -90,6 +90,9 @@ def test_three_steps_have_finite_metrics(three_steps):
         assert 0.0 <= m["reward/mean"] <= 1.0
         assert m["actor/grad_norm"] > 0  # random init: some groups have mixed rewards
     assert "val/reward_mean" in steps[-1]
+    # per data_source (trainer/validation.py): one greedy sample, so mean@1 is the reward mean
+    assert steps[-1]["val/megarl/digits/mean@1"] == steps[-1]["val/reward_mean"]
+    assert 0.0 <= steps[-1]["val/megarl/digits/pass@1"] <= 1.0
 
 
 def test_weight_sync_keeps_server_and_trainer_in_parity(three_steps):

@@ -54,6 +54,8 @@ def _describe(tp: Any) -> str:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) in (Union, types.UnionType):
         return " | ".join(_describe(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list of {_describe(typing.get_args(tp)[0])}"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -104,6 +106,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(key, f"{key} is a section; give a mapping, not {value!r}")
         return from_dict(tp, value, key + ".")
+    if origin is list:  # list[X]: a YAML sequence, each item an X (named key[i] when it is not)
+        if not isinstance(value, list):
+            raise ConfigError(key, f"{key}={value!r} is not a valid {_describe(tp)}")
+        return [coerce(item, typing.get_args(tp)[0], f"{key}[{i}]") for i, item in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -38,8 +38,18 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: str | None = None        # .parquet or .jsonl; None generates `task`
-    val_files: str | None = None          # None generates `task` with a different seed
+    # .parquet or .jsonl, one or a list; None generates `task`. A list without train_weights is one
+    # dataset (the files' rows together); with them, a mix (megarl/data/mix.py)
+    train_files: str | list[str] | None = None
+    # one weight > 0 per train file: each prompt of a batch comes from file i with probability
+    # w_i / sum(w) (seeded by `seed` and the step); every file keeps its own epochs. None: no mix
+    train_weights: list[float] | None = None
+    # one file or a list (validated together, metrics per data_source: trainer/validation.py);
+    # None generates `task` with a different seed
+    val_files: str | list[str] | None = None
+    # "path/to/file.py:Class" or "package.module:Class": reads each file (or makes rows when there
+    # is none) in place of the parquet/jsonl reader; contract in megarl/data/custom.py
+    custom_cls: str | None = None
     # procedural task used when files are None: digits | arith | rg:<reasoning-gym dataset>
     # (rg:basic_arithmetic, rg:chain_sum, rg:countdown, ...; scored by the dataset's own scorer)
     task: str = "digits"
@@ -284,6 +294,10 @@ class TrainerConfig:
     log_every: int = 1
     tensorboard: bool = False
     val_every: int = 0                    # steps between validations; 0 = never
+    # samples per val prompt (k of the val/<data_source>/pass@k and mean@k metrics); > 1 needs
+    # rollout.val_temperature > 0, or the k samples would all be the same greedy answer
+    val_n: int = 1
+    val_pass_threshold: float = 1.0       # a val sample whose reward is >= this counts as solved
     balance_batch: bool = True            # reorder rows so data-parallel ranks get equal tokens
     seed: int = 0
     # checkpoints under RUN_DIR/checkpoints/step_NNNNNN (actor model + optimizer, every rank's RNG,

@@ -28,6 +28,7 @@ from typing import Any
 from megarl.config.loader import ConfigError, check_types
 from megarl.config.schema import RunConfig
 from megarl.config.validate_pipeline import check_stage_options, check_virtual_pipeline, stage_layers
+from megarl.config.validate_data import check_data
 from megarl.config.validate_losses import check_losses, resolve_ref
 from megarl.config.validate_rollout import check_rollout, resolve_rollout
 
@@ -54,7 +55,6 @@ _NON_NEGATIVE = [
 # estimators whose baseline is the other samples of the same prompt
 _GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "opo", "reinforce_plus_plus_baseline")
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_DATA_SUFFIXES = (".parquet", ".jsonl")
 
 
 def get(cfg: Any, key: str) -> Any:
@@ -272,13 +272,7 @@ def check_critic(cfg: RunConfig, model_config: dict | None) -> None:
 
 
 def check_paths(cfg: RunConfig) -> None:
-    for key in ("data.train_files", "data.val_files"):
-        path = get(cfg, key)
-        if path is None:
-            continue
-        _require(path.endswith(_DATA_SUFFIXES), key,
-                 f"{key}={path!r} must end in {' or '.join(_DATA_SUFFIXES)}")
-        _require(Path(path).is_file(), key, f"{key}={path!r} does not exist")
+    check_data(cfg)  # data files (one or a list), the mix, data.custom_cls, validation options
     _require(cfg.model.path is None or cfg.model.num_hidden_layers is None, "model.num_hidden_layers",
              f"model.num_hidden_layers={cfg.model.num_hidden_layers} overrides a preset's depth, but "
              f"model.path={cfg.model.path!r} is set (its config.json decides); remove one of them")

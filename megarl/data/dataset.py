@@ -9,6 +9,10 @@ A canonical row (parquet or jsonl):
 Problems are reported as "<file> row <i>: <what>" so a bad row can be found and fixed. A prompt
 longer than max_prompt_length is one (overlong="error"), or is dropped, counted and reported
 (overlong="filter": RLDataset.num_filtered, and a warning naming the first few rows).
+
+data.train_files / val_files may list several files: without data.train_weights their rows form
+one dataset; with them the train files are mixed by weight (mix.py). data.custom_cls replaces the
+file reader with a user class (custom.py); its rows go through the same checks.
 """
 
 from __future__ import annotations
@@ -141,6 +145,18 @@ class RLDataset:
         return cls(read_rows(path), tokenizer, max_prompt_length, prompt_key, Path(path).name,
                    overlong)
 
+    @classmethod
+    def concat(cls, parts: list[RLDataset]) -> RLDataset:
+        """One dataset of several datasets' rows, in order (several files without weights)."""
+        if len(parts) == 1:
+            return parts[0]
+        out = cls.__new__(cls)
+        out.source = "+".join(p.source for p in parts)
+        out.prompt_key = parts[0].prompt_key
+        out.rows = [row for p in parts for row in p.rows]
+        out.num_filtered = sum(p.num_filtered for p in parts)
+        return out
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -181,16 +197,8 @@ class PromptBatches:
         return self._make_batch([int(r) for r in rows], epoch, step)
 
     def _make_batch(self, indices: list[int], epoch: int, step: int) -> Batch:
-        rows = [self.dataset[i] for i in indices]
-        return Batch(non_tensors={
-            "raw_prompt_ids": [r["raw_prompt_ids"] for r in rows],
-            "raw_prompt": [r[self.dataset.prompt_key] for r in rows],
-            "data_source": [r["data_source"] for r in rows],
-            "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
-            "reward_style": [r["reward_model"]["style"] for r in rows],
-            "extra_info": [r["extra_info"] for r in rows],
-            "uid": [f"e{epoch}-r{i}" for i in indices],
-        }, meta={"epoch": epoch, "step": step})
+        return prompt_batch([self.dataset[i] for i in indices], self.dataset.prompt_key,
+                            [f"e{epoch}-r{i}" for i in indices], {"epoch": epoch, "step": step})
 
     def iterate(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:
         """Batches for steps start_step, start_step+1, ... (forever when num_steps is None)."""
@@ -204,22 +212,63 @@ class PromptBatches:
         return self.iterate(epoch * self.steps_per_epoch, self.steps_per_epoch)
 
 
-def build_datasets(data_cfg, tokenizer, work_dir: str | Path) -> tuple[RLDataset, RLDataset | None]:
+def prompt_batch(rows: list[dict], prompt_key: str, uids: list[str], meta: dict) -> Batch:
+    """The prompt columns of a batch of dataset rows (PromptBatches' contract)."""
+    return Batch(non_tensors={
+        "raw_prompt_ids": [r["raw_prompt_ids"] for r in rows],
+        "raw_prompt": [r[prompt_key] for r in rows],
+        "data_source": [r["data_source"] for r in rows],
+        "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
+        "reward_style": [r["reward_model"]["style"] for r in rows],
+        "extra_info": [r["extra_info"] for r in rows],
+        "uid": uids,
+    }, meta=meta)
+
+
+def as_paths(files: str | list[str] | None) -> list[str]:
+    """data.train_files / val_files as a list (a single string is one file)."""
+    return [] if files is None else [files] if isinstance(files, str) else list(files)
+
+
+def build_datasets(data_cfg, tokenizer, work_dir: str | Path):
     """Train and val datasets from a DataConfig; procedural tasks are written under work_dir.
 
-    val is generated (seed + 1) when val_files is null and num_val > 0, else None.
+    train: an RLDataset (one file, several files' rows together, or `task` generated), or with
+    data.train_weights a MixedDataset (mix.py) of one RLDataset per file. val: one RLDataset of
+    every val file's rows, generated (seed + 1) when val_files is null and num_val > 0, else None.
+    With data.custom_cls its class makes each file's rows, and the rows of a split without files.
     """
+    from megarl.data.mix import MixedDataset, source_names
+
+    custom = None
+    if data_cfg.custom_cls is not None:
+        from megarl.data.custom import custom_dataset, load_class
+
+        custom = load_class(data_cfg.custom_cls)
+    args = (tokenizer, data_cfg.max_prompt_length, data_cfg.prompt_key, data_cfg.overlong_prompts)
+
+    def read(path: str | Path | None, split: str) -> RLDataset:
+        if custom is not None:
+            return custom_dataset(custom, data_cfg.custom_cls, None if path is None else str(path),
+                                  tokenizer, data_cfg, split)
+        return RLDataset.from_file(path, *args)
+
     work = Path(work_dir)
     stem = data_cfg.task.replace(":", "_")  # rg:countdown -> rg_countdown_train.parquet
-    train_path = data_cfg.train_files
-    if train_path is None:
-        train_path = write_task(data_cfg.task, data_cfg.num_train, data_cfg.seed,
-                                work / f"{stem}_train.parquet")
-    val_path = data_cfg.val_files
-    if val_path is None and data_cfg.num_val > 0:
-        val_path = write_task(data_cfg.task, data_cfg.num_val, data_cfg.seed + 1,
-                              work / f"{stem}_val.parquet")
-    args = (tokenizer, data_cfg.max_prompt_length, data_cfg.prompt_key, data_cfg.overlong_prompts)
-    train = RLDataset.from_file(train_path, *args)
-    val = RLDataset.from_file(val_path, *args) if val_path is not None else None
+    train_paths = as_paths(data_cfg.train_files)
+    if not train_paths and custom is None:
+        train_paths = [write_task(data_cfg.task, data_cfg.num_train, data_cfg.seed,
+                                  work / f"{stem}_train.parquet")]
+    parts = [read(p, "train") for p in train_paths] or [read(None, "train")]
+    if data_cfg.train_weights is not None:
+        train = MixedDataset(parts, data_cfg.train_weights, source_names(train_paths))
+    else:
+        train = RLDataset.concat(parts)
+    val_paths = as_paths(data_cfg.val_files)
+    if not val_paths and data_cfg.num_val > 0:
+        if custom is not None:
+            return train, read(None, "val")
+        val_paths = [write_task(data_cfg.task, data_cfg.num_val, data_cfg.seed + 1,
+                                work / f"{stem}_val.parquet")]
+    val = RLDataset.concat([read(p, "val") for p in val_paths]) if val_paths else None
     return train, val

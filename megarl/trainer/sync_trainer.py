@@ -77,17 +77,17 @@ class SyncTrainer:
 
     # ---------------------------------------------------------------- steps
     def fit(self) -> None:
-        from megarl.data.dataset import PromptBatches
+        from megarl.data.mix import make_prompt_batches
 
         d, t = self.cfg.data, self.cfg.trainer
-        batches = PromptBatches(self.rt.train_data, d.train_batch_size, d.shuffle, d.seed)
+        batches = make_prompt_batches(self.rt.train_data, d)  # one dataset, or a weighted mix
         self.mfu = StepMfu.for_run(self.rt.model_path, self.rt.actor, self.cfg)
         if self.resume_from is not None:
             self.restore(*self.resume_from)
         self._batches = batches
         for step in range(self.start_step + 1, t.total_steps + 1):
             prompts = self._next_prompts()
-            metrics = {**self.train_step(step, prompts), **self._carried}
+            metrics = {**self.train_step(step, prompts), **self._carried, **prompts.meta.get("metrics", {})}
             self._carried = {}
             if self.rt.val_data is not None and t.val_every and (
                     step % t.val_every == 0 or step == t.total_steps):
@@ -146,9 +146,11 @@ class SyncTrainer:
                          f"({info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB)")
 
     def _data_identity(self) -> dict:
+        from megarl.data.mix import data_mix_identity
+
         d = self.cfg.data
         return {"prompts": len(self.rt.train_data), "train_batch_size": d.train_batch_size,
-                "shuffle": d.shuffle, "seed": d.seed}
+                "shuffle": d.shuffle, "seed": d.seed, **data_mix_identity(self.rt.train_data)}
 
     def train_step(self, step: int, prompts: Batch) -> dict:
         cfg, timing = self.cfg, {}
@@ -230,13 +232,14 @@ class SyncTrainer:
         self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version), urls)
 
     def validate(self, step: int) -> dict:
-        from megarl.data.dataset import PromptBatches
+        """trainer.val_n samples of every val prompt; val/* metrics per data_source (validation.py)."""
+        from megarl.trainer.validation import run_validation
 
-        val = PromptBatches(self.rt.val_data, len(self.rt.val_data), shuffle=False)
-        with self._watching_ranks():
-            rows = self.rt.rollout.generate(val.batch_at(0), self._sampling(step, train=False),
-                                            self._served_version())
-        return {"val/reward_mean": float(self._score(rows).mean())}
+        def generate(prompts: Batch) -> Batch:
+            with self._watching_ranks():
+                return self.rt.rollout.generate(prompts, self._sampling(step, train=False), self._served_version())
+        t = self.cfg.trainer
+        return run_validation(self.rt.val_data, generate, self._score, t.val_n, t.val_pass_threshold)
 
     # ---------------------------------------------------------------- pieces
     def _next_prompts(self) -> Batch:
@@ -337,7 +340,7 @@ class SyncTrainer:
         """round_: a step's k-th generation round (dynamic sampling); its own seeds."""
         r, t = self.cfg.rollout, self.cfg.trainer
         seed = (t.seed, step, 0 if train else 1) + ((round_,) if round_ else ())
-        return SamplingSpec(n=r.n if train else 1,
+        return SamplingSpec(n=r.n if train else t.val_n,
                             temperature=r.temperature if train else r.val_temperature,
                             top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                             seed=seed if t.deterministic else None)
