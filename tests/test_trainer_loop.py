@@ -205,7 +205,8 @@ def test_a_parity_error_names_the_row_its_served_version_and_every_engines_versi
     import torch
 
     from megarl.data.batch import Batch
-    from megarl.trainer.sync_trainer import ParityError, SyncTrainer
+    from megarl.trainer.parity import ParityError
+    from megarl.trainer.sync_trainer import SyncTrainer
 
     class Client:
         def __init__(self, url):
@@ -251,7 +252,8 @@ def test_parity_tolerates_an_isolated_row_but_not_a_stale_sync():
     import torch
 
     from megarl.data.batch import Batch
-    from megarl.trainer.sync_trainer import ParityError, SyncTrainer
+    from megarl.trainer.parity import ParityError
+    from megarl.trainer.sync_trainer import SyncTrainer
 
     cfg = validate(load_config(ROOT / "configs/quickstart.yaml", []))
     trainer = SyncTrainer.__new__(SyncTrainer)

@@ -42,13 +42,10 @@ from megarl.rollout.manager import SamplingSpec
 from megarl.trainer import checkpoints
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
+from megarl.trainer.parity import check_parity, engine_versions
 from megarl.reward.overlong import overlong_penalty
 from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.rank_watch import RankWatch
-
-
-class ParityError(RuntimeError):
-    """The rollout server and the trainer disagree on the log-probs of the same tokens."""
 
 
 class SyncTrainer:
@@ -364,46 +361,8 @@ class SyncTrainer:
         return view
 
     def _check_parity(self, rows: Batch, step: int) -> dict:
-        """The server sampled with the weights the trainer just scored with: their log-probs
-        of the same tokens must agree, or the weight sync is broken."""
-        mask = rows["response_mask"].bool()
-        per_token = (rows["old_log_probs"] - rows["rollout_log_probs"]).abs() * mask
-        diff = per_token[mask]
-        worst = float(diff.max()) if diff.numel() else 0.0
-        b = self.cfg.bridge
-        rows_off = int((per_token > b.parity_atol).any(1).sum())
-        allowed = int(b.parity_rows_off * len(rows))  # isolated rows: an MoE router's near-tie
-        if b.check_parity and rows_off > allowed:
-            raise ParityError(
-                f"step {step}: rollout server and trainer log-probs differ by up to {worst:.2e} "
-                f"(bridge.parity_atol={b.parity_atol}) in {rows_off} rows, more than the {allowed} "
-                f"bridge.parity_rows_off={b.parity_rows_off} allows, for weight version "
-                f"{self.weight_version}; the weight sync did not reproduce the trainer's weights. "
-                + self._parity_detail(rows, per_token))
-        return {"rollout/logprob_diff_max": worst, "rollout/logprob_rows_off": float(rows_off),
-                "rollout/logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0}
-
-    def _parity_detail(self, rows: Batch, per_token: torch.Tensor) -> str:
-        """Where the disagreement is: the worst row, the version it was served with, how many
-        tokens and rows are off, and the version each engine reports now. Every row off and
-        engines on another version: stale weights. One row, a few tokens, the right version: the
-        two sides' numerics took different branches (an MoE router's near-tied experts)."""
-        atol = self.cfg.bridge.parity_atol
-        row, token = divmod(int(per_token.argmax()), per_token.shape[1])
-        served = rows["rollout_weight_version"][row] if "rollout_weight_version" in rows.non_tensors else None
-        off = per_token > atol
-        engines = []
-        for url in self.rt.fleet.engine_urls:
-            try:
-                with self.rt.fleet.client(url, max_retries=0, timeout_s=10.0) as client:
-                    engines.append(f"{url}: {client.get_weight_version()!r}")
-            except Exception as exc:  # noqa: BLE001  (a diagnostic: say what happened, go on)
-                engines.append(f"{url}: unreachable ({type(exc).__name__})")
-        return (f"Worst: row {row} ({rows['prompt_lengths'][row].item()}-token prompt, response token {token}: "
-                f"trainer {rows['old_log_probs'][row, token].item():.6f}, server "
-                f"{rows['rollout_log_probs'][row, token].item():.6f}), served with weight_version {served!r}; "
-                f"{int(off.sum())} tokens in {int(off.any(1).sum())} of {len(rows)} rows exceed the "
-                f"tolerance; engines report weight versions {', '.join(engines) or 'none'}")
+        """The server sampled with the weights the trainer just scored with (parity.py)."""
+        return check_parity(rows, step, self.cfg.bridge, self.weight_version, lambda: engine_versions(self.rt.fleet))
 
     def _rollout_metrics(self, rows: Batch) -> dict:
         mask = rows["response_mask"]
