@@ -233,7 +233,9 @@ class SyncTrainer:
         with self._watching_ranks():
             rows = self.rt.rollout.generate(val.batch_at(0), self._sampling(step, train=False),
                                             self._served_version())
-        return {"val/reward_mean": float(self._score(rows).mean())}
+        scores = self._score(rows)  # validation's model-reward counters: val/reward/..., val/perf/...
+        return {"val/reward_mean": float(scores.mean()),
+                **{f"val/{k}": v for k, v in self.scorer.take_metrics().items()}}
 
     # ---------------------------------------------------------------- pieces
     def _next_prompts(self) -> Batch:
