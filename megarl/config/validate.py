@@ -30,6 +30,7 @@ from megarl.config.schema import RunConfig
 from megarl.config.validate_pipeline import check_stage_options, check_virtual_pipeline, stage_layers
 from megarl.config.validate_data import check_data
 from megarl.config.validate_losses import check_losses, resolve_ref
+from megarl.config.validate_reward import check_reward_model, resolve_reward
 from megarl.config.validate_rollout import check_rollout, resolve_rollout
 
 
@@ -361,6 +362,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
             p.sequence_parallel = p.tp > 1
     resolve_ref(out)
     resolve_rollout(out)
+    resolve_reward(out)
     return out
 
 
@@ -382,6 +384,7 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_rollout(cfg, model_config)
     check_algorithm(cfg)
     check_dapo(cfg)
+    check_reward_model(cfg)
     check_losses(cfg)
     check_resume(cfg)
     return resolve(cfg)

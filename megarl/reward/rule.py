@@ -153,17 +153,22 @@ def make_reward_function(custom_function: str | None = None, *,
 
 
 def score_rows(reward_fn: RewardFunction, data_sources: Sequence[str], solutions: Sequence[str],
-               ground_truths: Sequence[str], extra_infos: Sequence[dict | None]) -> list[float]:
+               ground_truths: Sequence[str], extra_infos: Sequence[dict | None],
+               row_ids: Sequence[int] | None = None) -> list[float]:
     """reward_fn applied row by row (the columns must be equally long).
 
     A reward that raises or returns something other than a number is re-raised as a RewardError
-    naming the row (its index in these columns), its data_source and its ground truth.
+    naming the row (its index in these columns, or its entry of `row_ids`: the rows' numbers in
+    the step's batch when these columns are a part of it), its data_source and its ground truth.
     """
     lengths = {len(data_sources), len(solutions), len(ground_truths), len(extra_infos)}
+    if row_ids is not None:
+        lengths.add(len(row_ids))
     if len(lengths) != 1:
         raise RewardError(f"score_rows got columns of different lengths {sorted(lengths)}")
     scores = []
-    for row, (d, s, g, e) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
+    for k, (d, s, g, e) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
+        row = k if row_ids is None else row_ids[k]
         try:
             scores.append(_checked(reward_fn(d, s, g, e), "the reward function", unit_interval=False))
         except Exception as exc:

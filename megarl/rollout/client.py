@@ -229,6 +229,23 @@ class RolloutClient:
                 "SGLang's batched /generate (a list of input_ids), use RolloutClient(batched=False)")
         return [GenerateOutput.from_response(item) for item in items]
 
+    def generate_text(self, texts: list[str], sampling_params: dict | None = None) -> list[GenerateOutput]:
+        """One /generate with SGLang's `text` input (the server tokenizes), for callers without the
+        server's tokenizer (a judge model, megarl.reward.genrm): len(texts) * n outputs, in order."""
+        return self._run(self._generate_text(list(texts), dict(sampling_params or {})))
+
+    async def _generate_text(self, texts: list[str], params: dict) -> list[GenerateOutput]:
+        if not texts:
+            return []
+        what = f"{len(texts)} text prompt(s) (sampling_params={params})"
+        body = await self._json("POST", "/generate", {"text": texts, "sampling_params": params}, what)
+        items = body if isinstance(body, list) else [body]
+        expected = len(texts) * _samples_per_prompt(params)
+        if len(items) != expected:
+            raise RolloutRequestError(f"{self.base_url}/generate answered {len(items)} outputs for {what}; "
+                                      f"expected {expected}")
+        return [GenerateOutput.from_response(item) for item in items]
+
     # ---- weights and memory -------------------------------------------------------------------
     def update_weights_from_tensor(self, serialized_named_tensors: list[str] | str, *, load_format: str | None = None,
                                    flush_cache: bool = True, weight_version: str | None = None,

@@ -76,9 +76,14 @@ class RolloutManager:
             client.close()
         self._clients.clear()
 
-    def generate(self, prompts: Batch, sampling: SamplingSpec, weight_version: str | None = None) -> Batch:
+    def generate(self, prompts: Batch, sampling: SamplingSpec, weight_version: str | None = None,
+                 on_rows=None) -> Batch:
         """rows = len(prompts) * n, prompt-major (the n samples of a prompt are adjacent).
         `weight_version`: the version every answer must report (None: not checked).
+        `on_rows(prompt_indices, outputs)`: called (on the request loop: keep it quick) as each
+        request's answer is accepted, with its prompts' indices and their n GenerateOutputs each;
+        every prompt is handed over exactly once, a re-sent one when its re-send succeeds. Rows
+        of prompt i are i * n .. i * n + n - 1 of the result (megarl.reward.model's overlap).
 
         Requires the non-tensor column `raw_prompt_ids`; every other non-tensor column of
         `prompts` is repeated onto its rows.
@@ -88,7 +93,8 @@ class RolloutManager:
         retries_before, restarts_before = self._client_retries(), self._restarts()
         pending, resent = list(range(len(prompt_ids))), 0
         for round_index in range(self.max_rounds):
-            failures = asyncio.run(self._round(pending, prompt_ids, sampling, outputs, weight_version))
+            failures = asyncio.run(self._round(pending, prompt_ids, sampling, outputs, weight_version,
+                                                  on_rows))
             if not failures:
                 break
             dead = self.fleet.recover() if self.fleet is not None else []
@@ -110,25 +116,31 @@ class RolloutManager:
 
     # ---- one round over the current targets ------------------------------------------------------
     async def _round(self, pending: list[int], prompt_ids, sampling: SamplingSpec, outputs,
-                     weight_version: str | None = None) -> dict[int, Exception]:
-        """Send every pending prompt once; fill `outputs`; return the failures by prompt index."""
+                     weight_version: str | None = None, on_rows=None) -> dict[int, Exception]:
+        """Send every pending prompt once; fill `outputs` as each request finishes (and hand its
+        prompts to `on_rows`); return the failures by prompt index."""
         work = self._requests(pending, prompt_ids, sampling)
-        results = await asyncio.gather(*[
-            client.agenerate(ids, params, return_logprob=True) for client, _, ids, params in work],
-            return_exceptions=True)
-        failures: dict[int, Exception] = {}
-        for (_, idx, _, _), result in zip(work, results):
-            if isinstance(result, BaseException):
-                if not isinstance(result, Exception):
-                    raise result
-                failures.update(dict.fromkeys(idx, result))
-                continue
+        errors: dict[int, Exception] = {}  # by request
+
+        async def send(k: int, client: RolloutClient, idx: list[int], ids, params) -> None:
+            try:
+                result = await client.agenerate(ids, params, return_logprob=True)
+            except Exception as exc:  # noqa: BLE001  (the prompts are re-sent or the failure raised)
+                errors[k] = exc
+                return
             stale = _stale(result, idx, weight_version, sampling.n)
             if stale is not None:
-                failures.update(dict.fromkeys(idx, stale))
-                continue
-            for k, i in enumerate(idx):
-                outputs[i] = result[k * sampling.n:(k + 1) * sampling.n]
+                errors[k] = stale
+                return
+            for j, i in enumerate(idx):
+                outputs[i] = result[j * sampling.n:(j + 1) * sampling.n]
+            if on_rows is not None:
+                on_rows(idx, [outputs[i] for i in idx])
+
+        await asyncio.gather(*[send(k, *request) for k, request in enumerate(work)])
+        failures: dict[int, Exception] = {}
+        for k in sorted(errors):  # in request order, whatever order they failed in
+            failures.update(dict.fromkeys(work[k][1], errors[k]))
         return failures
 
     def _requests(self, pending: list[int], prompt_ids, sampling: SamplingSpec) -> list[tuple]:

@@ -31,6 +31,7 @@ class Runtime:
     fleet: object  # RolloutFleet: the engines (and router) the rollout talks to
     placement: object  # PlacementPlan
     critic: object | None = None  # RayWorkerGroup of MegatronCritic (critic.enabled)
+    reward_model_url: str | None = None  # the embedded judge server (reward.model genrm without url)
 
     @property
     def server_urls(self) -> list[str]:
@@ -195,10 +196,13 @@ def start_runtime(cfg: RunConfig):
                 name_prefix="critic", **device_share(CRITIC_DEVICE_SHARE),
             )
             stack.callback(critic.shutdown)
+        from megarl.reward.model import reward_model_server
+
+        reward_model_url = stack.enter_context(reward_model_server(cfg.reward.model, run_dir))
         fleet.wait_started()
         rollout = RolloutManager(fleet=fleet, timeout_s=cfg.rollout.request_timeout_s,
                                  max_retries=cfg.rollout.max_retries, api_key=fleet.api_key)
         stack.callback(rollout.close)
         yield Runtime(cfg=cfg, run_dir=run_dir, model_path=model_path, tokenizer=tokenizer,
                       train_data=train_data, val_data=val_data, actor=actor, rollout=rollout,
-                      fleet=fleet, placement=plan, critic=critic)
+                      fleet=fleet, placement=plan, critic=critic, reward_model_url=reward_model_url)

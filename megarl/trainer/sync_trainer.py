@@ -37,7 +37,8 @@ from megarl.algo.losses import masked_mean
 from megarl.bridge.spec import BridgeSpec
 from megarl.data.balance import balance_across_ranks
 from megarl.data.batch import Batch
-from megarl.reward import make_reward_function, score_rows, take_counts
+from megarl.reward import take_counts
+from megarl.reward.model import RowScorer
 from megarl.rollout.manager import SamplingSpec
 from megarl.trainer import checkpoints
 from megarl.trainer.metrics import MetricsLogger
@@ -54,9 +55,9 @@ class SyncTrainer:
         self.rt = runtime
         self.cfg = runtime.cfg
         self.logger = logger
-        r = self.cfg.reward
-        self.reward_fn = make_reward_function(r.custom_function, math_timeout_s=r.math_timeout_s,
-                                              math_workers=r.math_workers)
+        # rule / custom reward, reward.model, overlap with generation (megarl/reward/model.py)
+        self.scorer = RowScorer(self.cfg.reward, getattr(runtime, "reward_model_url", None))
+        self.reward_fn = self.scorer.reward_fn
         self.dp_size = runtime.actor.mesh[0].dp_size
         self.weight_version = 0
         self.release = bool(self.cfg.rollout.release_memory)
@@ -207,7 +208,7 @@ class SyncTrainer:
         # engines restarted anywhere in the step: in generation, memory release/resume or the sync
         rollout_stats["rollout/engine_restarts"] = float(self.rt.fleet.restarts - restarts_before)
         return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing,
-                **kl_metrics, **_average(critic_metrics or []), **take_counts(),
+                **kl_metrics, **_average(critic_metrics or []), **take_counts(), **self.scorer.take_metrics(),
                 **{k: float(v) for k, v in bridge_stats.items() if k.startswith("bridge/")}}
 
     def sync_weights(self) -> dict:
@@ -236,7 +237,9 @@ class SyncTrainer:
             with self._watching_ranks():
                 return self.rt.rollout.generate(prompts, self._sampling(step, train=False), self._served_version())
         t = self.cfg.trainer
-        return run_validation(self.rt.val_data, generate, self._score, t.val_n, t.val_pass_threshold)
+        metrics = run_validation(self.rt.val_data, generate, self._score, t.val_n, t.val_pass_threshold)
+        # validation's model-reward counters: val/reward/..., val/perf/...
+        return {**metrics, **{f"val/{k}": v for k, v in self.scorer.take_metrics().items()}}
 
     # ---------------------------------------------------------------- pieces
     def _next_prompts(self) -> Batch:
@@ -252,13 +255,15 @@ class SyncTrainer:
         stats: dict[str, float] = {}
 
         def generate(k: int) -> Batch:
+            batch = prompts if k == 0 else self._next_prompts()
+            overlap = self.scorer.start_overlap(batch, self.cfg.rollout.n)  # None: reward.overlap off
             with _timer(timing, "gen"), self._watching_ranks():
-                rows = self.rt.rollout.generate(prompts if k == 0 else self._next_prompts(),
-                                                self._sampling(step, train=True, round_=k), self._served_version())
+                rows = self.rt.rollout.generate(batch, self._sampling(step, train=True, round_=k),
+                                                self._served_version(), **(overlap.kwargs if overlap else {}))
             for key, value in self.rt.rollout.last_stats.items():
                 stats[key] = stats.get(key, 0.0) + float(value)
             with _timer(timing, "reward"):
-                rows["raw_scores"] = self._score(rows)
+                rows["raw_scores"] = overlap.collect(rows) if overlap else self._score(rows)
                 rows["scores"] = rows["raw_scores"] + self._overlong_penalty(rows)
             return rows
 
@@ -343,9 +348,7 @@ class SyncTrainer:
                             seed=seed if t.deterministic else None)
 
     def _score(self, rows: Batch) -> torch.Tensor:
-        scores = score_rows(self.reward_fn, rows["data_source"], rows["response_text"],
-                            rows["ground_truth"], rows["extra_info"])
-        return torch.as_tensor(np.asarray(scores, dtype=np.float32))
+        return self.scorer.score_batch(rows)
 
     @staticmethod
     def _token_lengths(rows: Batch) -> list[int]:

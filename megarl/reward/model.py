@@ -1,0 +1,271 @@
+"""The run's scorer: the rule (or custom) reward and a model reward, and scoring that overlaps generation.
+
+reward.model.kind picks the model reward: none (the rule verifiers by data_source, or
+reward.custom_function, as before), remote (remote.py: an HTTP endpoint, e.g. `python -m
+megarl.reward.serve`) or genrm (genrm.py: a judge LLM behind SGLang's /generate; with
+reward.model.url null an embedded judge server is started on reward.model.path by
+`reward_model_server`). reward.model.combine: `replace` scores with the model alone (the
+data_source registry is not consulted); `add` adds the model's score to the rule's.
+
+A row the model could not score (a Failure: the endpoint's null, an unparsable judge answer, a
+request that failed after its retries) raises a RewardError naming the row, its data_source and
+the reason (on_failure=raise, the default), or with on_failure=fallback scores fallback_score
+and is counted: reward/model_failures (reward/model_unparsable of them: the judge answered
+without a readable score), logged every step, the first one of a run also as a warning.
+
+Overlap (reward.overlap; auto: on with a model reward): RolloutManager.generate calls
+`OverlapScoring.on_rows` as each /generate request finishes, and its rows are scored in worker
+threads while the other requests still generate; `collect` waits for the rest after generation.
+The granularity is one request: one per prompt behind a router, one per engine's share of the
+batch otherwise (a single engine: one request, so nothing to overlap). perf/reward_scoring_s is
+the wall time during which any scoring ran, perf/reward_hidden_s the part of it before
+generation finished (hidden behind it), perf/reward_s (the trainer's) what was left to wait for.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megarl.reward.remote import Failure
+from megarl.reward.rule import RewardError, _short, make_reward_function, score_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RowColumns:
+    rows: list[int]            # the rows' numbers in the step's batch (named in errors)
+    data_sources: list[str]
+    prompts: list              # chat messages (a list of {role, content}) or text
+    responses: list[str]
+    ground_truths: list[str]
+    extra_infos: list[dict]
+
+
+def prompt_text(prompt) -> str:
+    """A prompt as text: the content of a single message, else "role: content" lines."""
+    if isinstance(prompt, str):
+        return prompt
+    messages = [dict(m) for m in prompt]
+    if len(messages) == 1:
+        return str(messages[0].get("content", ""))
+    return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages)
+
+
+def make_reward_model(m, judge_url: str | None = None):
+    """The model reward of reward.model `m` (RewardModelConfig), or None for kind=none."""
+    common = dict(batch_size=m.batch_size, concurrency=m.concurrency, timeout_s=m.timeout_s,
+                  max_retries=m.max_retries)
+    if m.kind == "none":
+        return None
+    if m.kind == "remote":
+        from megarl.reward.remote import RemoteReward
+
+        return RemoteReward(m.url, **common)
+    from megarl.reward.genrm import GenerativeReward
+
+    url = m.url or judge_url
+    if url is None:
+        raise RewardError("reward.model.kind=genrm needs a judge: set reward.model.url (an SGLang-API "
+                          "server) or reward.model.path (an embedded judge is started on it)")
+    return GenerativeReward(url, template=m.prompt_template, score_pattern=m.score_pattern,
+                            score_min=m.score_min, score_max=m.score_max, max_new_tokens=m.max_new_tokens,
+                            tokenizer_path=m.path, **common)
+
+
+@contextlib.contextmanager
+def reward_model_server(m, run_dir):
+    """The embedded judge server's URL for genrm without reward.model.url (started on
+    reward.model.path, stopped on exit); None otherwise."""
+    if m.kind != "genrm" or m.url is not None:
+        yield None
+        return
+    from megarl.rollout.launcher import RolloutServerProcess
+
+    with RolloutServerProcess(m.path, max_batch_size=max(m.batch_size, 1), torch_threads=1,
+                              log_path=run_dir / "judge_server.log") as server:
+        yield server.url
+
+
+class RowScorer:
+    """Scores rows (RowColumns or a rollout Batch); thread-safe for the overlap's workers."""
+
+    def __init__(self, reward_cfg, judge_url: str | None = None):
+        r, m = reward_cfg, reward_cfg.model
+        self.reward_fn = make_reward_function(r.custom_function, math_timeout_s=r.math_timeout_s,
+                                              math_workers=r.math_workers)
+        self.model = make_reward_model(m, judge_url)
+        self.use_rule = self.model is None or m.combine == "add"
+        self.on_failure, self.fallback_score = m.on_failure, m.fallback_score
+        self.overlap = r.overlap if r.overlap is not None else self.model is not None
+        self._pool = (concurrent.futures.ThreadPoolExecutor(m.concurrency, thread_name_prefix="reward")
+                      if self.overlap else None)
+        self._lock = threading.Lock()
+        self._warned = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._failures = self._unparsable = self._model_n = 0
+        self._model_sum = 0.0
+        self._intervals: list[tuple[float, float]] = []  # (start, end) of every scoring call
+        self._generation_end: float | None = None
+
+    # ---- scoring --------------------------------------------------------------------------------
+    def score_batch(self, rows) -> torch.Tensor:
+        """Every row of a rollout Batch, after generation (no overlap)."""
+        cols = RowColumns(list(range(len(rows))), list(rows["data_source"]), list(rows["raw_prompt"])
+                          if "raw_prompt" in rows.non_tensors else [""] * len(rows),
+                          list(rows["response_text"]), list(rows["ground_truth"]), list(rows["extra_info"]))
+        return torch.as_tensor(self.score_columns(cols))
+
+    def score_columns(self, cols: RowColumns) -> np.ndarray:
+        start = time.perf_counter()
+        try:
+            return self._score(cols)
+        finally:
+            with self._lock:
+                self._intervals.append((start, time.perf_counter()))
+
+    def _score(self, cols: RowColumns) -> np.ndarray:
+        n = len(cols.rows)
+        rule = np.zeros(n, dtype=np.float32)
+        if self.use_rule:
+            rule[:] = score_rows(self.reward_fn, cols.data_sources, cols.responses, cols.ground_truths,
+                                 cols.extra_infos, row_ids=cols.rows)
+        if self.model is None:
+            return rule
+        payload = [{"data_source": d, "prompt": prompt_text(p),
+                    "messages": [dict(m) for m in p] if not isinstance(p, str) else [{"role": "user", "content": p}],
+                    "response": s, "ground_truth": g, "extra_info": e or {}}
+                   for d, p, s, g, e in zip(cols.data_sources, cols.prompts, cols.responses,
+                                            cols.ground_truths, cols.extra_infos)]
+        values = self.model.score(payload)
+        if len(values) != n:
+            raise RewardError(f"reward model ({self.model.kind}) returned {len(values)} scores for {n} rows")
+        model = np.zeros(n, dtype=np.float32)
+        failures = unparsable = 0
+        for k, value in enumerate(values):
+            if isinstance(value, Failure):
+                where = (f"row {cols.rows[k]} (data_source {cols.data_sources[k]!r}, ground_truth "
+                         f"{_short(cols.ground_truths[k])})")
+                if self.on_failure == "raise":
+                    raise RewardError(f"{where}: the reward model ({self.model.kind}) failed: {value.reason}. "
+                                      "Set reward.model.on_failure=fallback to score such rows "
+                                      "reward.model.fallback_score and count them instead")
+                self._warn_once(f"{where}: the reward model ({self.model.kind}) failed: {value.reason}")
+                failures, unparsable = failures + 1, unparsable + value.unparsable
+                model[k] = self.fallback_score
+            else:
+                model[k] = value
+        with self._lock:
+            self._failures += failures
+            self._unparsable += unparsable
+            ok = np.array([not isinstance(v, Failure) for v in values])
+            self._model_n += int(ok.sum())
+            self._model_sum += float(model[ok].sum())
+        return rule + model if self.use_rule else model
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("%s; scored reward.model.fallback_score and counted in reward/model_failures "
+                        "(logged once per run)", message)
+
+    # ---- overlap --------------------------------------------------------------------------------
+    def start_overlap(self, prompts, n: int) -> "OverlapScoring | None":
+        """An OverlapScoring for one generate call of `prompts` (n samples each); None when off."""
+        return OverlapScoring(self, prompts, n) if self.overlap else None
+
+    # ---- metrics --------------------------------------------------------------------------------
+    def take_metrics(self) -> dict[str, float]:
+        """This step's model-reward and overlap metrics ({} with neither), reset."""
+        if self.model is None and not self.overlap:
+            return {}
+        with self._lock:
+            out: dict[str, float] = {}
+            if self.model is not None:
+                out.update({"reward/model_failures": float(self._failures),
+                            "reward/model_unparsable": float(self._unparsable),
+                            **self.model.take_stats()})
+                if self._model_n:
+                    out["reward/model_mean"] = self._model_sum / self._model_n
+            out["perf/reward_scoring_s"] = _union(self._intervals)
+            if self._generation_end is not None:
+                end = self._generation_end
+                out["perf/reward_hidden_s"] = _union([(a, min(b, end)) for a, b in self._intervals if a < end])
+            self._reset()
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.model is not None:
+            self.model.close()
+
+
+class OverlapScoring:
+    """One generate call's rows, scored as their requests finish (see the module doc)."""
+
+    def __init__(self, scorer: RowScorer, prompts, n: int):
+        self.scorer, self.n = scorer, n
+        self.columns = {k: list(prompts[k]) for k in ("data_source", "ground_truth", "extra_info")}
+        self.columns["raw_prompt"] = (list(prompts["raw_prompt"]) if "raw_prompt" in prompts.non_tensors
+                                      else [""] * len(prompts))
+        self.delivered = [False] * len(prompts)
+        self.jobs: list[tuple[list[int], list[str], concurrent.futures.Future]] = []
+
+    def on_rows(self, prompt_indices: list[int], outputs: list[list]) -> None:
+        """RolloutManager's callback: the n outputs of each of `prompt_indices` are final."""
+        c, n = self.columns, self.n
+        for i in prompt_indices:
+            if self.delivered[i]:
+                raise RuntimeError(f"prompt {i}'s rows were delivered twice to the overlap scorer")
+            self.delivered[i] = True
+        pick = lambda name: [c[name][i] for i in prompt_indices for _ in range(n)]  # noqa: E731
+        responses = [out.text for outs in outputs for out in outs]
+        cols = RowColumns([i * n + j for i in prompt_indices for j in range(n)], pick("data_source"),
+                          pick("raw_prompt"), responses, pick("ground_truth"), pick("extra_info"))
+        self.jobs.append((cols.rows, responses, self.scorer._pool.submit(self.scorer.score_columns, cols)))
+
+    @property
+    def kwargs(self) -> dict:
+        return {"on_rows": self.on_rows}
+
+    def collect(self, rows) -> torch.Tensor:
+        """Every row's score (waiting for the jobs still running); checks each was scored once, on
+        the response the batch holds."""
+        with self.scorer._lock:
+            self.scorer._generation_end = time.perf_counter()
+        missing = [i for i, done in enumerate(self.delivered) if not done]
+        if missing:
+            raise RuntimeError(f"prompts {missing[:8]} were never delivered to the overlap scorer")
+        scores = np.full(len(rows), np.nan, dtype=np.float32)
+        texts = rows["response_text"]
+        for idx, responses, future in self.jobs:
+            values = future.result()  # a RewardError naming the row is raised here
+            if [texts[i] for i in idx] != responses:
+                raise RuntimeError(f"rows {idx[:4]}...: the overlap scorer scored other responses than "
+                                   "the batch holds")
+            scores[idx] = values
+        if np.isnan(scores).any():
+            raise RuntimeError(f"rows {np.flatnonzero(np.isnan(scores))[:8].tolist()} were not scored")
+        return torch.as_tensor(scores)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
