@@ -31,6 +31,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.rollout.client import GenerateOutput, RolloutClient, RolloutRequestError
+from megarl.rollout.routing import batch_column
 
 
 @dataclass
@@ -43,6 +44,9 @@ class SamplingSpec:
     # deterministic sampling: row r of a call (prompt-major, r = prompt * n + sample) is sent alone
     # with sampling_seed = row_seed(seed, r); None: the engines' own generators decide
     seed: tuple[int, ...] | None = None
+    # MoE routing replay (actor.moe.routing_replay): ask for SGLang's routed_experts; the rows get
+    # the Batch column `routed_experts` (megarl/rollout/routing.py)
+    return_routed_experts: bool = False
 
     def to_sglang(self) -> dict:
         params = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p,
@@ -104,7 +108,7 @@ class RolloutManager:
                            "rollout/engine_restarts": float(self._restarts() - restarts_before)}
         rows = [(prompt_ids[i], out) for i, outs in enumerate(outputs) for out in outs]
         _check_finished(rows)
-        batch = rows_to_batch(rows)
+        batch = rows_to_batch(rows, routed_experts=sampling.return_routed_experts)
         repeated = prompts.select(*[k for k in prompts.non_tensors]).repeat_interleave(sampling.n)
         return repeated.union(batch)
 
@@ -114,7 +118,8 @@ class RolloutManager:
         """Send every pending prompt once; fill `outputs`; return the failures by prompt index."""
         work = self._requests(pending, prompt_ids, sampling)
         results = await asyncio.gather(*[
-            client.agenerate(ids, params, return_logprob=True) for client, _, ids, params in work],
+            client.agenerate(ids, params, return_logprob=True, return_routed_experts=sampling.return_routed_experts)
+            for client, _, ids, params in work],
             return_exceptions=True)
         failures: dict[int, Exception] = {}
         for (_, idx, _, _), result in zip(work, results):
@@ -213,8 +218,9 @@ def _check_finished(rows) -> None:
                                "(return_logprob was requested)")
 
 
-def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]]) -> Batch:
-    """Right-padded tensors: input_ids = prompt + response; responses, masks, rollout log-probs."""
+def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]], routed_experts: bool = False) -> Batch:
+    """Right-padded tensors: input_ids = prompt + response; responses, masks, rollout log-probs;
+    with `routed_experts`, the MoE routing records aligned with input_ids (routing.batch_column)."""
     n = len(rows)
     R = max(1, max(len(out.output_ids) for _, out in rows))
     T = max(len(p) + len(out.output_ids) for p, out in rows)
@@ -235,6 +241,7 @@ def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]]) -> Batch:
             "responses": responses,
             "response_mask": response_mask,
             "rollout_log_probs": rollout_log_probs,
+            **({"routed_experts": batch_column(rows, T)} if routed_experts else {}),
         },
         non_tensors={
             "response_text": np.array([out.text for _, out in rows], dtype=object),
