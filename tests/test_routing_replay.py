@@ -99,13 +99,16 @@ def test_engine_returns_the_experts_the_router_chose(served, moe_paths):
         assert int(differ.sum()) == 0
 
 
-def test_routed_experts_start_len_and_dense_model_refusal(moe_paths, tmp_path):
+def test_routed_experts_start_len_http_route_and_dense_model_refusal(moe_paths, tmp_path):
+    from fastapi.testclient import TestClient
+
     from megarl.models.tiny import build_tiny_checkpoint
     from megarl.rollout import routing
     from megarl.rollout.engine import GenerationEngine
     from megarl.rollout.generate_input import parse_generate
     from megarl.rollout.generate_output import output_item
     from megarl.rollout.protocol import InvalidRequest
+    from megarl.rollout.server import create_app
 
     engine = GenerationEngine(str(moe_paths[0]), seed=0)
     try:
@@ -122,6 +125,9 @@ def test_routed_experts_start_len_and_dense_model_refusal(moe_paths, tmp_path):
         whole_records = routing.decode(full["meta_info"]["routed_experts"], tokens)
         np.testing.assert_array_equal(routing.decode(cut["meta_info"]["routed_experts"], tokens - 3),
                                       whole_records[3:])
+        http = TestClient(create_app(engine)).post("/generate", json=whole).json()  # the server's route
+        np.testing.assert_array_equal(routing.decode(http["meta_info"]["routed_experts"], tokens),
+                                      routing.decode(full["meta_info"]["routed_experts"], tokens))
     finally:
         engine.close()
     dense = GenerationEngine(str(build_tiny_checkpoint(tmp_path / "dense", seed=0, preset="tiny-qwen3")))
@@ -322,3 +328,33 @@ def test_update_replays_and_trains_the_router(one_rank, moe_paths):
     assert abs(recomputed["grad_norm"] - plain["grad_norm"]) <= 1e-5 * plain["grad_norm"]
     for k in plain["after"]:
         assert (recomputed["after"][k] - plain["after"][k]).abs().max() < 1e-6
+
+
+# ---------------------------------------------------------------- config and batch plumbing
+def test_config_refuses_routing_replay_on_a_dense_model():
+    from megarl.config import ConfigError, load_config, validate
+    from megarl.models.tiny import TINY_QWEN3_MOE
+    from megarl.models.tiny_archs import TINY_QWEN3
+
+    cfg = load_config(None, ["actor.moe.routing_replay=true"])
+    assert validate(cfg, TINY_QWEN3_MOE).actor.moe.routing_replay
+    with pytest.raises(ConfigError, match=r"actor\.moe\.routing_replay.*dense"):
+        validate(cfg, TINY_QWEN3)
+
+
+def test_generation_rounds_pad_routed_experts_with_no_record():
+    """DAPO's rounds of different widths: the records are padded with -1, not expert 0."""
+    from megarl.data.batch import Batch
+    from megarl.trainer.dynamic_sampling import _concat
+
+    parts = [Batch({"input_ids": torch.ones(2, T, dtype=torch.long),
+                    "routed_experts": torch.full((2, T, 4), 3, dtype=torch.int16)}) for T in (3, 5)]
+    rows = _concat(parts)
+    assert rows["routed_experts"].shape == (4, 5, 4) and rows["input_ids"].shape == (4, 5)
+    assert (rows["routed_experts"][:2, 3:] == -1).all() and (rows["routed_experts"][:2, :3] == 3).all()
+    assert (rows["input_ids"][:2, 3:] == 0).all()
+
+
+def test_replay_refuses_rows_without_records(one_rank, moe_paths):
+    with pytest.raises(RuntimeError, match="has no 'routed_experts' column"):
+        run_ranks(_log_probs_on_rank, 1, [moe_paths[1]], _without_records(one_rank["batch"]), {}, False)
