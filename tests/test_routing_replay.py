@@ -358,3 +358,22 @@ def test_generation_rounds_pad_routed_experts_with_no_record():
 def test_replay_refuses_rows_without_records(one_rank, moe_paths):
     with pytest.raises(RuntimeError, match="has no 'routed_experts' column"):
         run_ranks(_log_probs_on_rank, 1, [moe_paths[1]], _without_records(one_rank["batch"]), {}, False)
+
+
+def test_routed_requests_bypass_sglang_router():
+    """sglang-router 0.3.2 drops return_routed_experts from the body it forwards (seen with a stub
+    worker behind RouterProcess), so those requests go to the engines, each its share batched."""
+    from types import SimpleNamespace
+
+    from megarl.rollout.manager import RolloutManager, SamplingSpec
+
+    fleet = SimpleNamespace(router_url="http://router:1", live_urls=lambda: ["http://e0:1", "http://e1:1"])
+    manager = RolloutManager(fleet=fleet)
+    try:
+        prompts = [[2, 3]] * 4
+        routed = manager._requests([0, 1, 2, 3], prompts, SamplingSpec(n=2, return_routed_experts=True))
+        plain = manager._requests([0, 1, 2, 3], prompts, SamplingSpec(n=2))
+        assert sorted(c.base_url for c, *_ in routed) == ["http://e0:1", "http://e1:1"]
+        assert {c.base_url for c, *_ in plain} == {"http://router:1"}
+    finally:
+        manager.close()

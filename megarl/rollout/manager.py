@@ -140,6 +140,8 @@ class RolloutManager:
         """(client, prompt indices, input_ids, sampling_params) of each /generate of a round."""
         params, n = sampling.to_sglang(), sampling.n
         router = self.fleet.router_url if self.fleet is not None else None
+        if sampling.return_routed_experts:  # sglang-router 0.3.2 drops the field from the body
+            router = None                   # (measured; SGLang issue 20696): engines directly
         if sampling.seed is not None:
             # every row alone with its own seed, each engine's share in ONE batched request, never
             # through the router: an engine batches exactly these rows together whatever the
