@@ -134,6 +134,10 @@ class MoEConfig:
     # how tokens reach their experts across EP ranks: alltoall (each rank sends each expert's
     # tokens to its owner; mbridge's default) or allgather (every rank gathers every token)
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    # routing replay (R3): the rollout returns the experts it routed each token to (SGLang's
+    # return_routed_experts) and the actor and reference route the same tokens to the same experts
+    # (engine/megatron/routing_replay.py); refused on a dense model
+    routing_replay: bool = False
 
 
 @dataclass

@@ -175,6 +175,8 @@ def check_parallel(cfg: RunConfig, model_config: dict | None) -> None:
     check_nodes(cfg)
     if model_config is not None:
         check_model_fit(cfg, model_config)
+        _require(not cfg.actor.moe.routing_replay or num_experts(model_config) > 0, "actor.moe.routing_replay",
+                 "actor.moe.routing_replay=true but the model is dense (no routed experts to replay); set it to false")
 
 
 def check_nodes(cfg: RunConfig) -> None:

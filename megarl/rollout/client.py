@@ -158,17 +158,22 @@ class RolloutClient:
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None,
-                 return_logprob: bool = False, rids: list[str] | None = None) -> list[GenerateOutput]:
+                 return_logprob: bool = False, rids: list[str] | None = None,
+                 return_routed_experts: bool = False) -> list[GenerateOutput]:
         """len(input_ids) * n outputs, prompt-major. `sampling_params`: one dict for every prompt or
-        one per prompt; `rids`: one request id per prompt (the server suffixes -j when n > 1)."""
-        return self._run(self._generate_all(input_ids, sampling_params, return_logprob, rids))
+        one per prompt; `rids`: one request id per prompt (the server suffixes -j when n > 1).
+        `return_routed_experts`: SGLang's field; each output's meta_info["routed_experts"] then
+        holds its MoE routing record (megarl/rollout/routing.py)."""
+        return self._run(self._generate_all(input_ids, sampling_params, _fields(return_logprob, return_routed_experts),
+                                            rids))
 
     async def agenerate(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None,
-                        return_logprob: bool = False, rids: list[str] | None = None) -> list[GenerateOutput]:
-        coro = self._generate_all(input_ids, sampling_params, return_logprob, rids)
+                        return_logprob: bool = False, rids: list[str] | None = None,
+                        return_routed_experts: bool = False) -> list[GenerateOutput]:
+        coro = self._generate_all(input_ids, sampling_params, _fields(return_logprob, return_routed_experts), rids)
         return await asyncio.wrap_future(self._submit(coro))
 
-    async def _generate_all(self, input_ids, sampling_params, return_logprob, rids) -> list[GenerateOutput]:
+    async def _generate_all(self, input_ids, sampling_params, fields, rids) -> list[GenerateOutput]:
         if not isinstance(input_ids, list) or not all(isinstance(p, list) for p in input_ids):
             raise TypeError("input_ids must be a list of prompts, each a list of token ids")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(input_ids)
@@ -178,14 +183,14 @@ class RolloutClient:
         if not input_ids:
             return []
         if self.batched:
-            return await self._generate_batched(input_ids, sampling_params, params, return_logprob, rids)
+            return await self._generate_batched(input_ids, sampling_params, params, fields, rids)
         per_prompt = await _gather_or_cancel([
-            self._generate_one(i, ids, p, return_logprob, None if rids is None else rids[i])
+            self._generate_one(i, ids, p, fields, None if rids is None else rids[i])
             for i, (ids, p) in enumerate(zip(input_ids, params))])
         return [out for outputs in per_prompt for out in outputs]
 
-    async def _generate_one(self, index, ids, params, return_logprob, rid) -> list[GenerateOutput]:
-        payload = {"input_ids": ids, "sampling_params": params, "return_logprob": return_logprob}
+    async def _generate_one(self, index, ids, params, fields, rid) -> list[GenerateOutput]:
+        payload = {"input_ids": ids, "sampling_params": params, **fields}
         if rid is not None:
             payload["rid"] = rid
         what = f"prompt {index} ({len(ids)} tokens, rid={rid}, sampling_params={params})"
@@ -197,7 +202,7 @@ class RolloutClient:
                                       f"expected n={expected}")
         return [GenerateOutput.from_response(item) for item in items]
 
-    async def _generate_batched(self, input_ids, sampling_params, params, return_logprob, rids):
+    async def _generate_batched(self, input_ids, sampling_params, params, fields, rids):
         counts = sorted({_samples_per_prompt(p) for p in params})
         if len(counts) > 1:
             raise ValueError(f"sampling_params ask for different n per prompt ({counts}); a batched /generate "
@@ -210,14 +215,14 @@ class RolloutClient:
             end = min(start + size, len(input_ids))
             chunk_params = params[start:end] if per_prompt_params else params[0]
             what = _describe_batch(input_ids[start:end], chunk_params, start, len(input_ids))
-            tasks.append(self._generate_chunk(input_ids[start:end], chunk_params, counts[0], return_logprob,
+            tasks.append(self._generate_chunk(input_ids[start:end], chunk_params, counts[0], fields,
                                               None if rids is None else rids[start:end], what))
         per_chunk = await _gather_or_cancel(tasks)
         return [out for outputs in per_chunk for out in outputs]
 
-    async def _generate_chunk(self, prompts, params, n, return_logprob, rids, what) -> list[GenerateOutput]:
+    async def _generate_chunk(self, prompts, params, n, fields, rids, what) -> list[GenerateOutput]:
         """One batched /generate; its retries resend the whole chunk."""
-        payload = {"input_ids": prompts, "sampling_params": params, "return_logprob": return_logprob}
+        payload = {"input_ids": prompts, "sampling_params": params, **fields}
         if rids is not None:
             payload["rid"] = rids
         body = await self._json("POST", "/generate", payload, what)
@@ -369,6 +374,12 @@ async def _gather_or_cancel(coros: list) -> list:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _fields(return_logprob: bool, return_routed_experts: bool) -> dict:
+    """The /generate body's flags; return_routed_experts only when asked, so other requests stay
+    what they were for servers that predate the field."""
+    return {"return_logprob": return_logprob, **({"return_routed_experts": True} if return_routed_experts else {})}
 
 
 def _samples_per_prompt(params: dict) -> int:

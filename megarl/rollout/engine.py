@@ -30,6 +30,7 @@ from megarl.rollout.engine_weights import EngineWeights
 from megarl.rollout.logit_processing import process_logits, token_steps
 from megarl.rollout.protocol import GenerationRequest, InvalidRequest, WeightsUnavailable, sample_next_tokens
 from megarl.rollout.rows import Row as _Row
+from megarl.rollout.routing import BatchCapture, RoutingRecorder
 from megarl.rollout.rows import fill_input_logprobs, finished_result, stop_reason
 from megarl.rollout.tp.runner import LocalRunner
 
@@ -74,6 +75,7 @@ class GenerationEngine(EngineWeights):
         self.eos_token_ids = self._collect_eos_ids()
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.weight_version = "default"
+        self.routing = RoutingRecorder.attach(self.model)  # None: no MoE router to record
         self._tensors_by_name = self.model.state_dict(keep_vars=True)  # HF name -> Parameter/buffer
         self._unfilled: set[str] = set()  # params re-allocated by resume, awaiting an update
         self._weights_resident = True
@@ -113,6 +115,9 @@ class GenerationEngine(EngineWeights):
             raise InvalidRequest(
                 f"{where} has {len(ids)} tokens and max_new_tokens={req.params.max_new_tokens}; together "
                 f"they exceed the model's context length {self.context_length}")
+        if req.return_routed_experts and self.routing is None:
+            raise InvalidRequest("return_routed_experts=true but this model has no MoE router the engine records "
+                                 "(Qwen3-MoE and DeepSeek-V3 routers are recorded)")
         self._validate_token_ids("sampling_params.logit_bias", [t for t, _ in req.params.logit_bias])
         self._validate_token_ids("token_ids_logprob", req.token_ids_logprob or ())
 
@@ -240,7 +245,10 @@ class GenerationEngine(EngineWeights):
         ids, mask = self._left_pad([r.input_ids for r in requests])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_input_lp = any(r.return_logprob and r.logprob_start_len >= 0 for r in requests)
+        routing = BatchCapture.start(self.routing, rows)  # None unless a row asked for its experts
         out = self._forward(ids, mask, positions, self.runner.new_cache(), keep_all=want_input_lp)
+        if routing is not None:
+            routing.prefill(ids.shape[1])
         if want_input_lp:
             self._fill_input_logprobs(rows, out.logits, ids)
         batch = _Batch(list(range(len(rows))), out.past_key_values, mask, positions)
@@ -264,6 +272,8 @@ class GenerationEngine(EngineWeights):
             batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.active), 1)], dim=1)
             batch.positions = batch.positions[:, -1:] + 1
             out = self._forward(next_ids, batch.mask, batch.positions, batch.cache, keep_all=False)
+            if routing is not None:
+                routing.decode(batch.active)
             last_logits = out.logits[:, -1]
 
     def _forward(self, ids, mask, positions, cache, keep_all: bool):

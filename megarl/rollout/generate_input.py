@@ -230,6 +230,8 @@ def parse_generate(body: Any, engine) -> GenerateCall:
     top_k = _per_prompt(body.get("top_logprobs_num"), count, "top_logprobs_num", 0)
     chosen = _token_ids_logprob(body.get("token_ids_logprob"), count)
     entropy = _flag(body.get("return_entropy") or False, "return_entropy")
+    routed = _flag(body.get("return_routed_experts") or False, "return_routed_experts")
+    routed_start = _per_prompt(body.get("routed_experts_start_len"), count, "routed_experts_start_len", 0)
     requests = []
     for i, (ids, (params, _)) in enumerate(zip(prompts, parsed)):
         where = "input_ids" if single else f"input_ids[{i}]"
@@ -239,7 +241,9 @@ def parse_generate(body: Any, engine) -> GenerateCall:
                 return_logprob=_flag(return_lp[i] or False, "return_logprob"),
                 logprob_start_len=_integer(start[i], "logprob_start_len", minimum=-1),
                 top_logprobs_num=_integer(top_k[i] or 0, "top_logprobs_num", minimum=0),
-                token_ids_logprob=chosen[i], return_entropy=entropy, group_rid=rids[i] if n > 1 else None)
+                token_ids_logprob=chosen[i], return_entropy=entropy, return_routed_experts=routed,
+                routed_experts_start_len=_integer(routed_start[i] or 0, "routed_experts_start_len", minimum=0),
+                group_rid=rids[i] if n > 1 else None)
             engine.validate(req, where)
             requests.append(req)
     options = {key: _flag(body.get(key) or False, key) for key in (

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from megarl.rollout import routing
 from megarl.rollout.generate_input import GenerateCall
 from megarl.rollout.protocol import GenerationRequest, GenerationResult
 
@@ -33,6 +34,8 @@ def output_item(result: GenerationResult, req: GenerationRequest, call: Generate
         meta.update(_logprob_fields(result, req, call, text_of))
     if result.output_entropy is not None:
         meta["output_token_entropy"] = [_finite(e) for e in result.output_entropy]
+    if result.routed_experts is not None:
+        meta["routed_experts"] = routing.encode(result.routed_experts, req.routed_experts_start_len)
     item = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
     if call.prompt_token_ids:
         item["prompt_token_ids"] = result.input_ids

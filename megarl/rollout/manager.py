@@ -31,6 +31,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.rollout.client import GenerateOutput, RolloutClient, RolloutRequestError
+from megarl.rollout.routing import batch_column
 
 
 @dataclass
@@ -43,6 +44,9 @@ class SamplingSpec:
     # deterministic sampling: row r of a call (prompt-major, r = prompt * n + sample) is sent alone
     # with sampling_seed = row_seed(seed, r); None: the engines' own generators decide
     seed: tuple[int, ...] | None = None
+    # MoE routing replay (actor.moe.routing_replay): ask for SGLang's routed_experts; the rows get
+    # the Batch column `routed_experts` (megarl/rollout/routing.py)
+    return_routed_experts: bool = False
 
     def to_sglang(self) -> dict:
         params = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p,
@@ -110,7 +114,7 @@ class RolloutManager:
                            "rollout/engine_restarts": float(self._restarts() - restarts_before)}
         rows = [(prompt_ids[i], out) for i, outs in enumerate(outputs) for out in outs]
         _check_finished(rows)
-        batch = rows_to_batch(rows)
+        batch = rows_to_batch(rows, routed_experts=sampling.return_routed_experts)
         repeated = prompts.select(*[k for k in prompts.non_tensors]).repeat_interleave(sampling.n)
         return repeated.union(batch)
 
@@ -124,7 +128,8 @@ class RolloutManager:
 
         async def send(k: int, client: RolloutClient, idx: list[int], ids, params) -> None:
             try:
-                result = await client.agenerate(ids, params, return_logprob=True)
+                result = await client.agenerate(ids, params, return_logprob=True,
+                                                return_routed_experts=sampling.return_routed_experts)
             except Exception as exc:  # noqa: BLE001  (the prompts are re-sent or the failure raised)
                 errors[k] = exc
                 return
@@ -147,6 +152,8 @@ class RolloutManager:
         """(client, prompt indices, input_ids, sampling_params) of each /generate of a round."""
         params, n = sampling.to_sglang(), sampling.n
         router = self.fleet.router_url if self.fleet is not None else None
+        if sampling.return_routed_experts:  # sglang-router 0.3.2 drops the field from the body
+            router = None                   # (measured): engines directly
         if sampling.seed is not None:
             # every row alone with its own seed, each engine's share in ONE batched request, never
             # through the router: an engine batches exactly these rows together whatever the
@@ -229,8 +236,9 @@ def _check_finished(rows) -> None:
 GENERATED_NON_TENSORS = ("response_text", "finish_reason", "rollout_weight_version")
 
 
-def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]]) -> Batch:
-    """Right-padded tensors: input_ids = prompt + response; responses, masks, rollout log-probs."""
+def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]], routed_experts: bool = False) -> Batch:
+    """Right-padded tensors: input_ids = prompt + response; responses, masks, rollout log-probs;
+    with `routed_experts`, the MoE routing records aligned with input_ids (routing.batch_column)."""
     n = len(rows)
     R = max(1, max(len(out.output_ids) for _, out in rows))
     T = max(len(p) + len(out.output_ids) for p, out in rows)
@@ -251,6 +259,7 @@ def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]]) -> Batch:
             "responses": responses,
             "response_mask": response_mask,
             "rollout_log_probs": rollout_log_probs,
+            **({"routed_experts": batch_column(rows, T)} if routed_experts else {}),
         },
         non_tensors={
             "response_text": np.array([out.text for _, out in rows], dtype=object),

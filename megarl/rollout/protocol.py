@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 
@@ -106,6 +107,8 @@ class GenerationRequest:
     top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each position
     token_ids_logprob: tuple[int, ...] | None = None  # with return_logprob: these tokens' log-probs
     return_entropy: bool = False
+    return_routed_experts: bool = False  # SGLang's field: the MoE experts of every token (routing.py)
+    routed_experts_start_len: int = 0  # the first token whose experts are returned
     group_rid: str | None = None  # the caller's rid when n>1 expanded it into several requests
     on_token: Callable[[TokenStep], None] | None = None  # called on the engine thread; must not block
     created: float = field(default_factory=time.time)
@@ -133,3 +136,4 @@ class GenerationResult:
     output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     output_entropy: list[float] | None = None
+    routed_experts: np.ndarray | None = None  # [prompt + output - 1, layers, top_k] int32 (routing.py)

@@ -13,6 +13,7 @@ import torch
 
 from megarl.rollout.logit_processing import chosen_logprobs, top_logprobs
 from megarl.rollout.protocol import GenerationRequest, GenerationResult, TokenStep
+from megarl.rollout.routing import row_records
 
 Decode = Callable[[list[int], bool, bool], str]  # (ids, skip_special_tokens, spaces_between_special_tokens)
 
@@ -28,6 +29,7 @@ class Row:
         self.input_logprobs: list[float | None] | None = None
         self.input_top_logprobs: list | None = None
         self.input_token_ids_logprobs: list | None = None
+        self.routed: list[torch.Tensor] = []  # [tokens, layers, top_k] pieces (routing.BatchCapture)
         self.stop_span: tuple[int, int] | None = None  # where a stop string / regex matched the text
         self.finish: dict | None = None
         seed = req.params.sampling_seed
@@ -104,4 +106,6 @@ def finished_result(row: Row, finish: dict, decode: Decode, weight_version: str)
         input_top_logprobs=row.input_top_logprobs if lp else None,
         output_token_ids_logprobs=[s.token_ids_logprobs for s in row.steps] if chosen else None,
         input_token_ids_logprobs=row.input_token_ids_logprobs if lp else None,
-        output_entropy=[s.entropy for s in row.steps] if req.return_entropy else None)
+        output_entropy=[s.entropy for s in row.steps] if req.return_entropy else None,
+        routed_experts=(row_records(row.routed, len(req.input_ids) + len(row.output_ids) - 1)
+                        if req.return_routed_experts else None))

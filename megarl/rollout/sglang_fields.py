@@ -61,8 +61,9 @@ GENERATE_FIELDS: dict[str, Field] = {
     "return_entropy": Field(HONOURED, False), "return_prompt_token_ids": Field(HONOURED, False),
     "return_sampling_mask": _off("per-token sampling-support masks are not produced by this engine"),
     "return_hidden_states": _off("hidden states are not returned by this engine", False),
-    "return_routed_experts": _off("MoE routing records are not kept by this engine", False),
-    "routed_experts_start_len": _noop("only read with return_routed_experts", 0),
+    # MoE routing records, SGLang's wire format (megarl/rollout/routing.py says it): base64 int32
+    # [prompt + output - 1 - routed_experts_start_len, num_hidden_layers, top_k] in meta_info
+    "return_routed_experts": Field(HONOURED, False), "routed_experts_start_len": Field(HONOURED, 0),
     "return_indexer_topk": _off("sparse-attention indexer records are not kept by this engine", False),
     "return_bytes": _noop("only image generation returns bytes", False),
     # inputs this engine cannot take

@@ -38,14 +38,20 @@ def informative_groups(scores: torch.Tensor, uids) -> np.ndarray:
 
 def _concat(parts: list[Batch]) -> Batch:
     """Rows of several generation rounds: their token columns are right-padded with zeros (as the
-    rollout pads them) to the widest round first."""
+    rollout pads them) to the widest round first; routed_experts [rows, T, ids] with -1 (no record)."""
     if len(parts) == 1:
         return parts[0]
-    widths = {k: max(p.tensors[k].shape[1] for p in parts) for k, v in parts[0].tensors.items() if v.dim() == 2}
+    widths = {k: max(p.tensors[k].shape[1] for p in parts) for k, v in parts[0].tensors.items() if v.dim() >= 2}
+
+    def pad(k: str, v: torch.Tensor) -> torch.Tensor:
+        if k not in widths:
+            return v
+        return torch.nn.functional.pad(v.movedim(1, -1), (0, widths[k] - v.shape[1]),
+                                       value=-1 if k == "routed_experts" else 0).movedim(-1, 1)
+
     padded = []
     for part in parts:
-        tensors = {k: (torch.nn.functional.pad(v, (0, widths[k] - v.shape[1])) if k in widths else v)
-                   for k, v in part.tensors.items()}
+        tensors = {k: pad(k, v) for k, v in part.tensors.items()}
         padded.append(Batch(tensors, part.non_tensors, part.meta))
     return Batch.concat(padded)
 

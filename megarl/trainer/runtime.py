@@ -65,7 +65,8 @@ def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
                       moe_dispatcher=cfg.actor.moe.dispatcher,
                       pack_sequences=cfg.actor.pack_sequences,
                       max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
-                      precision=cfg.actor.precision, recompute=cfg.actor.recompute)
+                      precision=cfg.actor.precision, recompute=cfg.actor.recompute,
+                      routing_replay=cfg.actor.moe.routing_replay)
 
 
 def critic_engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:

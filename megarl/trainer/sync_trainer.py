@@ -345,7 +345,8 @@ class SyncTrainer:
         return SamplingSpec(n=r.n if train else t.val_n,
                             temperature=r.temperature if train else r.val_temperature,
                             top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                            seed=seed if t.deterministic else None)
+                            seed=seed if t.deterministic else None,
+                            return_routed_experts=train and self.cfg.actor.moe.routing_replay)
 
     def _score(self, rows: Batch) -> torch.Tensor:
         return self.scorer.score_batch(rows)
@@ -357,6 +358,7 @@ class SyncTrainer:
     def _trainer_view(self, rows: Batch, *extra: str) -> Batch:
         """Only the tensors the engine reads travel to the workers."""
         keys = ["input_ids", "prompt_lengths", "responses", "response_mask", *extra]
+        keys += ["routed_experts"] if "routed_experts" in rows else []  # actor.moe.routing_replay
         view = Batch({k: rows[k] for k in keys})
         if len(view) % self.dp_size:
             raise ValueError(f"{len(view)} rows do not split over {self.dp_size} data-parallel "

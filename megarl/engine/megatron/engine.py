@@ -32,6 +32,7 @@ from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
 from megarl.engine.megatron import inputs as rows
 from megarl.engine.megatron import value_head as vh
 from megarl.engine.megatron.packing import row_lengths
+from megarl.engine.megatron.routing_replay import RoutingReplay
 from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_weights, load_hf_weights,
                                             sends_owned_weights)
 
@@ -52,6 +53,7 @@ class EngineSpec:
     load_hf: bool = True
     precision: str = "fp32"  # actor.precision: fp32 | bf16 (model.precision_dtype)
     recompute: str = "none"  # actor/critic.recompute: none | selective | full (model.recompute_args)
+    routing_replay: bool = False  # actor.moe.routing_replay: replay the rows' routed_experts (routing_replay.py)
 
 
 # A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
@@ -69,6 +71,7 @@ class MegatronEngine:
         self.spec = spec
         self.model = None
         self.optimizer = None
+        self.replay: RoutingReplay | None = None
         self._offloaded: dict[str, HostCopy] = {}
 
     # ---------------------------------------------------------------- set-up
@@ -127,6 +130,7 @@ class MegatronEngine:
                 chunk.requires_grad_(False)
         self.model = chunks
         self.config = self.bridge.config
+        self.replay = RoutingReplay(self.bare_chunks(), self.config) if self.spec.routing_replay else None
 
     def _build_chunks(self) -> list:
         """One GPTModel per virtual pipeline stage of this rank. With pp=2, vpp=2 and 4 layers,
@@ -189,18 +193,11 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         return dict(
-            rank=dist.get_rank(),
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size(),
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            tp_size=ps.get_tensor_model_parallel_world_size(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
-            pp_size=ps.get_pipeline_model_parallel_world_size(),
-            cp_rank=ps.get_context_parallel_rank(),
-            cp_size=ps.get_context_parallel_world_size(),
-            ep_rank=ps.get_expert_model_parallel_rank(),
-            ep_size=ps.get_expert_model_parallel_world_size(),
-        )
+            rank=dist.get_rank(), dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+            cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size())
 
     # ---------------------------------------------------------------- forward / backward
     def _padded_length(self, length: int) -> int:
@@ -286,11 +283,13 @@ class MegatronEngine:
             inputs = rows.packed_inputs(micro, self.spec.parallel, self.config.variable_seq_lengths)
         else:
             inputs = rows.padded_inputs(micro, self._padded_length(max(mb["input_ids"].shape[1] for mb in micro)))
+        cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
+        if self.replay is not None:  # each micro-batch's expert records, queued for the routers
+            self.replay.attach(micro, inputs, cp_group)
         device = rows.model_device(self.model)
         if device.type != "cpu":  # rows arrive on the host; the model and the loss run on its device
             micro = [mb.to(device) for mb in micro]
             inputs = [rows.inputs_to(x, device) for x in inputs]
-        cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
         cp_rank = ps.get_context_parallel_rank()
         results = []
 
