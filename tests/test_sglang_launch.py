@@ -1,4 +1,5 @@
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,24 @@ def test_colocated_differs_from_disaggregated_only_by_memory_saver():
     plain = server_argv(base, python="py")
     assert "--enable-memory-saver" not in plain
     assert [a for a in colocated if a != "--enable-memory-saver"] == plain
+
+
+def test_routing_replay_turns_on_sglangs_routed_experts_capture(tmp_path):
+    """actor.moe.routing_replay: every engine megarl launches records the experts it routed to
+    (SGLang answers return_routed_experts only when started with the flag)."""
+    from megarl.config.loader import load_config
+    from megarl.trainer.runtime import engine_node_specs
+
+    argv = server_argv(SGLangServerSpec(model_path="/m", enable_return_routed_experts=True), python="py")
+    assert argv.count("--enable-return-routed-experts") == 1
+    assert "--enable-return-routed-experts" not in server_argv(SGLangServerSpec(model_path="/m"), python="py")
+    with pytest.raises(ValueError, match="enable_return_routed_experts"):
+        validate(SGLangServerSpec(model_path="/m", extra_args=("--enable-return-routed-experts",)))
+    root = Path(__file__).resolve().parents[1]
+    for replay in (False, True):
+        cfg = load_config(root / "configs/quickstart.yaml", [f"actor.moe.routing_replay={str(replay).lower()}"])
+        nodes = [n for engine in engine_node_specs(cfg, "/m", tmp_path) for n in engine]
+        assert nodes and all(n.routed_experts is replay for n in nodes)
 
 
 def test_dp_attention_flag():

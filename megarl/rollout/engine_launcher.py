@@ -42,6 +42,7 @@ class EngineNodeSpec:
     seed: int = 0
     colocated: bool = False      # SGLang: --enable-memory-saver so it can release memory
     mem_fraction_static: float | None = None  # SGLang: --mem-fraction-static (None: its default)
+    routed_experts: bool = False  # SGLang: --enable-return-routed-experts (actor.moe.routing_replay)
     log_path: str = "rollout_server.log"
     startup_timeout_s: float = 300.0
     env: dict = field(default_factory=dict)

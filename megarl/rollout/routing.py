@@ -144,8 +144,9 @@ def batch_column(rows: list[tuple[list[int], object]], width: int) -> torch.Tens
         if not isinstance(value, str):
             raise RuntimeError(
                 f"rollout row {i}: the server returned no routed_experts although return_routed_experts was "
-                "requested (actor.moe.routing_replay); a real SGLang server needs --enable-return-routed-experts, and "
-                "sglang-router drops the field (RolloutManager sends these requests to the engines directly)")
+                "requested (actor.moe.routing_replay); a real SGLang server needs --enable-return-routed-experts (megarl "
+                "passes it to the engines it launches), and sglang-router drops the field (RolloutManager sends "
+                "these requests to the engines directly)")
         decoded.append(decode(value, len(prompt) + len(out.output_ids) - 1))
     per_token = {d.shape[1] for d in decoded}
     if len(per_token) != 1:

@@ -59,6 +59,7 @@ class SGLangServerSpec:
     dist_init_addr: str | None = None    # "host:port" of node rank 0; required when nnodes > 1
     mem_fraction_static: float | None = None
     enable_memory_saver: bool = False    # colocated: weights and KV cache can be released and resumed
+    enable_return_routed_experts: bool = False  # MoE routing replay: meta_info.routed_experts on request
     base_gpu_id: int = 0
     dtype: str = "auto"
     random_seed: int | None = None
@@ -78,6 +79,7 @@ _FIELD_OF_FLAG = {
     "--data-parallel-size": "dp_size", "--enable-dp-attention": "enable_dp_attention", "--nnodes": "nnodes",
     "--node-rank": "node_rank", "--dist-init-addr": "dist_init_addr", "--nccl-init-addr": "dist_init_addr",
     "--mem-fraction-static": "mem_fraction_static", "--enable-memory-saver": "enable_memory_saver",
+    "--enable-return-routed-experts": "enable_return_routed_experts",
     "--base-gpu-id": "base_gpu_id", "--dtype": "dtype", "--random-seed": "random_seed",
     "--api-key": "api_key", "--trust-remote-code": "trust_remote_code",
     "--skip-server-warmup": "skip_server_warmup", "--log-level": "log_level",
@@ -164,6 +166,8 @@ def server_argv(spec: SGLangServerSpec, python: str = sys.executable) -> list[st
         argv += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.enable_memory_saver:
         argv.append("--enable-memory-saver")
+    if spec.enable_return_routed_experts:
+        argv.append("--enable-return-routed-experts")
     argv += ["--base-gpu-id", str(spec.base_gpu_id), "--dtype", spec.dtype]
     if spec.random_seed is not None:
         argv += ["--random-seed", str(spec.random_seed)]

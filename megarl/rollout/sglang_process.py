@@ -29,7 +29,7 @@ class SGLangServerProcess(RolloutServerProcess):
             model_path=n.model_path, host=n.host, port=port, tp_size=n.tp, ep_size=n.ep, dp_size=n.dp,
             nnodes=n.nnodes, node_rank=n.node_rank, dist_init_addr=self.dist_init_addr,
             enable_memory_saver=n.colocated, random_seed=n.seed, api_key_config=self._key_file,
-            mem_fraction_static=n.mem_fraction_static)
+            mem_fraction_static=n.mem_fraction_static, enable_return_routed_experts=n.routed_experts)
         return server_argv(spec)
 
     def __del__(self):

@@ -102,7 +102,7 @@ def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[li
         backend=r.backend, model_path=model_path, engine=e, node_rank=k, nnodes=r.nnodes, tp=r.tp, ep=r.ep,
         dp=r.dp, host=r.host, port=r.port + e * r.nnodes + k if r.port else 0, max_batch_size=r.max_batch_size,
         seed=cfg.trainer.seed + e, colocated=cfg.cluster.placement == "colocated",
-        mem_fraction_static=r.mem_fraction_static,
+        mem_fraction_static=r.mem_fraction_static, routed_experts=cfg.actor.moe.routing_replay,
         log_path=str(run_dir / (f"rollout_server_{e}.log" if r.nnodes == 1 else f"rollout_server_{e}_node{k}.log")),
         startup_timeout_s=r.startup_timeout_s, env={"TOKENIZERS_PARALLELISM": "false"},
         # where the disk transport writes (sync_trainer._bridge_spec): the only dir disk updates may read
