@@ -229,3 +229,42 @@ def test_time_limit_in_a_daemonic_subprocess():
 def test_math_options_reach_the_verifier(math_limits):
     make_reward_function(None, math_timeout_s=2.5, math_workers=3)
     assert (math_reward.verifier().timeout_s, math_reward.verifier().max_workers) == (2.5, 3)
+
+
+# ---------------------------------------------------------------- the contract every registered reward keeps
+FAMILY_MEMBER = {"aime*": "aime24", "numina_*": "numina_math", "reasoning_gym/*": "reasoning_gym/basic_arithmetic"}
+
+
+def contract_cases() -> dict:
+    """data_source -> (a right response, ground truth, extra_info), from megarl's own task rows
+    where it has them, else a math answer."""
+    from megarl.data.tasks import make_arith_rows, make_digits_rows, make_reasoning_gym_rows
+
+    cases = {}
+    for row in make_digits_rows(1, seed=3) + make_arith_rows(1, seed=3) + make_reasoning_gym_rows("basic_arithmetic", 1, seed=3):
+        truth = row["reward_model"]["ground_truth"]
+        right = f"<answer>{truth}</answer>" if row["data_source"].startswith("reasoning_gym/") else truth
+        cases[row["data_source"]] = (right, truth, row["extra_info"])
+    math_case = ("so the answer is \\boxed{\\frac{3}{4}}", "0.75", {})
+    for source in ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
+                   "math_dapo", "math_dapo_reasoning", "aime24", "numina_math"):
+        cases[source] = math_case
+    cases["openai/gsm8k"] = ("3 + 4 = 7 apples\n#### 7", "7", {})
+    return cases
+
+
+def test_every_registered_reward_keeps_the_contract(math_limits):
+    """Every data source (a family by one member) is covered, scores its right answer 1 and a wrong,
+    an empty and a garbage response a finite number in [0, 1), the same each time: a new
+    registration without a case here fails this test."""
+    import math
+
+    cases = contract_cases()
+    for key in known_data_sources():
+        source = FAMILY_MEMBER.get(key, key)
+        assert source in cases, f"registered data source {key!r} has no contract case"
+        right, truth, extra = cases[source]
+        assert score(source, right, truth, extra) == 1.0, source
+        for wrong in ("", "zz qq \\boxed{", "<answer>-987654</answer> #### -987654 \\boxed{-987654}"):
+            first, second = score(source, wrong, truth, extra), score(source, wrong, truth, extra)
+            assert math.isfinite(first) and 0.0 <= first < 1.0 and first == second, (source, wrong, first)
