@@ -26,6 +26,7 @@ RewardFunction = Callable[[str, str, str, dict], float]
 
 _SCORERS: dict[str, Scorer] = {}
 _FAMILIES: dict[str, Callable[[str], Scorer]] = {}  # prefix -> factory(data_source) -> scorer
+_MEMBERS: dict[str, Scorer] = {}  # family members made so far (a cache, not registrations)
 
 # answers scored 0 because they could not be judged, per kind; always reported, 0 included
 COUNTED = ("reward/timeouts", "reward/unparsable", "reward/gold_unparsable", "reward/verifier_errors")
@@ -79,9 +80,11 @@ def take_counts() -> dict[str, float]:
 def _scorer_for(data_source: str) -> Scorer:
     if data_source in _SCORERS:
         return _SCORERS[data_source]
+    if data_source in _MEMBERS:
+        return _MEMBERS[data_source]
     for prefix, factory in _FAMILIES.items():
         if data_source.startswith(prefix):
-            return _SCORERS.setdefault(data_source, factory(data_source))
+            return _MEMBERS.setdefault(data_source, factory(data_source))
     raise RewardError(f"no reward rule for data_source {data_source!r}; known data sources: "
                       f"{known_data_sources()}. Register one with @register_scorer or set "
                       "reward.custom_function")
