@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import traceback
@@ -51,7 +50,6 @@ def main() -> None:
 
 def run(device: str) -> dict:
     import torch.distributed as dist
-    from safetensors.torch import load_file, save_file
 
     from megarl.algo.kl import kl_penalty
     from megarl.algo.losses import masked_mean, policy_loss
@@ -61,8 +59,8 @@ def run(device: str) -> dict:
     from megarl.rollout.engine import GenerationEngine
     from megarl.rollout.generate_input import parse_generate
     from megarl.rollout.generate_output import output_item
-    from tests.test_routing_replay import (EXPERT_SCALE, NOISE, PROMPTS, hf_forced_log_probs,
-                                           served_batch)
+    from tests.test_routing_replay import (PROMPTS, hf_forced_log_probs, served_batch,
+                                           server_and_trainer_checkpoints)
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29547")
@@ -71,19 +69,7 @@ def run(device: str) -> dict:
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
     root = tempfile.mkdtemp()
     base = build_tiny_checkpoint(os.path.join(root, "tiny"), seed=0)
-    paths = []
-    for name, noise in (("server", 0.0), ("trainer", NOISE)):
-        path = os.path.join(root, name)
-        shutil.copytree(base, path)
-        weights = load_file(os.path.join(path, "model.safetensors"))
-        gen = torch.Generator().manual_seed(7)
-        for key in sorted(weights):
-            if ".mlp.experts." in key and key.endswith("down_proj.weight"):
-                weights[key] = weights[key] * EXPERT_SCALE
-            if key.endswith(".mlp.gate.weight"):
-                weights[key] = weights[key] + noise * torch.randn(weights[key].shape, generator=gen)
-        save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        paths.append(path)
+    paths = [str(x) for x in server_and_trainer_checkpoints(base, root)]
 
     engine = GenerationEngine(paths[0], device=device, max_batch_size=16, seed=0)
     try:

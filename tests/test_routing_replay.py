@@ -30,15 +30,21 @@ PROMPTS = [[2, 10, 11, 12, 3], [2, 20, 21, 3], [2, 30, 3], [2, 40, 41, 42, 43, 4
 def moe_paths(tiny_model_path, tmp_path_factory):
     """(server checkpoint, trainer checkpoint): the tiny Qwen3-MoE with experts that matter, and the
     same with router weights perturbed by NOISE (the trainer's router differs slightly)."""
+    return server_and_trainer_checkpoints(tiny_model_path, tmp_path_factory.mktemp("routing"))
+
+
+def server_and_trainer_checkpoints(base, root) -> tuple:
+    """Copies of checkpoint `base` under `root`: expert down-projections x EXPERT_SCALE, and the
+    trainer's with router weights + N(0, NOISE) (also benchmarks/gpu_replay.py's setting)."""
     import shutil
+    from pathlib import Path
 
     from safetensors.torch import load_file, save_file
 
-    root = tmp_path_factory.mktemp("routing")
     out = []
     for name, noise in (("server", 0.0), ("trainer", NOISE)):
-        path = root / name
-        shutil.copytree(tiny_model_path, path)
+        path = Path(root) / name
+        shutil.copytree(base, path)
         weights = load_file(path / "model.safetensors")
         gen = torch.Generator().manual_seed(7)
         for key in sorted(weights):
