@@ -383,6 +383,9 @@ class SyncTrainer:
         if self.cfg.reward.overlong_buffer.enable:
             out["reward/raw_mean"] = float(rows["raw_scores"].mean())
             out["reward/overlong_penalized_frac"] = float((rows["scores"] < rows["raw_scores"]).float().mean())
+        if "advantages" in rows:  # over response tokens: all zero means no gradient from the PG loss
+            adv = rows["advantages"][mask.bool()]
+            out.update({"adv/mean": float(adv.mean()), "adv/max": float(adv.max()), "adv/min": float(adv.min())})
         if "ref_log_probs" in rows:
             out["actor/kl"] = float(masked_mean(rows["old_log_probs"] - rows["ref_log_probs"], mask))
         return out
