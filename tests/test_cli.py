@@ -25,6 +25,7 @@ from tests._procs import SMALL_RUN, _assert_nothing_left, _marked, _start, _tree
     ("actor.parallel.ep=3", "actor.parallel.ep"),
     ("trainer.no_such_key=1", "trainer.no_such_key"),
     ("rollout.backend=sglang", "rollout.backend"),
+    ("trainer.mode=fully_async", "trainer.mode"),  # the quickstart is colocated
 ])
 def test_bad_config_exits_2_with_one_line_naming_the_key(override, key):
     run_id = uuid.uuid4().hex

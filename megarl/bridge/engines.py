@@ -37,8 +37,10 @@ class Engine:
 class EngineSet:
     """Kept across syncs; `use(urls)` points it at the engines of this sync (restarts move them)."""
 
-    def __init__(self, timeout_s: float, api_key: str | None, pause_generation: bool = True):
+    def __init__(self, timeout_s: float, api_key: str | None, pause_generation: bool = True,
+                 pause_mode: str = "in_place"):
         self.timeout_s, self.api_key, self.pause_generation = timeout_s, api_key, pause_generation
+        self.pause_mode = pause_mode
         self._known: dict[str, Engine] = {}
         self.engines: list[Engine] = []
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="bridge-http")
@@ -84,7 +86,7 @@ class EngineSet:
         no KV cache between batches): a separate /flush_cache first would cost one more round
         trip per engine per step (~1 ms here) and is refused anyway while requests are paused."""
         if self.pause_generation:
-            self.each(lambda i, e: e.client.pause_generation(mode="in_place"), "pause_generation")
+            self.each(lambda i, e: e.client.pause_generation(mode=self.pause_mode), "pause_generation")
 
     def commit(self, version: str) -> None:
         self.each(lambda i, e: e.client.commit_weight_update(version) if e.stages else None, "commit_weight_update")

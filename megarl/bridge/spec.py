@@ -27,6 +27,9 @@ class BridgeSpec:
     # engines are idle while it syncs (the synchronous one) turns it off: two round trips per
     # engine per step for nothing
     pause_generation: bool = True
+    # its /pause_generation mode: in_place (running requests keep their KV cache) or retract (they
+    # go back to the queue and are re-prefilled with the new weights); either way they continue
+    pause_mode: str = "in_place"
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:

@@ -47,7 +47,8 @@ class WeightTransport(ABC):
     @property
     def engines(self) -> EngineSet:
         if self._engines is None:
-            self._engines = EngineSet(self.spec.timeout_s, self.spec.api_key, self.spec.pause_generation)
+            self._engines = EngineSet(self.spec.timeout_s, self.spec.api_key, self.spec.pause_generation,
+                                     self.spec.pause_mode)
         return self._engines
 
     def sync(self, source: WeightSource, version: str, server_urls=None, restarted: bool = False) -> dict:

@@ -321,6 +321,17 @@ class RewardConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = 200
+    # the loop (trainer/async_trainer.py): sync; one_step_off (step k+1's rollout overlaps step k's
+    # training, weights one version behind); fully_async (engines generate continuously into a
+    # buffer, the trainer takes batches as they fill). Both async modes need disaggregated placement
+    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    # fully_async: a sample trained at version v started generating at version >= v - max_staleness
+    # (admission holds new prompts back; a sample that still came out older is dropped, counted)
+    max_staleness: int = 1
+    # fully_async: how in-flight requests ride over a weight update (/pause_generation mode):
+    # in_place keeps their KV cache, retract recomputes it with the new weights; either way
+    # every token's log-prob is that of the weights that produced it (partial rollout)
+    pause_mode: Literal["in_place", "retract"] = "in_place"
     output_dir: str = "outputs"
     experiment_name: str = "megarl"
     log_every: int = 1

@@ -32,6 +32,7 @@ from megarl.config.validate_data import check_data
 from megarl.config.validate_losses import check_losses, resolve_ref
 from megarl.config.validate_reward import check_reward_model, resolve_reward
 from megarl.config.validate_rollout import check_rollout, resolve_rollout
+from megarl.config.validate_trainer import check_loop_mode
 
 
 _POSITIVE = [
@@ -389,4 +390,5 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_reward_model(cfg)
     check_losses(cfg)
     check_resume(cfg)
+    check_loop_mode(cfg)
     return resolve(cfg)

@@ -176,6 +176,16 @@ class RolloutFleet:
         return RolloutClient(url, api_key=self.api_key, timeout_s=kwargs.pop("timeout_s", self.request_timeout_s),
                              **kwargs)
 
+    def abort_all_requests(self) -> None:
+        """Best effort: every engine aborts what it queues and runs, so its callers get answers at
+        once (an engine that cannot be reached has nothing running)."""
+        for url in self.engine_urls:
+            try:
+                with self.client(url, timeout_s=10.0, max_retries=0) as client:
+                    client.abort_request(abort_all=True)
+            except Exception:  # noqa: BLE001
+                pass
+
     # ---- health and recovery --------------------------------------------------------------------
     def dead_engines(self) -> list[int]:
         """Engines with a node whose server process is gone or whose rank 0 fails /health."""

@@ -46,7 +46,7 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream) -> dict:
     from megarl.trainer import checkpoints
     from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import start_runtime
-    from megarl.trainer.sync_trainer import SyncTrainer
+    from megarl.trainer.async_trainer import make_trainer
 
     point = checkpoints.resume_point(run_dir, cfg.trainer.resume)
     (run_dir / "config.yaml").write_text(dump(cfg))
@@ -60,8 +60,8 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream) -> dict:
             router = f" behind router {runtime.fleet.router_url}" if runtime.fleet.router_url else ""
             stream.write(f"megarl: run dir {run_dir}; {runtime.placement.describe()}; rollout engines "
                          f"{runtime.server_urls}{router}; actor mesh {runtime.actor.mesh[0].describe()} "
-                         f"x{len(runtime.actor.mesh)}{critic}\n")
-            SyncTrainer(runtime, logger, resume=point).fit()
+                         f"x{len(runtime.actor.mesh)}{critic}; loop {cfg.trainer.mode}\n")
+            make_trainer(runtime, logger, resume=point).fit()
     finally:
         logger.close()
     summary = logger.curve_summary("reward/mean", window=10)

@@ -85,16 +85,19 @@ class SyncTrainer:
         self._batches = batches
         for step in range(self.start_step + 1, t.total_steps + 1):
             prompts = self._next_prompts()
-            metrics = {**self.train_step(step, prompts), **self._carried, **prompts.meta.get("metrics", {})}
-            self._carried = {}
-            if self.rt.val_data is not None and t.val_every and (
-                    step % t.val_every == 0 or step == t.total_steps):
-                metrics.update(self.validate(step))
-            self.logger.log(step, metrics)  # flushed before the save: a checkpoint's steps are all logged
-            if t.save_every and (step % t.save_every == 0 or step == t.total_steps):
-                self.save_checkpoint(step)
+            self.finish_step(step, {**self.train_step(step, prompts), **prompts.meta.get("metrics", {})})
         if t.export_hf:
             self.export_hf()
+
+    def finish_step(self, step: int, metrics: dict) -> None:
+        """Validate when due, log the step's metrics, save when due."""
+        t, metrics = self.cfg.trainer, {**metrics, **self._carried}
+        self._carried = {}
+        if self.rt.val_data is not None and t.val_every and (step % t.val_every == 0 or step == t.total_steps):
+            metrics.update(self.validate(step))
+        self.logger.log(step, metrics)  # flushed before the save: a checkpoint's steps are all logged
+        if t.save_every and (step % t.save_every == 0 or step == t.total_steps):
+            self.save_checkpoint(step)
 
     # ---------------------------------------------------------------- durability
     def save_checkpoint(self, step: int) -> None:
@@ -150,13 +153,20 @@ class SyncTrainer:
         return {"prompts": len(self.rt.train_data), "train_batch_size": d.train_batch_size,
                 "shuffle": d.shuffle, "seed": d.seed, **data_mix_identity(self.rt.train_data)}
 
-    def train_step(self, step: int, prompts: Batch) -> dict:
-        cfg, timing = self.cfg, {}
-        t_step, restarts_before = time.perf_counter(), self.rt.fleet.restarts
+    def rollout(self, step: int, prompts: Batch, timing: dict) -> tuple[Batch, dict]:
+        """The step's scored rows and rollout stats (ReMax: with their greedy baselines)."""
         rows, rollout_stats = self._generate_scored(step, prompts, timing)
-        if cfg.algorithm.adv_estimator == "remax":  # its baseline: the greedy response's score
+        if self.cfg.algorithm.adv_estimator == "remax":  # its baseline: the greedy response's score
             rows["baseline_scores"], remax_metrics = self._remax_baseline(step, rows, timing)
             rollout_stats.update(remax_metrics)
+        return rows, rollout_stats
+
+    def train_step(self, step: int, prompts: Batch | None = None, generated: tuple | None = None) -> dict:
+        """One step on `prompts`, or on rows an asynchronous loop generated already (`generated`:
+        rollout()'s answer; trainer/async_trainer.py)."""
+        cfg, timing = self.cfg, {}
+        t_step, restarts_before = time.perf_counter(), self.rt.fleet.restarts
+        rows, rollout_stats = generated if generated is not None else self.rollout(step, prompts, timing)
         if self.release:
             with _timer(timing, "release"):
                 self.rt.fleet.release_memory(["weights", "kv_cache"])
@@ -196,6 +206,7 @@ class SyncTrainer:
         if self.release:
             with _timer(timing, "resume"):
                 self.rt.fleet.resume_memory(["weights"])
+        self._before_sync(timing)
         with _timer(timing, "sync"):
             self.weight_version += 1
             bridge_stats = self.sync_weights()
@@ -210,6 +221,9 @@ class SyncTrainer:
         return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing,
                 **kl_metrics, **_average(critic_metrics or []), **take_counts(), **self.scorer.take_metrics(),
                 **{k: float(v) for k, v in bridge_stats.items() if k.startswith("bridge/")}}
+
+    def _before_sync(self, timing: dict) -> None:
+        """Where a loop whose engines generate during the update waits for them (one_step_off)."""
 
     def sync_weights(self) -> dict:
         """Push the actor's weights to every engine; returns the bridge's stats (rank 0's). An
@@ -325,18 +339,8 @@ class SyncTrainer:
 
     def _watching_ranks(self) -> RankWatch:
         """Generation calls no rank: a rank dying meanwhile aborts it and is raised (rank_watch.py)."""
-        def abort_generation() -> None:  # own clients: the manager's belong to the main thread
-            from megarl.rollout.client import RolloutClient
-
-            for url in self.rt.fleet.engine_urls:
-                client = RolloutClient(url, timeout_s=10.0, max_retries=0, api_key=self.rt.fleet.api_key)
-                try:
-                    client.abort_request(abort_all=True)
-                except Exception:  # noqa: BLE001  (an engine that cannot be reached has nothing running)
-                    pass
-                finally:
-                    client.close()
-        return RankWatch([self.rt.actor, self.rt.critic], abort_generation)
+        # the fleet makes its own clients: the manager's belong to the main thread
+        return RankWatch([self.rt.actor, self.rt.critic], self.rt.fleet.abort_all_requests)
 
     def _sampling(self, step: int, train: bool, round_: int = 0) -> SamplingSpec:
         """round_: a step's k-th generation round (dynamic sampling); its own seeds."""

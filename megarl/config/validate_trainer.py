@@ -1,0 +1,37 @@
+"""The loop mode's rules (trainer.mode): what one_step_off and fully_async can run with."""
+
+from __future__ import annotations
+
+from megarl.config.loader import ConfigError
+
+
+def check_loop_mode(cfg) -> None:
+    t = cfg.trainer
+    if t.mode == "sync":
+        return
+    if cfg.cluster.placement != "disaggregated":
+        raise ConfigError("trainer.mode", (
+            f"trainer.mode={t.mode} overlaps generation with training, which needs the rollout "
+            "engines on devices of their own; cluster.placement=colocated shares them with the "
+            "actor (engines release memory while it trains). Set cluster.placement=disaggregated "
+            "(configs/disaggregated.yaml), or trainer.mode=sync"))
+    if t.mode != "fully_async":
+        return
+    if t.max_staleness < 0:
+        raise ConfigError("trainer.max_staleness", f"trainer.max_staleness={t.max_staleness} must be >= 0 "
+                          "(0: every sample started with the weights it is trained at)")
+    if t.deterministic:
+        raise ConfigError("trainer.deterministic", (
+            "trainer.deterministic=true cannot hold with trainer.mode=fully_async: which weights "
+            "generate which tokens depends on timing. Use trainer.mode=sync or one_step_off for "
+            "reproducible runs"))
+    if cfg.algorithm.filter_groups.enable:
+        raise ConfigError("algorithm.filter_groups.enable", (
+            "algorithm.filter_groups (DAPO dynamic sampling) regenerates from the next prompt batches "
+            "inside a step; with trainer.mode=fully_async the buffer already holds more than a step "
+            "needs. Use trainer.mode=one_step_off or sync with it, or turn it off"))
+    if cfg.actor.moe.routing_replay:
+        raise ConfigError("actor.moe.routing_replay", (
+            "actor.moe.routing_replay replays the experts the rollout chose; with trainer.mode="
+            "fully_async a response spans weight versions and its experts with them. Use "
+            "trainer.mode=sync or one_step_off"))

@@ -1,0 +1,208 @@
+"""fully_async's rollout producer: the engines generate continuously; the trainer takes batches.
+
+A thread runs an asyncio loop that keeps sending prompts (one /generate per prompt with its n
+samples, through the router when there is one, else round-robin over the live engines) while
+admission allows, and puts every finished group into a buffer tagged with the trainer version
+that was current when it was sent. `take()` hands the trainer the first `groups_per_step` groups
+to finish (completion order: short answers do not wait for long ones).
+
+Staleness. A group sent under version v and trained at version u is u - v versions old.
+Admission (AReaL's rule) lets the producer have sent at most (u - u0 + max_staleness + 1) *
+groups_per_step groups, not counting dropped ones, by the time the trainer holds version u (u0:
+its version when the producer started), so the buffer never runs more than max_staleness
+steps ahead. A group that still comes out older (a long answer that finished late) is dropped
+at `take()` and counted (async/dropped_stale): the bound holds for every trained row.
+
+Weight updates happen while requests are in flight: the trainer's sync pauses the engines
+(trainer.pause_mode), updates them and lets them continue, so a response may span two versions;
+each token's log-prob is that of the weights that produced it (the engines record it per token,
+meta_info["weight_versions"] where they report it). `async/partial_frac` is the fraction of
+rows that spans versions (ended under another version than they started).
+
+Failures: the client retries a request (rollout.max_retries); one that still fails stops the
+producer and `take()` raises it (no prompt is dropped silently). Engines restarted by the fleet
+mid-run are not waited for here (the sync loop's re-send rounds are not repeated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+import time
+
+from megarl.data.batch import Batch
+from megarl.rollout.manager import SamplingSpec, rows_to_batch
+
+
+@dataclasses.dataclass
+class _Group:
+    prompt: Batch        # the prompt's row (non-tensor columns)
+    prompt_ids: list[int]
+    outputs: list        # n GenerateOutputs
+    version: int         # trainer version when it was sent
+
+
+class RolloutProducer:
+    def __init__(self, runtime, batches, cursor: int, sampling: SamplingSpec, *, groups_per_step: int,
+                 max_staleness: int, version: int, make_client=None):
+        """`make_client(url)`: the client for one engine or router URL (default: a RolloutClient)."""
+        self.rt, self.batches, self.sampling = runtime, batches, dataclasses.replace(sampling, seed=None)
+        self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+        self._cond = threading.Condition()
+        self._version = self._version0 = version
+        self._buffer: list[_Group] = []
+        self._sent = self._dropped = self._partial = 0
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._prompts = self._prompt_stream(cursor)
+        self._clients: dict[str, object] = {}
+        self._make_client = make_client or self._rollout_client
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    # ---- the trainer's side ----------------------------------------------------------------------
+    def take(self, version: int, timing: dict) -> tuple[Batch, dict]:
+        """The next `groups_per_step` groups trained at `version`, as rows (prompt-major), and the
+        step's async/* stats. Blocks until enough have finished (perf/wait_s)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            dropped_before = self._dropped
+            while True:
+                if self._error is not None:
+                    raise RuntimeError(f"fully_async rollout failed: {self._error}") from self._error
+                fresh = [g for g in self._buffer if version - g.version <= self.max_staleness]
+                if len(fresh) < len(self._buffer):
+                    self._dropped += len(self._buffer) - len(fresh)
+                    self._buffer = fresh
+                    self._notify()  # dropped groups free admission
+                if len(self._buffer) >= self.groups_per_step:
+                    groups = self._buffer[:self.groups_per_step]
+                    del self._buffer[:self.groups_per_step]
+                    break
+                self._cond.wait(timeout=1.0)
+            stats = {"async/dropped_stale": float(self._dropped - dropped_before),
+                     "async/buffered_groups": float(len(self._buffer)),
+                     "async/sent_groups": float(self._sent)}
+        timing["perf/wait_s"] = time.perf_counter() - t0
+        rows = self._rows(groups)
+        stats["async/group_staleness_max"] = float(max(version - g.version for g in groups))
+        started = [str(g.version) if g.version else "default" for g in groups for _ in g.outputs]
+        spans = [a != b for a, b in zip(started, rows["rollout_weight_version"])]
+        stats["async/partial_frac"] = sum(spans) / len(spans)
+        stats["rollout/retries"] = float(sum(c.retries for c in self._clients.values()))
+        return rows, stats
+
+    def set_version(self, version: int) -> None:
+        """The trainer synced `version` to the engines: admission moves on."""
+        with self._cond:
+            self._version = version
+            self._notify()
+
+    def stop(self) -> None:
+        """Stop sending, abort what is in flight (the engines answer it at once), join."""
+        with self._cond:
+            self._stopping = True
+            self._notify()
+        self.rt.fleet.abort_all_requests()
+        self._thread.join(timeout=60)
+        for client in self._clients.values():
+            client.close()
+
+    # ---- the producer thread ---------------------------------------------------------------------
+    def _admitted(self) -> bool:
+        allowed = (self._version - self._version0 + self.max_staleness + 1) * self.groups_per_step
+        return self._sent - self._dropped < allowed
+
+    def _notify(self) -> None:
+        self._cond.notify_all()
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # noqa: BLE001  (handed to the trainer by take())
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    async def _main(self) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
+        tasks: set[asyncio.Task] = set()
+        try:
+            while True:
+                with self._cond:
+                    if self._stopping or self._error is not None:
+                        break
+                    admitted = self._admitted()
+                    if admitted:
+                        self._sent += 1
+                        version = self._version
+                if admitted:
+                    task = asyncio.create_task(self._one(next(self._prompts), version))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    continue
+                self._wake.clear()
+                with self._cond:
+                    if self._admitted() or self._stopping:
+                        continue
+                await self._wake.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(self, prompt: tuple[Batch, list[int]], version: int) -> None:
+        row, ids = prompt
+        client = self._client()
+        try:
+            outputs = await client.agenerate([ids], self.sampling.to_sglang(), return_logprob=True)
+        except Exception as exc:  # noqa: BLE001
+            with self._cond:
+                if not self._stopping and self._error is None:
+                    self._error = exc
+                self._cond.notify_all()
+            return
+        aborted = [o for o in outputs if o.finish_reason.get("type") == "abort"]
+        with self._cond:
+            if aborted and not self._stopping and self._error is None:
+                self._error = RuntimeError(f"an engine aborted a request: {aborted[0].finish_reason}")
+            elif not aborted:
+                self._buffer.append(_Group(row, ids, outputs, version))
+            self._cond.notify_all()
+
+    def _prompt_stream(self, cursor: int):
+        for k in itertools.count(cursor):
+            batch = self.batches.batch_at(k)
+            keys = list(batch.non_tensors)
+            for i in range(len(batch)):
+                yield batch[i:i + 1].select(*keys), list(map(int, batch["raw_prompt_ids"][i]))
+
+    def _client(self):
+        fleet = self.rt.fleet
+        urls = [fleet.router_url] if fleet.router_url else fleet.live_urls()
+        url = urls[self._sent % len(urls)]
+        if url not in self._clients:
+            self._clients[url] = self._make_client(url)
+        return self._clients[url]
+
+    def _rollout_client(self, url: str):
+        from megarl.rollout.client import RolloutClient
+
+        r = self.rt.cfg.rollout
+        return RolloutClient(url, batched=False, timeout_s=r.request_timeout_s, max_retries=r.max_retries,
+                             api_key=self.rt.fleet.api_key)
+
+    def _rows(self, groups: list[_Group]) -> Batch:
+        n = self.sampling.n
+        rows = rows_to_batch([(g.prompt_ids, out) for g in groups for out in g.outputs])
+        prompts = Batch.concat([g.prompt for g in groups]).repeat_interleave(n)
+        return prompts.union(rows)
