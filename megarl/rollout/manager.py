@@ -233,7 +233,8 @@ def _check_finished(rows) -> None:
 
 
 # the non-tensor columns rows_to_batch adds; a rollout's other non-tensor columns are its prompts'
-GENERATED_NON_TENSORS = ("response_text", "finish_reason", "rollout_weight_version")
+GENERATED_NON_TENSORS = ("response_text", "finish_reason", "rollout_weight_version",
+                         "rollout_start_version")  # the last: fully_async's (trainer/async_rollout.py)
 
 
 def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]], routed_experts: bool = False) -> Batch:

@@ -32,6 +32,8 @@ import itertools
 import threading
 import time
 
+import numpy as np
+
 from megarl.data.batch import Batch
 from megarl.rollout.manager import SamplingSpec, rows_to_batch
 
@@ -92,8 +94,7 @@ class RolloutProducer:
         timing["perf/wait_s"] = time.perf_counter() - t0
         rows = self._rows(groups)
         stats["async/group_staleness_max"] = float(max(version - g.version for g in groups))
-        started = [str(g.version) if g.version else "default" for g in groups for _ in g.outputs]
-        spans = [a != b for a, b in zip(started, rows["rollout_weight_version"])]
+        spans = [a != b for a, b in zip(rows["rollout_start_version"], rows["rollout_weight_version"])]
         stats["async/partial_frac"] = sum(spans) / len(spans)
         stats["rollout/retries"] = float(sum(c.retries for c in self._clients.values()))
         return rows, stats
@@ -205,4 +206,11 @@ class RolloutProducer:
         n = self.sampling.n
         rows = rows_to_batch([(g.prompt_ids, out) for g in groups for out in g.outputs])
         prompts = Batch.concat([g.prompt for g in groups]).repeat_interleave(n)
+        rows["rollout_start_version"] = np.array([_label(g.version) for g in groups for _ in g.outputs],
+                                                 dtype=object)
         return prompts.union(rows)
+
+
+def _label(version: int) -> str:
+    """A trainer version as the engines label it (the initial weights are "default")."""
+    return str(version) if version else "default"

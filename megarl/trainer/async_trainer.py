@@ -53,6 +53,9 @@ class _AsyncBase(SyncTrainer):
         """Rows served by the version the trainer holds are checked as in the sync loop; rows from
         older versions cannot agree with it: their difference is logged, not checked."""
         served = [version_number(v) for v in rows["rollout_weight_version"]]
+        if "rollout_start_version" in rows.non_tensors:  # fully_async: a row spans the versions from
+            served = [None if v is None else min(v, version_number(s))  # the one it started under
+                      for v, s in zip(served, rows["rollout_start_version"])]
         behind = [self.weight_version - v for v in served if v is not None]
         current = bool(behind) and max(behind) == 0 and len(behind) == len(served)
         bridge = self.cfg.bridge if current else dataclasses.replace(self.cfg.bridge, check_parity=False)

@@ -1,0 +1,148 @@
+"""The loop modes against each other: trainer.mode sync vs one_step_off vs fully_async, same task,
+model and processes, in one run.
+
+    .venv/bin/python benchmarks/bench_async.py [--steps 12] [--max-new-tokens 48] [--eos-bias 3]
+
+Workload: configs/disaggregated.yaml (the digits task, tiny Qwen3-MoE) with one actor rank
+(num_actor_ranks=1) and one tp=1 engine: two compute processes, each with one torch thread, on a
+2-core machine. In the sync loop one of them always waits for the other (the engine while the
+actor trains, the actor while the engine generates), so a core idles; the async loops give both
+work at once. That is how generation and training genuinely overlap on 2 cores: the same two
+processes, either alternating or running side by side.
+
+Long tail: every sample has up to --max-new-tokens tokens and a logit bias of --eos-bias on the
+end-of-sequence token (SGLang's `logit_bias` sampling parameter), so lengths are roughly
+geometric: most responses end within a few tokens, a few run to the limit. The sync loop's
+step waits for the longest; the reward reads only the first character, so the task is unchanged.
+
+Each mode gets its own runtime (Ray cluster, engine, actor; start-up not timed) and --steps
+steps; time is wall-clock from the first step's start to the last step's end. Reported per mode:
+samples/s (rows trained / time), reward mean over the last --window steps, reward gained per
+minute ((last window - first window) / time), and the ratio of samples/s to the sync loop's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--eos-bias", type=float, default=3.0)
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--modes", default="sync,one_step_off,fully_async")
+    p.add_argument("--json", default=None, help="write the results here too")
+    return p.parse_args(argv)
+
+
+class _TimedLogger:
+    """The trainer's logger, plus the wall-clock time each step was logged."""
+
+    def __init__(self, inner):
+        self.inner, self.times, self.rows = inner, [], []
+
+    def log(self, step, metrics):
+        self.times.append(time.perf_counter())
+        self.rows.append(dict(metrics))
+        self.inner.log(step, metrics)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def run_mode(mode: str, args, workdir: Path) -> dict:
+    import io
+
+    from megarl.config.loader import load_config
+    from megarl.config.validate import validate
+    from megarl.trainer.async_trainer import make_trainer
+    from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.runtime import start_runtime
+
+    cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", [
+        f"trainer.output_dir={workdir / mode}", f"trainer.total_steps={args.steps}", "trainer.val_every=0",
+        "trainer.tensorboard=false", "trainer.export_hf=false", f"trainer.mode={mode}",
+        "cluster.num_actor_ranks=1", "actor.parallel.ep=1", "rollout.tp=1",
+        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_batch_size=256",
+        "actor.ppo_mini_batch_size=128", "actor.micro_batch_size=64"]))
+    with start_runtime(cfg) as rt:
+        from transformers import AutoTokenizer
+
+        eos = AutoTokenizer.from_pretrained(rt.model_path).eos_token_id
+        logger = _TimedLogger(MetricsLogger(None, args.steps, stream=io.StringIO()))
+        trainer = make_trainer(rt, logger)
+        plain = trainer._sampling
+
+        def biased(step, train, round_=0):  # the long tail: a bias towards ending
+            spec = plain(step, train, round_)
+            return _Biased(**dataclasses.asdict(spec), eos=eos, bias=args.eos_bias) if train else spec
+        trainer._sampling = biased
+        start = time.perf_counter()
+        trainer.fit()
+    rewards = [m["reward/mean"] for m in logger.rows]
+    lengths = [m["response/length_mean"] for m in logger.rows]
+    elapsed = logger.times[-1] - start
+    rows = cfg.data.train_batch_size * cfg.rollout.n * args.steps
+    w = args.window
+    return {"mode": mode, "steps": args.steps, "wall_s": elapsed, "samples_per_s": rows / elapsed,
+            "reward_first": float(np.mean(rewards[:w])), "reward_last": float(np.mean(rewards[-w:])),
+            "reward_gain_per_min": (np.mean(rewards[-w:]) - np.mean(rewards[:w])) / (elapsed / 60),
+            "length_mean": float(np.mean(lengths)),
+            "max_length_frac": float(np.mean([m["response/clip_ratio"] for m in logger.rows])),
+            "staleness_mean": float(np.mean([m.get("async/staleness_mean", 0.0) for m in logger.rows])),
+            "partial_frac": float(np.mean([m.get("async/partial_frac", 0.0) for m in logger.rows]))}
+
+
+@dataclasses.dataclass
+class _Biased:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    seed: tuple | None = None
+    return_routed_experts: bool = False
+    eos: int = 0
+    bias: float = 0.0
+
+    def to_sglang(self) -> dict:
+        from megarl.rollout.manager import SamplingSpec
+
+        base = SamplingSpec(self.n, self.temperature, self.top_p, self.top_k, self.max_new_tokens,
+                            self.seed, self.return_routed_experts).to_sglang()
+        return {**base, "logit_bias": {str(self.eos): self.bias}}
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes.split(","):
+            results.append(run_mode(mode, args, Path(tmp)))
+    base = next((r["samples_per_s"] for r in results if r["mode"] == "sync"), None)
+    print(f"{'mode':<13} {'wall s':>7} {'samples/s':>9} {'x sync':>6} {'reward first':>12} {'last':>6} "
+          f"{'gain/min':>8} {'len':>5} {'at max':>6} {'stale':>5} {'partial':>7}")
+    for r in results:
+        r["ratio_vs_sync"] = r["samples_per_s"] / base if base else None
+        print(f"{r['mode']:<13} {r['wall_s']:7.1f} {r['samples_per_s']:9.1f} "
+              f"{r['ratio_vs_sync'] or float('nan'):6.2f} {r['reward_first']:12.3f} {r['reward_last']:6.3f} "
+              f"{r['reward_gain_per_min']:8.3f} {r['length_mean']:5.1f} {r['max_length_frac']:6.1%} "
+              f"{r['staleness_mean']:5.2f} {r['partial_frac']:7.1%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
