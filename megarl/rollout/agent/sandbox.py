@@ -24,8 +24,8 @@ What confines it (sandbox_child.py applies 1-3 in the child before the program's
 The parent keeps `max_output_bytes` of stdout and of stderr and kills the process as soon as either
 produces more (output_truncated); it kills the process at `timeout_s` wall-clock (timed_out);
 and whatever happened, once the program's process exits or is killed, SIGKILL goes to the whole
-process group before the exit status is collected, so no child outlives the call (a background
-child, a fork bomb). The program runs in a fresh temporary directory (its cwd and HOME, removed
+process group before the exit status is collected, and the call returns once none of the group
+is left running, so no child outlives the call (a background child, a fork bomb). The program runs in a fresh temporary directory (its cwd and HOME, removed
 afterwards) with a minimal environment, under `python -I` (no user site-packages, no PYTHONPATH).
 Not confined: reading files the user running the trainer can read; CPU use of many children
 within the wall-clock timeout (each has its own RLIMIT_CPU).
@@ -198,8 +198,32 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    _wait_group_gone(proc.pid)
     for stream in (proc.stdout, proc.stderr):
         stream.close()
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 5.0) -> None:
+    """SIGKILL is delivered at once but a process takes a few ms to die: wait until no process of
+    the group is left running (a zombie awaiting its reaper has run its last instruction)."""
+    deadline = time.monotonic() + timeout_s
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            members.append(int(entry.name))
+    return members
 
 
 def _check_isolation(required: str, report: dict, stderr: bytes) -> None:

@@ -9,8 +9,8 @@ A call is written the way Hermes and Qwen models write them (Qwen2.5/Qwen3 chat 
 `parse_tool_calls(text)` finds every call in one assistant turn. Whatever goes wrong is the
 model's mistake and is answered to it as the tool's output, counted as a failed call, never raised:
 the body is not JSON, not an object with a string "name" and an object "arguments" (a JSON string
-holding an object is accepted, as some models write it), a <tool_call> is not closed, the tool is
-unknown, or the arguments do not match the tool's JSON schema (checked with `jsonschema`).
+holding an object is accepted, as some models write it), a <tool_call> is not closed or a
+</tool_call> opened, the tool is unknown, or the arguments do not match the tool's JSON schema (checked with `jsonschema`).
 
 Tools are registered by name with `@register_tool("name")` on a factory `factory(cfg) -> Tool`,
 where cfg is the run's `rollout.agent` section; `rollout.agent.tools` lists the names a run offers.
@@ -47,11 +47,14 @@ class ToolResult:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every <tool_call>...</tool_call> of `text`, in order, plus one failed call for a trailing
-    <tool_call> that was never closed."""
+    """Every <tool_call>...</tool_call> of `text`, in order, plus one failed call for a
+    </tool_call> that closes nothing (the model ended its turn as if it had called) and one for a
+    <tool_call> never closed."""
     calls = [_parse_body(m.group(1)) for m in _CALL.finditer(text)]
-    tail = text[text.rfind(CALL_CLOSE) + len(CALL_CLOSE):] if CALL_CLOSE in text else text
-    if CALL_OPEN in tail:
+    rest = _CALL.sub("", text)
+    if CALL_CLOSE in rest:
+        calls.append(ToolCall(None, None, f"error: {CALL_CLOSE} without {CALL_OPEN}"))
+    if CALL_OPEN in rest:
         calls.append(ToolCall(None, None, f"error: {CALL_OPEN} without {CALL_CLOSE}"))
     return calls
 
