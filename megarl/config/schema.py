@@ -50,7 +50,7 @@ class DataConfig:
     # "path/to/file.py:Class" or "package.module:Class": reads each file (or makes rows when there
     # is none) in place of the parquet/jsonl reader; contract in megarl/data/custom.py
     custom_cls: str | None = None
-    # procedural task used when files are None: digits | arith | rg:<reasoning-gym dataset>
+    # procedural task used when files are None: digits | arith | arith_tool | rg:<reasoning-gym dataset>
     # (rg:basic_arithmetic, rg:chain_sum, rg:countdown, ...; scored by the dataset's own scorer)
     task: str = "digits"
     num_train: int = 1024                 # generated prompts (when train_files is None)

@@ -61,8 +61,8 @@ TINY_QWEN3_MOE = dict(
 )
 
 # tiny-qwen3-moe-tools: the same model with a 128-token vocabulary whose tokenizer also has every
-# printable ASCII character and Qwen's tool-call markers (megarl/rollout/agent, the agent example):
-# ids 0..51 are tiny-qwen3-moe's, so its digits prompts tokenize the same.
+# printable ASCII character and Qwen's tool-call markers (megarl/rollout/agent, the agent example),
+# and 512 positions (a few-shot prompt plus tool turns): ids 0..50 are tiny-qwen3-moe's.
 TOOLS_PRESET = "tiny-qwen3-moe-tools"
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 TOOLS_CHAT_TEMPLATE = (
@@ -73,7 +73,7 @@ TOOLS_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-PRESETS = {"tiny-qwen3-moe": TINY_QWEN3_MOE, TOOLS_PRESET: {**TINY_QWEN3_MOE, "vocab_size": 128}, **ARCH_PRESETS}
+PRESETS = {"tiny-qwen3-moe": TINY_QWEN3_MOE, TOOLS_PRESET: {**TINY_QWEN3_MOE, "vocab_size": 128, "max_position_embeddings": 512}, **ARCH_PRESETS}
 
 
 def preset_overrides(model_cfg) -> dict:
