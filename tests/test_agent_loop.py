@@ -310,3 +310,20 @@ def test_real_engine_log_probs_match_hf_over_the_final_record(tools_model, tmp_p
         assert torch.allclose(got[mask], ref[mask], atol=1e-4), (got[mask] - ref[mask]).abs().max()
         assert bool((got[~mask] == 0).all())
         assert (out.extras["tool_calls"] > 0) == bool((~mask).any())  # tool tokens exactly when calls were answered
+
+
+def test_the_example_task_fits_its_config_and_scores_the_last_turn():
+    from megarl.config.loader import load_config
+    from megarl.data.dataset import tokenize_prompt
+    from megarl.data.tasks import make_arith_tool_rows
+    from megarl.reward.rule import arith_tool_score
+
+    cfg = load_config("configs/agent-python-tool.yaml")
+    assert cfg.rollout.agent_loop == "tool" and cfg.model.preset == TOOLS_PRESET
+    for row in make_arith_tool_rows(32, seed=1):
+        ids = tokenize_prompt(TOK, row["prompt"])
+        assert len(ids) <= cfg.data.max_prompt_length and TOK.pad_token_id not in ids  # no unknown character
+        assert TOK.convert_tokens_to_ids("<tool_call>") in ids  # the example call's markers are single tokens
+        truth = row["reward_model"]["ground_truth"]
+        assert arith_tool_score(f"so {truth}", truth, {}) == 1.0
+        assert arith_tool_score("12", truth, {}) == 0.1 and arith_tool_score("none", truth, {}) == 0.0
