@@ -29,6 +29,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.rollout.agent.base import AGENT_LOOPS, AgentLoop, AgentOutput, AgentSample, EngineHandle
+from megarl.rollout.client import _gather_or_cancel
 
 
 class AgentRollout:
@@ -91,7 +92,7 @@ class AgentRollout:
                                    ground_truth=columns["ground_truth"][i], extra_info=columns["extra_info"][i])
                        for j in range(n)]
             try:
-                outs = await asyncio.gather(*[self.loop.run(s) for s in samples])
+                outs = await _gather_or_cancel([self.loop.run(s) for s in samples])  # one fails: stop its siblings
             except Exception as exc:  # noqa: BLE001  (the prompt is run again or the failure raised)
                 errors[i] = exc
                 return
