@@ -72,14 +72,14 @@ def test_config_accepts_the_tasks_and_names_a_bad_one():
 
     for task in [*TASKS, "rg:basic_arithmetic", "rg:countdown"]:
         validate(load_config(None, [f"data.task={task}"]))
-    with pytest.raises(ConfigError, match=r"data\.task='nope' must be digits, arith or rg:"):
+    with pytest.raises(ConfigError, match=r"data\.task='nope' must be digits, arith, arith_tool or rg:"):
         validate(load_config(None, ["data.task=nope"]))
     with pytest.raises(ConfigError, match=r"data\.task='rg:nope': reasoning-gym has no dataset 'nope'"):
         validate(load_config(None, ["data.task=rg:nope"]))
 
 
 def test_unknown_task_is_named():
-    with pytest.raises(ValueError, match=r"unknown procedural task 'nope'; known tasks: \['arith', 'digits'\]"):
+    with pytest.raises(ValueError, match=r"unknown procedural task 'nope'; known tasks: \['arith', 'arith_tool', 'digits'\]"):
         generate_task("nope", 3)
 
 

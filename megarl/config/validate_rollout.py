@@ -69,6 +69,32 @@ def check_rollout(cfg: RunConfig, model_config: dict | None) -> None:
              f"rollout.router_policy=power_of_two needs rollout.num_servers >= 2 (sglang-router refuses "
              f"to start it with fewer workers), got {r.num_servers}; use round_robin")
     _check_pools(cfg)
+    _check_agent(cfg)
+
+
+def _check_agent(cfg: RunConfig) -> None:
+    """rollout.agent_loop and rollout.agent.* (megarl/rollout/agent/)."""
+    r = cfg.rollout
+    if r.agent_loop is None:
+        return
+    from megarl.rollout.agent.base import AGENT_LOOPS
+    from megarl.rollout.agent.tools import TOOLS
+
+    _require(r.agent_loop in AGENT_LOOPS, "rollout.agent_loop",
+             f"rollout.agent_loop={r.agent_loop!r} is not a registered agent loop; known: {sorted(AGENT_LOOPS)} "
+             "(or null for single-turn rollouts)")
+    a, s = r.agent, r.agent.sandbox
+    for key, value in (("max_turns", a.max_turns), ("max_tool_calls_per_turn", a.max_tool_calls_per_turn)):
+        _require(value >= 1, f"rollout.agent.{key}", f"rollout.agent.{key}={value} must be >= 1")
+    unknown = [t for t in a.tools if t not in TOOLS]
+    _require(not unknown, "rollout.agent.tools",
+             f"rollout.agent.tools names unregistered tools {unknown}; registered: {sorted(TOOLS)}")
+    for key in ("timeout_s", "cpu_s", "memory_mb", "max_output_bytes", "file_mb", "max_concurrency"):
+        _require(getattr(s, key) > 0, f"rollout.agent.sandbox.{key}",
+                 f"rollout.agent.sandbox.{key}={getattr(s, key)} must be > 0")
+    _require(not cfg.actor.moe.routing_replay, "actor.moe.routing_replay",
+             "actor.moe.routing_replay needs one routing record per row; an agent trajectory spans several "
+             "generate calls whose records are not joined: set actor.moe.routing_replay=false or rollout.agent_loop=null")
 
 
 def _check_engine_fits_model(tp: int, mc: dict) -> None:

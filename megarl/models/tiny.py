@@ -1,6 +1,7 @@
 """Tiny checkpoints built in code: HF config, a character tokenizer, random weights.
 
-Presets: tiny-qwen3-moe (here, the default) and the architectures of tiny_archs.py (Qwen2, Qwen3,
+Presets: tiny-qwen3-moe (here, the default), tiny-qwen3-moe-tools (the same with a tool-calling
+vocabulary, for the agent loop) and the architectures of tiny_archs.py (Qwen2, Qwen3,
 Llama, DeepSeek-V3).
 
 The result is an ordinary Hugging Face model directory (config.json, tokenizer files,
@@ -59,7 +60,20 @@ TINY_QWEN3_MOE = dict(
     pad_token_id=0,
 )
 
-PRESETS = {"tiny-qwen3-moe": TINY_QWEN3_MOE, **ARCH_PRESETS}
+# tiny-qwen3-moe-tools: the same model with a 128-token vocabulary whose tokenizer also has every
+# printable ASCII character and Qwen's tool-call markers (megarl/rollout/agent, the agent example),
+# and 512 positions (a few-shot prompt plus tool turns): ids 0..50 are tiny-qwen3-moe's.
+TOOLS_PRESET = "tiny-qwen3-moe-tools"
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOOLS_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|user|>{% endif %}"
+    "<tool_response>{{ m['content'] }}</tool_response>"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+PRESETS = {"tiny-qwen3-moe": TINY_QWEN3_MOE, TOOLS_PRESET: {**TINY_QWEN3_MOE, "vocab_size": 128, "max_position_embeddings": 512}, **ARCH_PRESETS}
 
 
 def preset_overrides(model_cfg) -> dict:
@@ -68,18 +82,24 @@ def preset_overrides(model_cfg) -> dict:
     return {} if n is None else {"num_hidden_layers": n}
 
 
-def build_tokenizer():
-    """Character-level tokenizer with a chat template; ids 0..len(vocab)-1 (51 < vocab_size)."""
+def build_tokenizer(tools: bool = False):
+    """Character-level tokenizer with a chat template; ids 0..len(vocab)-1 (51 < vocab_size).
+    tools: also the tool markers (plain added tokens, kept in decoded text as Qwen's are) and
+    the rest of printable ASCII (105 ids), with a template that renders role "tool" as
+    <|user|><tool_response>...</tool_response> (TOOLS_PRESET)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
+    extra = TOOL_TOKENS + [chr(c) for c in range(32, 127) if chr(c) not in CHARS] if tools else []
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS + extra)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+    if tools:
+        tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
     return fast
 
 
@@ -109,7 +129,7 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, preset: str
         if preset in ARCH_PRESETS:  # tiny-qwen3-moe keeps its init: the reference curve depends on it
             perturb_constant_tensors(model, torch.Generator().manual_seed(seed + 1))
     model.save_pretrained(tmp, safe_serialization=True)
-    build_tokenizer().save_pretrained(tmp)
+    build_tokenizer(tools=preset == TOOLS_PRESET).save_pretrained(tmp)
     (tmp / "megarl_tiny.json").write_text(json.dumps({"seed": seed, "config": cfg_dict}))
     if out.exists():
         import shutil

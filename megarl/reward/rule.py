@@ -210,3 +210,13 @@ def arith_score(solution_str: str, ground_truth: str, extra_info: dict) -> float
     """1 when the last integer in the response (thousands commas allowed) is the answer, else 0."""
     found = _INTEGER.findall(solution_str)
     return float(bool(found) and found[-1].replace(",", "") == ground_truth.strip())
+
+
+@register_scorer("megarl/arith_tool")
+def arith_tool_score(solution_str: str, ground_truth: str, extra_info: dict) -> float:
+    """The agent example's reward (data.task arith_tool): 1 for the answer as the last integer of
+    the model's last turn (arith's rule), 0.1 for another integer there (a shaping term, so a
+    random-init model's rewards differ within a group and GRPO has a gradient), else 0."""
+    if arith_score(solution_str, ground_truth, extra_info):
+        return 1.0
+    return 0.1 if _INTEGER.search(solution_str) else 0.0

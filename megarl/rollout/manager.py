@@ -59,15 +59,16 @@ class SamplingSpec:
 class RolloutManager:
     def __init__(self, server_urls: list[str] | None = None, timeout_s: float = 600.0, max_retries: int = 3, *,
                  batched: bool = True, max_batch_prompts: int | None = None, api_key: str | None = None,
-                 fleet=None, max_rounds: int = 4):
+                 fleet=None, max_rounds: int = 4, agent=None):
         """server_urls: fixed engines; or `fleet` (a RolloutFleet), whose router / live engines are
-        asked on every call, and which restarts engines that die."""
+        asked on every call, and which restarts engines that die. `agent`: an AgentRollout
+        (rollout.agent_loop, megarl/rollout/agent/rollout.py) that makes the rows instead."""
         if not server_urls and fleet is None:
             raise ValueError("rollout: no server URLs and no fleet")
         self._fixed_urls, self.fleet = list(server_urls or []), fleet
         self._client_options = dict(timeout_s=timeout_s, max_retries=max_retries,
                                     max_batch_prompts=max_batch_prompts, api_key=api_key)
-        self.batched, self.max_rounds = batched, max_rounds
+        self.batched, self.max_rounds, self.agent = batched, max_rounds, agent
         self._clients: dict[tuple[str, bool], RolloutClient] = {}
         self.last_stats: dict[str, float] = {}
 
@@ -92,6 +93,8 @@ class RolloutManager:
         Requires the non-tensor column `raw_prompt_ids`; every other non-tensor column of
         `prompts` is repeated onto its rows.
         """
+        if self.agent is not None:  # multi-turn trajectories, same row layout (agent/rollout.py)
+            return self.agent.generate(self, prompts, sampling, weight_version, on_rows)
         prompt_ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         outputs: list[list[GenerateOutput] | None] = [None] * len(prompt_ids)
         retries_before, restarts_before = self._client_retries(), self._restarts()

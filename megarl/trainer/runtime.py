@@ -201,8 +201,11 @@ def start_runtime(cfg: RunConfig):
 
         reward_model_url = stack.enter_context(reward_model_server(cfg.reward.model, run_dir))
         fleet.wait_started()
+        from megarl.rollout.agent.rollout import AgentRollout
+
         rollout = RolloutManager(fleet=fleet, timeout_s=cfg.rollout.request_timeout_s,
-                                 max_retries=cfg.rollout.max_retries, api_key=fleet.api_key)
+                                 max_retries=cfg.rollout.max_retries, api_key=fleet.api_key,
+                                 agent=AgentRollout.from_config(cfg.rollout, tokenizer))
         stack.callback(rollout.close)
         yield Runtime(cfg=cfg, run_dir=run_dir, model_path=model_path, tokenizer=tokenizer,
                       train_data=train_data, val_data=val_data, actor=actor, rollout=rollout,

@@ -357,7 +357,9 @@ class SyncTrainer:
 
     @staticmethod
     def _token_lengths(rows: Batch) -> list[int]:
-        return (rows["prompt_lengths"].long() + rows["response_mask"].sum(1).long()).tolist()
+        from megarl.engine.megatron.packing import row_lengths  # tool tokens (mask 0) inside count
+
+        return row_lengths(rows["input_ids"], rows["prompt_lengths"], rows["response_mask"]).tolist()
 
     def _trainer_view(self, rows: Batch, *extra: str) -> Batch:
         """Only the tensors the engine reads travel to the workers."""

@@ -20,8 +20,13 @@ import torch
 
 def row_lengths(input_ids: torch.Tensor, prompt_lengths: torch.Tensor,
                 response_mask: torch.Tensor) -> torch.Tensor:
-    """Real tokens per row: its prompt plus the unmasked response tokens. [b] int64."""
-    lengths = prompt_lengths.long() + response_mask.sum(dim=1).long()
+    """Real tokens per row: its prompt plus its response up to the last token with mask 1. [b] int64.
+    An agent trajectory's response has tool tokens (mask 0) between the model's; they are real
+    tokens the model reads, so the length runs to the last model token, not the count of 1s."""
+    positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    last = ((positions * (response_mask > 0)).amax(dim=1) if response_mask.shape[1]
+            else torch.zeros(response_mask.shape[0], dtype=torch.long))
+    lengths = prompt_lengths.long() + last.long()
     if int(lengths.max()) > input_ids.shape[1]:
         raise ValueError(f"a row claims {int(lengths.max())} tokens but input_ids has only "
                          f"{input_ids.shape[1]} columns: prompt_lengths / response_mask disagree "
