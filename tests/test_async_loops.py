@@ -90,7 +90,8 @@ def test_async_modes_refuse_what_they_cannot_run():
         validate(load_config(ROOT / "configs/quickstart.yaml", ["trainer.mode=one_step_off"]))
     for override, key in [("trainer.deterministic=true", "trainer.deterministic"),
                           ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable"),
-                          ("trainer.max_staleness=-1", "trainer.max_staleness")]:
+                          ("trainer.max_staleness=-1", "trainer.max_staleness"),
+                          ("rollout.agent_loop=tool", "rollout.agent_loop")]:
         with pytest.raises(ConfigError, match=key):
             validate(load_config(base, ["trainer.mode=fully_async", override]))
     validate(load_config(base, ["trainer.mode=one_step_off", "trainer.deterministic=true"]))

@@ -30,6 +30,11 @@ def check_loop_mode(cfg) -> None:
             "algorithm.filter_groups (DAPO dynamic sampling) regenerates from the next prompt batches "
             "inside a step; with trainer.mode=fully_async the buffer already holds more than a step "
             "needs. Use trainer.mode=one_step_off or sync with it, or turn it off"))
+    if cfg.rollout.agent_loop is not None:
+        raise ConfigError("rollout.agent_loop", (
+            f"rollout.agent_loop={cfg.rollout.agent_loop} runs multi-turn trajectories through the "
+            "rollout manager; trainer.mode=fully_async's producer sends single-turn requests only. "
+            "Use trainer.mode=one_step_off or sync with an agent loop"))
     if cfg.actor.moe.routing_replay:
         raise ConfigError("actor.moe.routing_replay", (
             "actor.moe.routing_replay replays the experts the rollout chose; with trainer.mode="
