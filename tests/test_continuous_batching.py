@@ -190,13 +190,15 @@ def test_retract_reprefills_under_the_weights_loaded_during_the_pause(engine, re
     assert (old[k:] - new[k:]).abs().max() > 1e-2  # the update changed the log-probs: the test can fail
 
 
-def test_abort_by_rid_leaves_the_other_rows_running(engine):
+def test_abort_by_rid_of_a_joined_row_leaves_the_other_rows_running(engine):
     alone = {rid: engine.submit([request(rid, PROMPTS[i], 12, seed=i)])[0].result(timeout=60)
              for i, rid in [(0, "a"), (2, "c")]}
-    futures = engine.submit([request("a", PROMPTS[0], 12, seed=0),
-                             request("b", PROMPTS[1], 12, seed=1, on_token=at_token(4, lambda: engine.abort("b"))),
-                             request("c", PROMPTS[2], 12, seed=2)])
-    a, b, c = (f.result(timeout=60) for f in futures)
+    joiners = [request("b", PROMPTS[1], 12, seed=1, on_token=at_token(4, lambda: engine.abort("b"))),
+               request("c", PROMPTS[2], 12, seed=2)]
+    first = request("a", PROMPTS[0], 12, seed=0, on_token=at_token(2, lambda: engine.submit(joiners)))
+    engine.submit([first])
+    a, b, c = (r.future.result(timeout=60) for r in [first, *joiners])
+    assert engine.stats["joined"] == 2
     assert b.finish_reason == {"type": "abort", "message": "aborted by /abort_request"} and len(b.output_ids) == 4
     assert_same_answer(a, alone["a"])
     assert_same_answer(c, alone["c"])
