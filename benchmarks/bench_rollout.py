@@ -20,6 +20,18 @@ ratio = peer tokens/s / megarl tokens/s (1.0 = as fast as the peer; higher = meg
 
     .venv/bin/python benchmarks/bench_rollout.py --mesh [--models tiny-x10]
 
+    .venv/bin/python benchmarks/bench_rollout.py --mixed [--batch-size 16] [--long-fraction 0.1]
+
+--mixed measures continuous batching on a long-tail workload instead: --prompts x --n rows, each
+with its own length (most short: uniform in [--short-min, --short-max] new tokens; a
+--long-fraction of them --long-tokens), exact (ignore_eos / min_new_tokens), same rows in the same
+order for every path, at most --batch-size rows at once everywhere. HF `generate` runs static
+batches of --batch-size rows in order (each batch until its longest row is done, as a synchronous
+rollout does); megarl's engine, in process and behind its server (one batched /generate with
+per-row sampling_params), keeps --batch-size rows running, queued rows joining as others finish;
+the same engine with continuous_batching=False (static batches) shows what the joins buy.
+tokens/s counts each row's own tokens only; speedup = this path's tokens/s / HF's.
+
 --mesh measures the cost of the rollout mesh instead, same prompts, one run, one path for all
 (RolloutClient with one /generate per prompt carrying its n samples, all concurrent, as the
 manager sends them through a router): one tp=1 engine, one tp=2 engine (2 processes, gloo), and
@@ -60,6 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--mesh", action="store_true", help="tp=1 vs tp=2 vs 2 engines behind sglang-router")
     p.add_argument("--router-policy", default="round_robin", help="sglang-router --policy for --mesh")
+    p.add_argument("--mixed", action="store_true", help="long-tail lengths: continuous batching vs static HF")
+    p.add_argument("--batch-size", type=int, default=16, help="--mixed: rows at once (engine and HF batches)")
+    p.add_argument("--short-min", type=int, default=4)
+    p.add_argument("--short-max", type=int, default=16)
+    p.add_argument("--long-tokens", type=int, default=160)
+    p.add_argument("--long-fraction", type=float, default=0.1)
     return p.parse_args(argv)
 
 
@@ -226,7 +244,11 @@ def bench_model(name: str, model_dir: Path, args) -> list[dict]:
     from transformers import AutoTokenizer
 
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.prompts)
-    if args.mesh:
+    if args.mixed:
+        from _mixed_lengths import measure_mixed
+
+        rows = measure_mixed(model_dir, prompts, args, median_rate)
+    elif args.mesh:
         rows = [measure_hf_peer(model_dir, prompts, args), *measure_mesh(model_dir, prompts, args)]
     else:
         rows = [measure_hf_peer(model_dir, prompts, args), measure_engine(model_dir, prompts, args),
@@ -259,6 +281,10 @@ def main(argv=None) -> None:
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    if args.mixed:
+        from _mixed_lengths import print_mixed_table
+
+        return print_mixed_table(rows, args, load_before, os.getloadavg())
     print_table(rows, args, load_before, os.getloadavg())
 
 

@@ -168,6 +168,45 @@ def test_two_node_engine_serves_like_tp1_and_node1_answers_health(servers):
     assert (info["tp"], info["nnodes"], info["node_rank"]) == (2, 2, 0)
 
 
+def test_tp2_rows_that_join_a_running_batch_answer_what_tp1_answers_alone(servers):
+    """Continuous batching under TP: requests join the tp=2 engine's running batch (their prefill
+    cache merged into the batch's on every rank, rows selected and columns trimmed there too)."""
+    tp1, tp2 = servers["tp1"], servers["tp2"]
+
+    def body(prompt, max_new, seed):
+        return dict(input_ids=prompt, return_logprob=True,
+                    sampling_params={"max_new_tokens": max_new, "ignore_eos": True, "sampling_seed": seed})
+
+    def stats():
+        return httpx.get(f"{tp2.url}/get_server_info", timeout=10).json()["engine_stats"]
+
+    def waiting():
+        return httpx.get(f"{tp2.url}/get_load", timeout=10).json()[0]["num_waiting_reqs"]
+
+    # a joiner's 100-token prompt is wider than the running row's cache: the running row is
+    # left-padded by the merge, and the padding is trimmed again once that joiner leaves
+    wide = [2] + [4 + (7 * i) % 60 for i in range(98)] + [3]
+    bodies = [body([2, 40, 3], 150, 3), body(wide, 8, 20), body(PROMPTS[1], 13, 21)]
+    before = stats()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(post, tp2, "/generate", **bodies[0])]
+        while stats().get("forward_steps", 0) < before.get("forward_steps", 0) + 3:  # the long one decodes
+            time.sleep(0.01)
+        post(tp2, "/pause_generation", mode="in_place")  # returns with no forward step running
+        futures += [pool.submit(post, tp2, "/generate", **b) for b in bodies[1:]]
+        while waiting() != 2:
+            time.sleep(0.01)
+        post(tp2, "/continue_generation")
+        joined = [f.result(timeout=60) for f in futures]
+    assert stats().get("joined", 0) - before.get("joined", 0) == 2
+    for b, result in zip(bodies, joined):
+        alone = post(tp1, "/generate", **b)
+        assert result["output_ids"] == alone["output_ids"]
+        torch.testing.assert_close(torch.tensor([lp for lp, _, _ in result["meta_info"]["output_token_logprobs"]]),
+                                   torch.tensor([lp for lp, _, _ in alone["meta_info"]["output_token_logprobs"]]),
+                                   atol=TOL, rtol=0)
+
+
 def test_layout_endpoint_slices_tile_each_full_tensor(servers, tiny_model_path):
     layout = httpx.get(f"{servers['tp2'].url}/get_parallelism_config", timeout=10).json()
     shapes = {name: tuple(t.shape) for name, t in load_file(str(tiny_model_path / "model.safetensors")).items()}

@@ -98,13 +98,15 @@ class EngineWeights:
             if resident and not self._weights_resident:
                 raise WeightsUnavailable("weights are released; call /resume_memory_occupation before updating them")
             applied = load()
-        if applied.staged:  # nothing written yet: version and refill state wait for the commit
-            return applied
-        with self._cond:
-            self._unfilled.difference_update(self._canonical_names(applied.covered))
-            if weight_version is not None:
-                self.weight_version = str(weight_version)
-            self._cond.notify_all()
+            if applied.staged:  # nothing written yet: version and refill state wait for the commit
+                return applied
+            # the version changes before the model lock is let go: every forward step reads the
+            # version of exactly the weights it runs with (per-token weight_versions)
+            with self._cond:
+                self._unfilled.difference_update(self._canonical_names(applied.covered))
+                if weight_version is not None:
+                    self.weight_version = str(weight_version)
+                self._cond.notify_all()
         return applied
 
     def release_weights(self) -> str:

@@ -5,6 +5,14 @@ Log-prob fields use SGLang's shapes: `*_token_logprobs` are [logprob, token_id, 
 the first prompt token, which nothing predicts); text is the token's decoding only with
 return_text_in_logprobs, else null. Non-finite floats (a token masked to -inf by min_new_tokens
 or logit_bias) become null, as SGLang's orjson writes them.
+
+meta_info carries SGLang's fields (id, finish_reason, prompt_tokens, completion_tokens,
+cached_tokens, weight_version: the engine's version when the answer was made, num_retractions,
+e2e_latency) and one megarl extension, `weight_versions`: [[version, n_tokens], ...], the
+run-length encoding, in output order, of the weight_version each output token was produced with
+(a request that ran across a weight update, an in-place pause or a retraction spans several; the
+counts add up to completion_tokens). Clients of a real SGLang server must not expect it
+(sglang_fields.MEGARL_META_INFO; megarl/rollout/partial.py merges it across resumed requests).
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ def output_item(result: GenerationResult, req: GenerationRequest, call: Generate
     """One answer item; a result with finish_reason None is a streamed snapshot (no e2e_latency)."""
     meta = {"id": result.rid, "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
             "completion_tokens": len(result.output_ids), "cached_tokens": 0,
-            "weight_version": result.weight_version, "num_retractions": 0}
+            "weight_version": result.weight_version, "num_retractions": result.num_retractions}
+    if result.weight_versions is not None:
+        meta["weight_versions"] = result.weight_versions
     if result.finish_reason is not None:
         meta["e2e_latency"] = result.e2e_latency
     text_of = token_text if call.token_text else None

@@ -51,14 +51,16 @@ def _process_row(row: torch.Tensor, p: SamplingParams, output: list[int], eos_to
 
 
 def token_steps(logits: torch.Tensor, requests: list[GenerationRequest], tokens: list[int],
-                logprobs: list[float]) -> list[TokenStep]:
-    """One TokenStep per row; top-k, requested ids and entropy only for rows that asked."""
+                logprobs: list[float], weight_version: str | None = None) -> list[TokenStep]:
+    """One TokenStep per row; top-k, requested ids and entropy only for rows that asked;
+    `weight_version`: the weights that computed `logits`."""
     extras = [k for k, r in enumerate(requests) if r.wants_token_extras]
     details = {}
     if extras:
         full = distribution_logprobs(logits[extras], [requests[k].params.temperature for k in extras])
         details = {k: _details(full[j], requests[k]) for j, k in enumerate(extras)}
-    return [TokenStep(t, lp, *details.get(k, (None, None, None))) for k, (t, lp) in enumerate(zip(tokens, logprobs))]
+    return [TokenStep(t, lp, *details.get(k, (None, None, None)), weight_version=weight_version)
+            for k, (t, lp) in enumerate(zip(tokens, logprobs))]
 
 
 def _details(logprobs: torch.Tensor, req: GenerationRequest):

@@ -95,6 +95,7 @@ class TokenStep:
     top_logprobs: list[tuple[float, int]] | None = None  # best first
     token_ids_logprobs: list[tuple[float, int]] | None = None  # in the requested order
     entropy: float | None = None
+    weight_version: str | None = None  # the engine's weight_version at the forward step that produced it
 
 
 @dataclass
@@ -137,3 +138,5 @@ class GenerationResult:
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     output_entropy: list[float] | None = None
     routed_experts: np.ndarray | None = None  # [prompt + output - 1, layers, top_k] int32 (routing.py)
+    weight_versions: list[list] | None = None  # [[version, tokens], ...]: run lengths over output_ids
+    num_retractions: int = 0  # times the request was retracted (pause mode retract) and re-prefilled

@@ -100,11 +100,14 @@ class BatchCapture:
         return BatchCapture(recorder, rows) if wanted else None
 
     def prefill(self, width: int) -> None:
-        """After the prefill of the left-padded prompts [rows, width]."""
+        """After the prefill of the left-padded rows [rows, width] (Row.fed_ids each)."""
         ids = self.recorder.take(len(self.rows), width)
         for b, row in enumerate(self.rows):
             if row.req.return_routed_experts:
-                row.routed.append(ids[b, width - len(row.req.input_ids):])
+                # a re-prefill after a retraction feeds the output too: the tokens already recorded
+                # keep the experts of the forward that produced their successors' log-probs
+                have = sum(len(piece) for piece in row.routed)
+                row.routed.append(ids[b, width - len(row.fed_ids()) + have:])
 
     def decode(self, active: list[int]) -> None:
         """After a decode step of the rows `active` (one token each)."""

@@ -32,16 +32,31 @@ class Row:
         self.routed: list[torch.Tensor] = []  # [tokens, layers, top_k] pieces (routing.BatchCapture)
         self.stop_span: tuple[int, int] | None = None  # where a stop string / regex matched the text
         self.finish: dict | None = None
+        self.versions: list[str | None] = []  # per output token: the weight_version that produced it
+        self.abort_message: str | None = None  # set (under the engine's lock) by an abort while running
+        self.retractions = 0  # times retracted to the queue (its KV freed) and re-prefilled
         seed = req.params.sampling_seed
         self.generator = default_generator if seed is None else torch.Generator().manual_seed(seed)
+
+    def fed_ids(self) -> list[int]:
+        """What a prefill of this row feeds: the prompt, and after a retraction the output so far."""
+        return self.req.input_ids + self.output_ids
 
     def record(self, step: TokenStep) -> None:
         self.output_ids.append(step.token)
         self.logprobs.append(step.logprob)
+        self.versions.append(step.weight_version)
         if self.req.wants_token_extras:
             self.steps.append(step)
         if self.req.on_token is not None:
             self.req.on_token(step)
+
+
+def wants_input_logprobs(row: Row) -> bool:
+    """Whether this prefill owes the row its prompt log-probs (not a re-prefill after a retraction:
+    those were computed by the first one, with the weights of that time)."""
+    req = row.req
+    return req.return_logprob and req.logprob_start_len >= 0 and row.retractions == 0
 
 
 def fill_input_logprobs(rows: list[Row], logits: torch.Tensor, ids: torch.Tensor) -> None:
@@ -50,7 +65,7 @@ def fill_input_logprobs(rows: list[Row], logits: torch.Tensor, ids: torch.Tensor
     width = ids.shape[1]
     for b, row in enumerate(rows):
         req = row.req
-        if not (req.return_logprob and req.logprob_start_len >= 0):
+        if not wants_input_logprobs(row):
             continue
         pad, temperature, start = width - len(req.input_ids), req.params.temperature, req.logprob_start_len
         # logits at padded position pad+j-1 predict prompt token j
@@ -85,6 +100,17 @@ def stop_reason(row: Row, eos_token_ids: frozenset[int], decode: Decode) -> dict
     return None
 
 
+def run_lengths(versions: list) -> list[list]:
+    """[[version, count], ...] in order: meta_info's weight_versions (generate_output.py)."""
+    runs: list[list] = []
+    for version in versions:
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += 1
+        else:
+            runs.append([version, 1])
+    return runs
+
+
 def finished_result(row: Row, finish: dict, decode: Decode, weight_version: str) -> GenerationResult:
     row.finish, req, p = finish, row.req, row.req.params
     text_ids = row.output_ids
@@ -108,4 +134,5 @@ def finished_result(row: Row, finish: dict, decode: Decode, weight_version: str)
         input_token_ids_logprobs=row.input_token_ids_logprobs if lp else None,
         output_entropy=[s.entropy for s in row.steps] if req.return_entropy else None,
         routed_experts=(row_records(row.routed, len(req.input_ids) + len(row.output_ids) - 1)
-                        if req.return_routed_experts else None))
+                        if req.return_routed_experts else None),
+        weight_versions=run_lengths(row.versions), num_retractions=row.retractions)

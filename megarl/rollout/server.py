@@ -172,7 +172,7 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
     @app.api_route("/pause_generation", methods=["GET", "POST"])
     async def pause_generation(request: Request):
         mode = field(await read_body(request), "mode", "string", "abort")
-        engine.pause(mode)
+        await run_in_threadpool(engine.pause, mode)  # returns once no forward step is running
         return control(True, f"Generation paused (mode={mode}).")
 
     @app.api_route("/continue_generation", methods=["GET", "POST"])

@@ -24,6 +24,7 @@ from fastapi import Request
 
 from megarl.rollout.generate_input import GenerateCall
 from megarl.rollout.protocol import GenerationRequest, GenerationResult, TokenStep
+from megarl.rollout.rows import run_lengths
 
 DISCONNECT_POLL_S = 0.5
 DONE = b"data: [DONE]\n\n"
@@ -58,7 +59,8 @@ class _Progress:
             output_top_logprobs=[s.top_logprobs for s in self.steps] if logprob and req.top_logprobs_num else None,
             output_token_ids_logprobs=([s.token_ids_logprobs for s in self.steps]
                                        if logprob and req.token_ids_logprob else None),
-            output_entropy=[s.entropy for s in self.steps] if req.return_entropy else None)
+            output_entropy=[s.entropy for s in self.steps] if req.return_entropy else None,
+            weight_versions=run_lengths([s.weight_version for s in self.steps]))
 
 
 class GenerationStream:

@@ -10,9 +10,14 @@
 
 `Applied` (worker.py) names what was written or staged and which parameters were written whole.
 
-`cache.batch_select_indices(index)` drops finished rows from a batch's KV cache, as on HF caches.
-Under TP every rank holds its own cache of its heads; a batch's caches are freed on all ranks with
-the first command after rank 0 let go of the batch.
+    merge_caches(into, other)       trim_cache(cache, columns)        (continuous batching, kv_merge.py)
+
+`cache.batch_select_indices(index)` drops finished rows from a batch's KV cache, as on HF caches;
+`merge_caches` appends the rows of another batch's cache (the narrower left-padded), `trim_cache`
+drops leading columns that are padding for every row. Under TP every rank holds its own cache of
+its heads: these edits are recorded on rank 0's handle and travel, in order, with the next forward
+command, which every rank applies before its forward (no extra broadcast); a batch's caches are
+freed on all ranks with the first command after rank 0 let go of the batch.
 The engine serialises calls (its model lock), so a runner never sees two at once.
 """
 
@@ -27,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from megarl.rollout import kv_merge
 from megarl.rollout.tp.channel import CommandChannel
 from megarl.rollout.tp.sharding import parameter_layout
 from megarl.rollout.tp.worker import Applied, RankWorker, UpdateFailed, UpdateRejected, encode_inputs
@@ -85,6 +91,12 @@ class LocalRunner(_WeightCommands):
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                           use_cache=True, logits_to_keep=0 if keep_all else 1)
 
+    def merge_caches(self, into, other) -> None:
+        kv_merge.merge_into(into, other)
+
+    def trim_cache(self, cache, columns: int) -> None:
+        kv_merge.trim_front(cache, columns)
+
     def load_named(self, named, defer: bool = False, weight_version: str | None = None) -> Applied:
         return self._run({"op": "update", "source": "named", "named": named, "defer": defer,
                           "weight_version": weight_version})
@@ -118,21 +130,23 @@ class LocalRunner(_WeightCommands):
 class _CacheHandle:
     """Rank 0's name for one batch's KV caches (one per rank, held by each rank's worker).
 
-    Row selections are recorded and travel with the next forward command, so dropping finished
-    rows costs no extra broadcast.
+    Edits (row selections, merges, trims) are recorded in order and travel with the next forward
+    command, so dropping finished rows or merging joined ones costs no extra broadcast. A merge
+    holds the other handle until it is sent, so the other cache cannot be freed before it is merged.
     """
 
     def __init__(self, cache_id: int):
         self.id = cache_id
-        self.pending_keep: list[int] | None = None
+        self.pending: list[tuple] = []
 
     def batch_select_indices(self, index: torch.Tensor) -> None:
-        rows = index.tolist()
-        self.pending_keep = rows if self.pending_keep is None else [self.pending_keep[i] for i in rows]
+        self.pending.append(("select", index.tolist()))
 
-    def take_pending_keep(self) -> list[int] | None:
-        keep, self.pending_keep = self.pending_keep, None
-        return keep
+    def take_pending(self) -> list[tuple]:
+        """The recorded edits as the worker applies them: ("select", rows), ("trim", columns) and
+        ("merge", other id, the other cache's own pending edits)."""
+        ops, self.pending = self.pending, []
+        return [("merge", op[1].id, op[1].take_pending()) if op[0] == "merge" else op for op in ops]
 
 
 class TPRunner(_WeightCommands):
@@ -163,9 +177,15 @@ class TPRunner(_WeightCommands):
         dropped = []
         while self._dropped:  # finalizers may append from any thread meanwhile
             dropped.append(self._dropped.pop())
-        cmd = {"op": "forward", "cache": cache.id, "keep": cache.take_pending_keep(), "drop": dropped,
+        cmd = {"op": "forward", "cache": cache.id, "edits": cache.take_pending(), "drop": dropped,
                "keep_all": keep_all, **encode_inputs(ids, mask, positions)}
         return SimpleNamespace(logits=self._run(cmd), past_key_values=cache)
+
+    def merge_caches(self, into: _CacheHandle, other: _CacheHandle) -> None:
+        into.pending.append(("merge", other))
+
+    def trim_cache(self, cache: _CacheHandle, columns: int) -> None:
+        cache.pending.append(("trim", int(columns)))
 
     def load_named(self, named, defer: bool = False, weight_version: str | None = None) -> Applied:
         """Full tensors held here: sent as one shared-memory payload that every rank reads."""

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.rollout import kv_merge
 from megarl.rollout.tp.receive import (ReceiveBuffer, ReceiveFailed, UpdateGroups, message_pieces,
                                        receive_full_tensors, receive_messages)
 from megarl.rollout.tp.sharding import ShardSpec, shard_spec
@@ -107,18 +108,31 @@ class RankWorker:
         """Logits for the command's inputs: full-vocab on rank 0, this rank's part elsewhere."""
         from transformers import DynamicCache
 
-        for cache_id in cmd["drop"]:  # batches that rank 0 has finished with
-            self._caches.pop(cache_id, None)
         cache = self._caches.get(cmd["cache"])
         if cache is None:  # the first step of a new batch
             cache = self._caches[cmd["cache"]] = DynamicCache()
-        if cmd["keep"] is not None:  # finished rows leave the KV cache, as on rank 0
-            cache.batch_select_indices(torch.tensor(cmd["keep"], device=self.device))
+        self._edit(cache, cmd["edits"])  # as rank 0 did to its cache since the last forward
+        for cache_id in cmd["drop"]:  # batches that rank 0 has finished with (after the edits: a
+            self._caches.pop(cache_id, None)  # merged cache is consumed by its merge)
         ids, mask, positions = decode_inputs(cmd, self.device)
         with torch.inference_mode():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                              use_cache=True, logits_to_keep=0 if cmd["keep_all"] else 1)
         return out.logits
+
+    def _edit(self, cache, edits: list[tuple]) -> None:
+        """Apply continuous batching's cache edits in rank 0's order (runner.py _CacheHandle)."""
+        for edit in edits:
+            if edit[0] == "select":  # finished rows leave the KV cache
+                cache.batch_select_indices(torch.tensor(edit[1], device=self.device))
+            elif edit[0] == "trim":
+                kv_merge.trim_front(cache, edit[1])
+            elif edit[0] == "merge":  # joined rows: their prefill cache, edited first, appended
+                other = self._caches.pop(edit[1])
+                self._edit(other, edit[2])
+                kv_merge.merge_into(cache, other)
+            else:
+                raise ValueError(f"unknown KV cache edit {edit[0]!r}")
 
     # ---- weights -----------------------------------------------------------------------------------
     def update(self, cmd: dict) -> Applied:
