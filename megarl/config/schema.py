@@ -357,9 +357,10 @@ class TrainerConfig:
     # (admission holds new prompts back; a sample that still came out older is dropped, counted)
     max_staleness: int = 1
     # fully_async: how in-flight requests ride over a weight update (/pause_generation mode):
-    # in_place keeps their KV cache, retract recomputes it with the new weights; either way
-    # every token's log-prob is that of the weights that produced it (partial rollout)
-    pause_mode: Literal["in_place", "retract"] = "in_place"
+    # retract re-prefills them with the new weights, so every later token's log-prob is exactly
+    # the new weights' on the whole prefix; in_place keeps their KV cache (computed by the old
+    # weights; no re-prefill). Either way each token records the version that produced it
+    pause_mode: Literal["in_place", "retract"] = "retract"
     output_dir: str = "outputs"
     experiment_name: str = "megarl"
     log_every: int = 1

@@ -16,8 +16,8 @@ at `take()` and counted (async/dropped_stale): the bound holds for every trained
 Weight updates happen while requests are in flight: the trainer's sync pauses the engines
 (trainer.pause_mode), updates them and lets them continue, so a response may span two versions;
 each token's log-prob is that of the weights that produced it (the engines record it per token,
-meta_info["weight_versions"] where they report it). `async/partial_frac` is the fraction of
-rows that spans versions (ended under another version than they started).
+meta_info["weight_versions"], megarl's run-length record). `async/partial_frac` is the fraction
+of rows whose tokens span versions.
 
 Failures: the client retries a request (rollout.max_retries); one that still fails stops the
 producer and `take()` raises it (no prompt is dropped silently). Engines restarted by the fleet
@@ -94,7 +94,7 @@ class RolloutProducer:
         timing["perf/wait_s"] = time.perf_counter() - t0
         rows = self._rows(groups)
         stats["async/group_staleness_max"] = float(max(version - g.version for g in groups))
-        spans = [a != b for a, b in zip(rows["rollout_start_version"], rows["rollout_weight_version"])]
+        spans = [_spans(out, g) for g in groups for out in g.outputs]
         stats["async/partial_frac"] = sum(spans) / len(spans)
         stats["rollout/retries"] = float(sum(c.retries for c in self._clients.values()))
         return rows, stats
@@ -209,6 +209,15 @@ class RolloutProducer:
         rows["rollout_start_version"] = np.array([_label(g.version) for g in groups for _ in g.outputs],
                                                  dtype=object)
         return prompts.union(rows)
+
+
+def _spans(out, group: _Group) -> bool:
+    """The row's tokens came from more than one weight version (the engine's per-token record,
+    meta_info["weight_versions"]; else: it ended under another version than it was sent under)."""
+    runs = out.meta_info.get("weight_versions")
+    if runs is not None:
+        return len(runs) > 1
+    return str(out.meta_info.get("weight_version")) != _label(group.version)
 
 
 def _label(version: int) -> str:
