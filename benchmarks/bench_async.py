@@ -19,8 +19,10 @@ here: every mode trains on the same slightly off-policy samples.
 
 Each mode gets its own runtime (Ray cluster, engine, actor; start-up not timed) and --steps
 steps; time is wall-clock from the first step's start to the last step's end. Reported per mode:
-samples/s (rows trained / time), reward mean over the last --window steps, reward gained per
-minute ((last window - first window) / time), and the ratio of samples/s to the sync loop's.
+samples/s (rows trained / time) and steady samples/s (steps 3..N only: the first steps carry
+every process's first-call costs, the same in each mode), each with its ratio to the sync loop's;
+reward mean over the first and last --window steps, reward gained per minute ((last window -
+first window) / time).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--eos-bias", type=float, default=1.75)
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--modes", default="sync,one_step_off,fully_async")
+    p.add_argument("--pause-mode", default="retract", help="fully_async's trainer.pause_mode")
+    p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--json", default=None, help="write the results here too")
     return p.parse_args(argv)
 
@@ -78,7 +82,8 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
         "cluster.num_actor_ranks=1", "actor.parallel.ep=1", "rollout.tp=1",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_batch_size=256",
         "actor.ppo_mini_batch_size=128", "actor.micro_batch_size=64",
-        "bridge.check_parity=false"]))  # the engines' log-probs are of the biased logits (as SGLang's)
+        "bridge.check_parity=false", f"trainer.pause_mode={args.pause_mode}",
+        f"trainer.max_staleness={args.max_staleness}"]))  # the engines' log-probs are of the biased logits (as SGLang's)
     with start_runtime(cfg) as rt:
         from transformers import AutoTokenizer
 
@@ -98,13 +103,18 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
     elapsed = logger.times[-1] - start
     rows = cfg.data.train_batch_size * cfg.rollout.n * args.steps
     w = args.window
+    steady = (logger.times[-1] - logger.times[1]) / (args.steps - 2)  # steps 3..N: no first-call costs
     return {"mode": mode, "steps": args.steps, "wall_s": elapsed, "samples_per_s": rows / elapsed,
+            "steady_s_per_step": steady,
+            "steady_samples_per_s": cfg.data.train_batch_size * cfg.rollout.n / steady,
             "reward_first": float(np.mean(rewards[:w])), "reward_last": float(np.mean(rewards[-w:])),
             "reward_gain_per_min": (np.mean(rewards[-w:]) - np.mean(rewards[:w])) / (elapsed / 60),
             "length_mean": float(np.mean(lengths)),
             "max_length_frac": float(np.mean([m["response/clip_ratio"] for m in logger.rows])),
             "staleness_mean": float(np.mean([m.get("async/staleness_mean", 0.0) for m in logger.rows])),
-            "partial_frac": float(np.mean([m.get("async/partial_frac", 0.0) for m in logger.rows]))}
+            "partial_frac": float(np.mean([m.get("async/partial_frac", 0.0) for m in logger.rows])),
+            "per_step": [{k: v for k, v in m.items() if k.startswith(("perf/", "async/", "reward/mean"))}
+                         for m in logger.rows]}
 
 
 @dataclasses.dataclass
@@ -133,13 +143,15 @@ def main(argv=None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
             results.append(run_mode(mode, args, Path(tmp)))
-    base = next((r["samples_per_s"] for r in results if r["mode"] == "sync"), None)
-    print(f"{'mode':<13} {'wall s':>7} {'samples/s':>9} {'x sync':>6} {'reward first':>12} {'last':>6} "
-          f"{'gain/min':>8} {'len':>5} {'at max':>6} {'stale':>5} {'partial':>7}")
+    base = {r["mode"]: r for r in results}.get("sync")
+    print(f"{'mode':<13} {'wall s':>7} {'samples/s':>9} {'x sync':>6} {'steady/s':>8} {'x sync':>6} "
+          f"{'reward first':>12} {'last':>6} {'gain/min':>8} {'len':>5} {'at max':>6} {'stale':>5} {'partial':>7}")
     for r in results:
-        r["ratio_vs_sync"] = r["samples_per_s"] / base if base else None
+        r["ratio_vs_sync"] = r["samples_per_s"] / base["samples_per_s"] if base else None
+        r["steady_ratio_vs_sync"] = r["steady_samples_per_s"] / base["steady_samples_per_s"] if base else None
         print(f"{r['mode']:<13} {r['wall_s']:7.1f} {r['samples_per_s']:9.1f} "
-              f"{r['ratio_vs_sync'] or float('nan'):6.2f} {r['reward_first']:12.3f} {r['reward_last']:6.3f} "
+              f"{r['ratio_vs_sync'] or float('nan'):6.2f} {r['steady_samples_per_s']:8.1f} "
+              f"{r['steady_ratio_vs_sync'] or float('nan'):6.2f} {r['reward_first']:12.3f} {r['reward_last']:6.3f} "
               f"{r['reward_gain_per_min']:8.3f} {r['length_mean']:5.1f} {r['max_length_frac']:6.1%} "
               f"{r['staleness_mean']:5.2f} {r['partial_frac']:7.1%}")
     if args.json:
