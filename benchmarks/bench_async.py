@@ -98,6 +98,10 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
         trainer._sampling = biased
         start = time.perf_counter()
         trainer.fit()
+        engine_stats = []  # forward steps, joins, batches of each engine over the run
+        for url in rt.fleet.engine_urls:
+            with rt.fleet.client(url) as client:
+                engine_stats.append(client.get_server_info().get("engine_stats"))
     rewards = [m["reward/mean"] for m in logger.rows]
     lengths = [m["response/length_mean"] for m in logger.rows]
     elapsed = logger.times[-1] - start
@@ -113,6 +117,7 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
             "max_length_frac": float(np.mean([m["response/clip_ratio"] for m in logger.rows])),
             "staleness_mean": float(np.mean([m.get("async/staleness_mean", 0.0) for m in logger.rows])),
             "partial_frac": float(np.mean([m.get("async/partial_frac", 0.0) for m in logger.rows])),
+            "engine_stats": engine_stats,
             "per_step": [{k: v for k, v in m.items() if k.startswith(("perf/", "async/", "reward/mean"))}
                          for m in logger.rows]}
 
