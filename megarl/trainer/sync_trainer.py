@@ -340,7 +340,7 @@ class SyncTrainer:
     def _watching_ranks(self) -> RankWatch:
         """Generation calls no rank: a rank dying meanwhile aborts it and is raised (rank_watch.py)."""
         # the fleet makes its own clients: the manager's belong to the main thread
-        return RankWatch([self.rt.actor, self.rt.critic], self.rt.fleet.abort_all_requests)
+        return RankWatch([self.rt.actor, self.rt.critic], lambda: self.rt.fleet.abort_all_requests())
 
     def _sampling(self, step: int, train: bool, round_: int = 0) -> SamplingSpec:
         """round_: a step's k-th generation round (dynamic sampling); its own seeds."""
