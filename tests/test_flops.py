@@ -61,6 +61,11 @@ HAND = {
         _EMBED + 2 * (_GQA + 2 * 16 + _NORMS + 4 * 64 + 4 * _Q3_EXPERT),  # router + 4 experts
         _EMBED + 2 * (_GQA + 2 * 16 + _NORMS + 4 * 64 + 2 * _Q3_EXPERT),  # router + top-2
     ),
+    # the agent preset: tiny-qwen3-moe with a 128-token vocabulary (input and output embeddings)
+    "tiny-qwen3-moe-tools": (
+        128 * 64 * 2 + 64 + 2 * (_GQA + 2 * 16 + _NORMS + 4 * 64 + 4 * _Q3_EXPERT),  # + final norm
+        128 * 64 * 2 + 64 + 2 * (_GQA + 2 * 16 + _NORMS + 4 * 64 + 2 * _Q3_EXPERT),
+    ),
     "tiny-deepseek-v3": (  # layer 0 dense (first_k_dense_replace=1), layers 1-2 MoE
         _EMBED + 3 * (_MLA + _MLA_NORMS + _NORMS) + _MLP + 2 * _DS_MOE_TOTAL,
         _EMBED + 3 * (_MLA + _MLA_NORMS + _NORMS) + _MLP + 2 * _DS_MOE_ACTIVE,
