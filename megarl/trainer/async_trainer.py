@@ -16,7 +16,7 @@ their own, so generation need not wait for training.
 one_step_off trains on rows sampled one version behind (batch 1 excepted); fully_async on rows
 up to trainer.max_staleness versions behind, some spanning two versions. The PPO ratio is taken
 against the trainer's own log-probs of the version it holds (old_log_probs), and the off-policy
-corrections (actor.off_policy: TIS / MIS on rollout_log_probs) apply as in the sync loop; the
+corrections (actor.rollout_is: truncated IS on rollout_log_probs) apply as in the sync loop; the
 parity check holds only for rows served by the trainer's version (the others' log-prob
 difference is logged: it is how far off-policy they are).
 
