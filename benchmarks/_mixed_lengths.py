@@ -123,11 +123,19 @@ def print_mixed_table(rows, args, load_before, load_after) -> None:
           f"{args.long_tokens} new tokens, the rest uniform in [{args.short_min}, {args.short_max}]; at most "
           f"{args.batch_size} rows at once; 1 torch thread; median of {args.repeats}; load average (1 min) before "
           f"{load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
-    print("\n| model (params) | path | tokens | seconds (median) | runs | tokens/s | speedup vs HF | engine |")
+    print_rate_table(rows, speedup=True)
+
+
+def print_rate_table(rows, speedup: bool) -> None:
+    """One markdown row per measurement, with its ratio against the HF peer of the same model:
+    `speedup` (this / peer, higher is faster) or the older peer / this."""
+    ratio = "speedup vs HF" if speedup else "ratio peer/this"
+    print(f"\n| model (params) | path | tokens | seconds (median) | runs | tokens/s | {ratio} | engine |")
     print("|---|---|---|---|---|---|---|---|")
     peers = {r["model"]: r["tokens"] / r["s"] for r in rows if r["path"].startswith("HF")}
     for r in rows:
         rate = r["tokens"] / r["s"]
         runs = ", ".join(f"{s:.2f}" for s in r["runs"])
+        value = rate / peers[r["model"]] if speedup else peers[r["model"]] / rate
         print(f"| {r['model']} ({r['params'] / 1e6:.2f} M) | {r['path']} | {r['tokens']} | {r['s']:.2f} | {runs} | "
-              f"{rate:.0f} | {rate / peers[r['model']]:.2f}x | {r.get('engine', '')} |")
+              f"{rate:.0f} | {value:.2f}x | {r.get('engine', '')} |")

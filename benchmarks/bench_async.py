@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megarl.rollout.manager import SamplingSpec
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -123,23 +125,14 @@ def run_mode(mode: str, args, workdir: Path) -> dict:
 
 
 @dataclasses.dataclass
-class _Biased:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 16
-    seed: tuple | None = None
-    return_routed_experts: bool = False
+class _Biased(SamplingSpec):
+    """The trainer's sampling plus a logit bias towards ending (the long tail)."""
+
     eos: int = 0
     bias: float = 0.0
 
     def to_sglang(self) -> dict:
-        from megarl.rollout.manager import SamplingSpec
-
-        base = SamplingSpec(self.n, self.temperature, self.top_p, self.top_k, self.max_new_tokens,
-                            self.seed, self.return_routed_experts).to_sglang()
-        return {**base, "logit_bias": {str(self.eos): self.bias}}
+        return {**super().to_sglang(), "logit_bias": {str(self.eos): self.bias}}
 
 
 def main(argv=None) -> list[dict]:

@@ -292,14 +292,9 @@ def print_table(rows, args, load_before, load_after) -> None:
     print(f"\n{args.prompts} prompts x n={args.n}, {args.max_new_tokens} new tokens each, 1 torch thread, "
           f"median of {args.repeats}; load average (1 min) before {load_before[0]:.2f}, after "
           f"{load_after[0]:.2f} on {os.cpu_count()} cores (other users of the cores add noise)")
-    print("\n| model (params) | path | tokens | seconds (median) | runs | tokens/s | ratio peer/this | engine |")
-    print("|---|---|---|---|---|---|---|---|")
-    peers = {r["model"]: r["tokens"] / r["s"] for r in rows if r["path"].startswith("HF")}
-    for r in rows:
-        rate = r["tokens"] / r["s"]
-        runs = ", ".join(f"{s:.2f}" for s in r["runs"])
-        print(f"| {r['model']} ({r['params'] / 1e6:.2f} M) | {r['path']} | {r['tokens']} | {r['s']:.2f} | {runs} | "
-              f"{rate:.0f} | {peers[r['model']] / rate:.2f}x | {r.get('engine', '')} |")
+    from _mixed_lengths import print_rate_table
+
+    print_rate_table(rows, speedup=False)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ class AgentLoop:
         self.tokenizer, self.cfg, self.max_response_tokens = tokenizer, cfg, max_response_tokens
 
     async def run(self, sample: AgentSample) -> AgentOutput:
-        raise NotImplementedError
+        raise NotImplementedError  # the interface: every registered loop implements it
 
 
 AGENT_LOOPS: dict[str, Callable[..., AgentLoop]] = {}

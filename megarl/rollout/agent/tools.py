@@ -84,7 +84,7 @@ class Tool:
     parameters: dict = {"type": "object", "properties": {}}
 
     async def call(self, **arguments) -> ToolResult:
-        raise NotImplementedError
+        raise NotImplementedError  # the interface: every registered tool implements it
 
     def schema(self) -> dict:
         """The OpenAI-style function description chat templates take (apply_chat_template(tools=...))."""
