@@ -199,3 +199,22 @@ def test_pickled_slice_ships_only_its_rows():
     assert torch.equal(pickle.loads(blob)["x"], base["x"][10:20])
     strided = Batch({"x": torch.randn(100, 50).t()})  # non-contiguous survives the trip
     assert torch.equal(pickle.loads(pickle.dumps(strided))["x"], strided["x"])
+
+
+def test_pickled_columns_name_no_torch_storage_loader():
+    """Columns numpy holds travel as ndarrays: a torch storage's pickle would name the sender's
+    `torch.storage._load_from_bytes`, which megatron-core replaces with its own, so the driver
+    would import megatron-core to read an actor's answer (see batch._to_wire)."""
+    cols = {"f32": torch.randn(3, 4), "f64": torch.randn(3, 2, dtype=torch.float64),
+            "i64": torch.arange(6).view(3, 2), "b": torch.tensor([True, False, True]),
+            "u8": torch.tensor([1, 2, 255], dtype=torch.uint8), "bf16": torch.randn(3, 2).bfloat16()}
+    b = Batch(cols)
+    plain = Batch({k: v for k, v in cols.items() if k != "bf16"})
+    assert b"_load_from_bytes" not in pickle.dumps(plain) and b"torch.storage" not in pickle.dumps(plain)
+    buffers = []  # as Ray does it: protocol 5, out-of-band buffers, handed back read-only
+    blob = pickle.dumps(b, protocol=5, buffer_callback=buffers.append)
+    back = pickle.loads(blob, buffers=[memoryview(buf.raw()).toreadonly() for buf in buffers])
+    for k, v in cols.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    back["f32"][0, 0] = 7.0  # writable (a copy of the read-only buffer), the original untouched
+    assert back["f32"][0, 0] == 7.0 and cols["f32"][0, 0] != 7.0

@@ -53,6 +53,30 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().clone()
 
 
+# dtypes numpy holds exactly; bfloat16 and the rest travel as torch storages
+_WIRE_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                torch.uint8, torch.bool}
+
+
+def _to_wire(t: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """A column as it is pickled: a CPU tensor whose dtype numpy holds goes as an ndarray of just
+    its values. A torch storage pickles as a call to whatever `torch.storage._load_from_bytes`
+    is in the sending process, and megatron-core replaces that function with its own
+    (megatron/core/__init__.py), so every Batch an actor returned made the receiving process
+    import megatron-core (seconds of CPU, in the driver) and parse each column with
+    `torch.load(weights_only=True)`. An ndarray names only numpy, and Ray ships it as an
+    out-of-band buffer."""
+    if t.device.type == "cpu" and t.dtype in _WIRE_DTYPES and not (t.requires_grad or t.is_conj() or t.is_neg()):
+        return t.contiguous().numpy()
+    return _compact(t)
+
+
+def _from_wire(v: torch.Tensor | np.ndarray) -> torch.Tensor:
+    if isinstance(v, np.ndarray):  # Ray hands zero-copy arrays read-only; a column must be writable
+        return torch.from_numpy(v if v.flags.writeable else v.copy())
+    return v
+
+
 class Batch:
     """Equally long tensor and non-tensor columns plus batch-level meta (see module doc)."""
 
@@ -217,12 +241,12 @@ class Batch:
 
     # ---------------------------------------------------------------- pickling / display
     def __getstate__(self) -> dict:
-        return {"tensors": {k: _compact(v) for k, v in self.tensors.items()},
+        return {"tensors": {k: _to_wire(v) for k, v in self.tensors.items()},
                 "non_tensors": self.non_tensors, "meta": self.meta}
 
     def __setstate__(self, state: dict) -> None:
-        self.tensors, self.non_tensors, self.meta = (
-            state["tensors"], state["non_tensors"], state["meta"])
+        self.tensors = {k: _from_wire(v) for k, v in state["tensors"].items()}
+        self.non_tensors, self.meta = state["non_tensors"], state["meta"]
 
     def __repr__(self) -> str:
         cols = [f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.tensors.items()]

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from megarl.rollout import kv_merge
+from megarl.rollout.attn_mask import forward_step
 from megarl.rollout.tp.channel import CommandChannel
 from megarl.rollout.tp.sharding import parameter_layout
 from megarl.rollout.tp.worker import Applied, RankWorker, UpdateFailed, UpdateRejected, encode_inputs
@@ -88,8 +89,7 @@ class LocalRunner(_WeightCommands):
         return DynamicCache()
 
     def forward(self, ids, mask, positions, cache, keep_all: bool):
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                          use_cache=True, logits_to_keep=0 if keep_all else 1)
+        return forward_step(self.model, ids, mask, positions, cache, keep_all)
 
     def merge_caches(self, into, other) -> None:
         kv_merge.merge_into(into, other)

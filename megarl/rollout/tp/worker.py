@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout import kv_merge
+from megarl.rollout.attn_mask import forward_step
 from megarl.rollout.tp.receive import (ReceiveBuffer, ReceiveFailed, UpdateGroups, message_pieces,
                                        receive_full_tensors, receive_messages)
 from megarl.rollout.tp.sharding import ShardSpec, shard_spec
@@ -116,8 +117,7 @@ class RankWorker:
             self._caches.pop(cache_id, None)  # merged cache is consumed by its merge)
         ids, mask, positions = decode_inputs(cmd, self.device)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                             use_cache=True, logits_to_keep=0 if cmd["keep_all"] else 1)
+            out = forward_step(self.model, ids, mask, positions, cache, cmd["keep_all"])
         return out.logits
 
     def _edit(self, cache, edits: list[tuple]) -> None:
