@@ -132,13 +132,13 @@ class _Prompts:
         return Batch({}, {"raw_prompt_ids": ids, "uid": np.array([f"p{100 * k + i}" for i in range(2)], dtype=object)})
 
 
-def _producer(client, max_staleness):
+def _producer(client, max_staleness, steps=None):
     from megarl.trainer.async_rollout import RolloutProducer
 
     fleet = SimpleNamespace(router_url="http://r", live_urls=lambda: ["http://r"], engine_urls=[], api_key=None,
                             abort_all_requests=lambda: None)
     return RolloutProducer(SimpleNamespace(fleet=fleet), _Prompts(), 0, SamplingSpec(n=2), groups_per_step=2,
-                           max_staleness=max_staleness, version=0, make_client=lambda url: client)
+                           max_staleness=max_staleness, version=0, steps=steps, make_client=lambda url: client)
 
 
 def _wait(cond, what):
@@ -172,6 +172,31 @@ def test_producer_admits_max_staleness_plus_one_steps_and_drops_late_groups():
         rows, stats = p.take(2, {})
         assert stats["async/dropped_stale"] == 2 and stats["async/group_staleness_max"] <= 1
         assert list(rows["uid"]) == ["p200", "p200", "p201", "p201"]
+    finally:
+        for e in client.release.values():
+            e.set()
+        p.stop()
+
+
+def test_producer_sends_nothing_past_the_last_step():
+    """Two steps of two groups: four are sent, however far admission would reach, and a dropped
+    group is replaced."""
+    client = _ScriptedClient()
+    p = _producer(client, max_staleness=3, steps=2)  # admission alone would allow (0+3+1)*2 = 8
+    try:
+        _wait(lambda: len(client.sent) == 4, "4 groups sent")
+        threading.Event().wait(0.05)
+        assert len(client.sent) == 4
+        for key in (0, 1, 100, 101):
+            client.release[key].set()
+        _wait(lambda: len(p._buffer) == 4, "all four finished")
+        with p._cond:  # as if one group had come out stale: it frees one send
+            p._buffer.pop()
+            p._dropped += 1
+            p._notify()
+        _wait(lambda: len(client.sent) == 5, "the dropped group replaced")
+        threading.Event().wait(0.05)
+        assert len(client.sent) == 5
     finally:
         for e in client.release.values():
             e.set()

@@ -1,7 +1,8 @@
-"""The engine's own 4-D attention mask (rollout/attn_mask.py) against transformers' mask creation.
+"""The engine's own 4-D attention mask and grouped-KV attention (rollout/attn_mask.py) against
+transformers' mask creation and sdpa attention.
 
-Reference: the same HF model given the 2-D padding mask, so transformers builds the 4-D mask
-itself (masking_utils). The engine's mask must give bit-for-bit the same logits and KV cache on
+Reference: the HF model as loaded (sdpa), given the 2-D padding mask, so transformers builds
+the 4-D mask itself (masking_utils) and repeats the grouped KV heads. The engine's mask must give bit-for-bit the same logits and KV cache on
 every tiny architecture, in a padded prefill and in a decode step on the padded cache, with
 rows of different lengths and positions (as continuous batching lays them out).
 """
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from megarl.models.tiny import PRESETS, build_tiny_checkpoint
-from megarl.rollout.attn_mask import forward_step, model_attention_mask
+from megarl.rollout.attn_mask import ENGINE_SDPA, forward_step, model_attention_mask, prepare_model
 
 
 def _hf_step(model, ids, mask, positions, cache, keep_all):
@@ -49,10 +50,14 @@ def test_engine_mask_equals_transformers_mask(tmp_path, preset):
     from transformers import AutoModelForCausalLM
 
     path = build_tiny_checkpoint(tmp_path / preset, seed=0, preset=preset)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prepare_model(engine_model)  # as the engine's ranks do (RankWorker)
+    assert engine_model.config._attn_implementation == ENGINE_SDPA
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf_model.config._attn_implementation == "sdpa"
     with torch.inference_mode():
-        ours, our_cache = _run(forward_step, model)
-        theirs, their_cache = _run(_hf_step, model)
+        ours, our_cache = _run(forward_step, engine_model)
+        theirs, their_cache = _run(_hf_step, hf_model)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
     for layer_a, layer_b in zip(our_cache.layers, their_cache.layers):

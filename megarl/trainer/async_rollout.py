@@ -10,7 +10,8 @@ Staleness. A group sent under version v and trained at version u is u - v versio
 Admission (AReaL's rule) lets the producer have sent at most (u - u0 + max_staleness + 1) *
 groups_per_step groups, not counting dropped ones, by the time the trainer holds version u (u0:
 its version when the producer started), so the buffer never runs more than max_staleness
-steps ahead. A group that still comes out older (a long answer that finished late) is dropped
+steps ahead; and never more than the remaining steps will train (nothing is generated only to
+be aborted at the end of the run). A group that still comes out older (a long answer that finished late) is dropped
 at `take()` and counted (async/dropped_stale): the bound holds for every trained row.
 
 Weight updates happen while requests are in flight: the trainer's sync pauses the engines
@@ -48,10 +49,13 @@ class _Group:
 
 class RolloutProducer:
     def __init__(self, runtime, batches, cursor: int, sampling: SamplingSpec, *, groups_per_step: int,
-                 max_staleness: int, version: int, make_client=None):
-        """`make_client(url)`: the client for one engine or router URL (default: a RolloutClient)."""
+                 max_staleness: int, version: int, steps: int | None = None, make_client=None):
+        """`steps`: how many batches the trainer will take (None: no end); the producer sends no
+        group that no step would train. `make_client(url)`: the client for one engine or router
+        URL (default: a RolloutClient)."""
         self.rt, self.batches, self.sampling = runtime, batches, dataclasses.replace(sampling, seed=None)
         self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+        self.max_groups = None if steps is None else steps * groups_per_step
         self._cond = threading.Condition()
         self._version = self._version0 = version
         self._buffer: list[_Group] = []
@@ -118,6 +122,8 @@ class RolloutProducer:
     # ---- the producer thread ---------------------------------------------------------------------
     def _admitted(self) -> bool:
         allowed = (self._version - self._version0 + self.max_staleness + 1) * self.groups_per_step
+        if self.max_groups is not None:  # the last steps: what is in flight then is all they need
+            allowed = min(allowed, self.max_groups)
         return self._sent - self._dropped < allowed
 
     def _notify(self) -> None:

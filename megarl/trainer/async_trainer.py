@@ -148,7 +148,7 @@ class FullyAsyncTrainer(_AsyncBase):
             self.restore(*self.resume_from)
         self.producer = RolloutProducer(self.rt, self._batches, self.data_cursor, self._sampling(0, train=True),
                                         groups_per_step=d.train_batch_size, max_staleness=t.max_staleness,
-                                        version=self.weight_version)
+                                        version=self.weight_version, steps=t.total_steps - self.start_step)
         try:
             for step in range(self.start_step + 1, t.total_steps + 1):
                 timing: dict = {}

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout import kv_merge
-from megarl.rollout.attn_mask import forward_step
+from megarl.rollout.attn_mask import forward_step, prepare_model
 from megarl.rollout.tp.receive import (ReceiveBuffer, ReceiveFailed, UpdateGroups, message_pieces,
                                        receive_full_tensors, receive_messages)
 from megarl.rollout.tp.sharding import ShardSpec, shard_spec
@@ -84,6 +84,7 @@ def decode_inputs(cmd: dict, device: torch.device) -> tuple[torch.Tensor, torch.
 class RankWorker:
     def __init__(self, model, plan: dict[str, str], full_shapes: dict[str, tuple[int, ...]], tp: int,
                  rank: int, device: torch.device):
+        prepare_model(model)  # grouped KV heads without copies under a mask (attn_mask.py)
         self.model, self.plan, self.full_shapes = model, plan, full_shapes
         self.tp, self.rank, self.device = tp, rank, device
         self.tensors = model.state_dict(keep_vars=True)  # HF name -> this rank's Parameter/buffer
