@@ -205,6 +205,29 @@ def test_abort_by_rid_of_a_joined_row_leaves_the_other_rows_running(engine):
     assert a.finish_reason["type"] == c.finish_reason["type"] == "length"
 
 
+def test_a_failure_between_steps_fails_its_rows_and_the_engine_keeps_serving(engine, monkeypatch):
+    """An abort resolved between forwards whose cache edit raises: the running rows get the error
+    (not a hang: the scheduler thread survives), and the next request is answered."""
+    from megarl.rollout import scheduler
+
+    real = scheduler.RunningBatch.keep_unfinished
+
+    def broken(self, runner, device):
+        if any(row.finish is not None for row in self.rows):
+            raise RuntimeError("cache edit failed")
+        return real(self, runner, device)
+    monkeypatch.setattr(scheduler.RunningBatch, "keep_unfinished", broken)
+    first = request("a", PROMPTS[0], 12, seed=0, on_token=at_token(3, lambda: engine.abort("a")))
+    other = request("b", PROMPTS[1], 12, seed=1)
+    engine.submit([first, other])
+    assert first.future.result(timeout=60).finish_reason["type"] == "abort"  # answered before the edit
+    with pytest.raises(RuntimeError, match="cache edit failed"):
+        other.future.result(timeout=60)
+    monkeypatch.setattr(scheduler.RunningBatch, "keep_unfinished", real)
+    again = engine.submit([request("c", PROMPTS[2], 5, seed=2)])[0].result(timeout=60)
+    assert again.finish_reason["type"] == "length" and len(again.output_ids) == 5
+
+
 # ---- partial rollout through the HTTP server and RolloutClient ---------------------------------------
 @pytest.fixture()
 def served(engine):

@@ -347,3 +347,23 @@ def test_non_finite_logprobs_are_sent_as_null(client):
                    sampling_params={"temperature": 0, "max_new_tokens": 2, "min_new_tokens": 2, "ignore_eos": True})
     masked = [triples[0][0] for triples in out["meta_info"]["output_token_ids_logprobs"]]
     assert masked == [None, None] and all(math.isfinite(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"])
+
+
+def test_logit_bias_of_many_rows_at_once_equals_row_by_row():
+    """process_logits adds every bias-only row's logit_bias in one scatter; rows with penalties
+    or min_new_tokens go row by row. Both give bit-for-bit what each row alone gives."""
+    from megarl.rollout.logit_processing import _process_row, process_logits
+    from megarl.rollout.protocol import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 12, generator=g)
+    params = [SamplingParams(logit_bias=((1, 2.5), (7, -1.0))), SamplingParams(),
+              SamplingParams(logit_bias=((1, 0.75),), frequency_penalty=0.5),
+              SamplingParams(logit_bias=((3, 4.0),), min_new_tokens=4), SamplingParams(logit_bias=((11, -3.0),))]
+    outputs = [[2, 2], [4], [1, 1, 5], [6], []]
+    eos = frozenset({1})
+    out = process_logits(logits, params, outputs, eos)
+    for i, p in enumerate(params):
+        alone = _process_row(logits[i].clone(), p, outputs[i], eos) if p.changes_logits else logits[i]
+        assert torch.equal(out[i], alone), i
+    assert out[0, 1] == logits[0, 1] + 2.5 and out[3, 1] == float("-inf")

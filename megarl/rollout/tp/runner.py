@@ -84,9 +84,9 @@ class LocalRunner(_WeightCommands):
         self._worker = RankWorker(self.model, {}, self.full_shapes, tp=1, rank=0, device=device)
 
     def new_cache(self):
-        from transformers import DynamicCache
+        from megarl.rollout.kv_cache import new_engine_cache
 
-        return DynamicCache()
+        return new_engine_cache()
 
     def forward(self, ids, mask, positions, cache, keep_all: bool):
         return forward_step(self.model, ids, mask, positions, cache, keep_all)
