@@ -5,8 +5,8 @@ them (forward_step, the engine's mask and attention), at several batch shapes.
     .venv/bin/python benchmarks/bench_kv_cache.py [--preset tiny-qwen3-moe] [--steps 30] [--repeats 3]
 
 Each measurement prefills `rows` left-padded prompts (half the rows padded by half the width, as
-continuous batching lays rows out), then times `--steps` decode steps (median). With
---leave, a row leaves the batch after every step (`batch_select_indices`, the scheduler's
+continuous batching lays rows out), then times `--steps` decode steps (median), once as is and
+once with a row leaving the batch after every step (`batch_select_indices`, the scheduler's
 `keep_unfinished`), the engine's pattern on a long-tail workload. The two caches alternate
 within each repeat (this machine's speed drifts between minutes), and the logits of the two are
 checked to be equal.

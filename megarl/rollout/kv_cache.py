@@ -47,7 +47,7 @@ class GrowableLayer(DynamicLayer):
             self._realloc(key_states, value_states, 0, new)
         else:
             width = self.keys.shape[-2]
-            if not self._owned() or width + new > self._kbuf.shape[-2] or self._kbuf.shape[0] != key_states.shape[0]:
+            if not self._owned() or width + new > self._kbuf.shape[-2]:
                 self._realloc(self.keys, self.values, width, new)
         self._kbuf[..., width:width + new, :].copy_(key_states)
         self._vbuf[..., width:width + new, :].copy_(value_states)
@@ -120,7 +120,6 @@ def new_engine_cache() -> DynamicCache:
     """An empty DynamicCache whose layers (created on first use) are GrowableLayers
     (MEGARL_KV_CACHE=dynamic: transformers' own layers, for comparisons)."""
     cache = DynamicCache()
-    if os.environ.get("MEGARL_KV_CACHE") == "dynamic" or not hasattr(cache, "layer_class_to_replicate"):  # transformers < 4.56: plain lists, cat per step
-        return cache
-    cache.layer_class_to_replicate = GrowableLayer
+    if os.environ.get("MEGARL_KV_CACHE") != "dynamic":
+        cache.layer_class_to_replicate = GrowableLayer
     return cache

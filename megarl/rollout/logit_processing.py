@@ -43,13 +43,17 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], outputs: 
 
 
 def _only_logit_bias(p: SamplingParams, output: list[int]) -> bool:
-    return (not (output and (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty))
-            and len(output) >= p.min_new_tokens)
+    return not _penalised(p, output) and len(output) >= p.min_new_tokens
+
+
+def _penalised(p: SamplingParams, output: list[int]) -> bool:
+    """Repetition / frequency / presence penalties apply (they count generated tokens only)."""
+    return bool(output) and bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
 
 
 def _process_row(row: torch.Tensor, p: SamplingParams, output: list[int], eos_token_ids: frozenset[int]):
     vocab = row.shape[0]
-    if output and (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
+    if _penalised(p, output):
         counts = torch.bincount(torch.tensor(output, device=row.device), minlength=vocab)[:vocab].to(row.dtype)
         seen = counts > 0
         if p.repetition_penalty != 1.0:
