@@ -116,6 +116,37 @@ def test_cpu_core_attention_thd_equals_each_sequence_alone():
     torch.testing.assert_close(out.double(), _reference_attention(q, k, v, cu, 8 ** -0.5), atol=1e-6, rtol=0)
 
 
+def test_cpu_core_attention_thd_batches_length_groups_exactly_forward_and_backward():
+    """Sequences of very different lengths fall into several length groups (one SDPA call each,
+    right-padded); the result and every input gradient equal per-sequence float64 attention."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megarl.engine.megatron.cpu_attention import CpuCoreAttention, _length_groups
+
+    lengths = [3, 40, 1, 60, 7, 45, 2]
+    assert len(_length_groups(lengths)) == 3  # {1, 2, 3, 7}, {40, 45}, {60}: three calls
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    config = SimpleNamespace(kv_channels=8, attention_dropout=0.0, context_parallel_size=1)
+    attn = CpuCoreAttention(config, 1, AttnMaskType.causal, None).eval()
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(cu[-1], h, 8, requires_grad=True) for h in (4, 2, 2))
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
+                             max_seqlen_q=60, max_seqlen_kv=60)
+    out = attn(q, k, v, None, packed_seq_params=params)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = _reference_attention(q64, k64, v64, cu, 8 ** -0.5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=0)
+    want = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("cp_size,cp_rank", [(1, 0), (2, 0), (2, 1)])
 def test_vectorized_thd_rope_equals_megatrons_loop(cp_size, cp_rank):
     """mcore_fixes._vectorize_thd_rope against megatron's per-sequence loop, bit for bit."""

@@ -120,38 +120,81 @@ class CpuCoreAttention(torch.nn.Module):
     def _forward_thd(self, query, key, value, params):
         """Packed sequences: [t, np, hk] x [t, ng, hk] x [t, ng, hv] -> [t, np * hv].
 
-        One fused causal attention per sequence (no [t, t] mask: a block-diagonal mask would cost
-        the whole stream's square). Under CP each sequence is split on its own (stream_positions):
-        this rank holds t/c tokens of the stream, and K/V are gathered over the CP group.
+        Without CP: sequences of similar length are batched into one fused causal attention call
+        each (`_length_groups`), right-padded to the group's longest; no [t, t] mask (a
+        block-diagonal mask would cost the whole stream's square). Under CP each sequence is split
+        on its own (stream_positions): this rank holds t/c tokens of the stream, and K/V are
+        gathered over the CP group.
         """
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu = cu.tolist()
-        c = 1 if self.cp_group is None else self.cp_group.size()
+        if self.cp_group is None:
+            return self._forward_thd_batched(query, key, value, cu)
+        c = self.cp_group.size()
         t_local = query.shape[0]
-        if self.cp_group is not None:
-            key = _GatherKV.apply(key, self.cp_group)
-            value = _GatherKV.apply(value, self.cp_group)
+        key = _GatherKV.apply(key, self.cp_group)
+        value = _GatherKV.apply(value, self.cp_group)
         outs = []
         for start, end in zip(cu[:-1], cu[1:]):
             lo, hi = start // c, end // c  # this sequence's tokens on every rank
             q = query[lo:hi]
-            if c == 1:
-                k, v, allowed = key[lo:hi], value[lo:hi], None
-            else:
-                k = torch.cat([key[r * t_local + lo:r * t_local + hi] for r in range(c)])
-                v = torch.cat([value[r * t_local + lo:r * t_local + hi] for r in range(c)])
-                q_pos = cp_positions(end - start, c, self.cp_group.rank())
-                allowed = (all_positions(end - start, c).unsqueeze(0) <= q_pos.unsqueeze(1)).to(q.device)
+            k = torch.cat([key[r * t_local + lo:r * t_local + hi] for r in range(c)])
+            v = torch.cat([value[r * t_local + lo:r * t_local + hi] for r in range(c)])
+            q_pos = cp_positions(end - start, c, self.cp_group.rank())
+            allowed = (all_positions(end - start, c).unsqueeze(0) <= q_pos.unsqueeze(1)).to(q.device)
             q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))  # [1, h, s, d]
-            groups = q.shape[1] // k.shape[1]
-            if groups > 1:
-                k = k.repeat_interleave(groups, dim=1)
-                v = v.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.softmax_scale,
-                dropout_p=self.dropout if self.training else 0.0)
+                q, k, v, attn_mask=allowed, scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
             outs.append(out[0].permute(1, 0, 2).reshape(hi - lo, -1))
         return torch.cat(outs)
+
+    def _forward_thd_batched(self, query, key, value, cu: list[int]):
+        """One causal SDPA per group of similar-length sequences, gathered into [b, L] rows.
+
+        Exact: sequences are right-padded, so a real query at position i attends keys 0..i, all
+        real; the padded queries' outputs are dropped, so no gradient flows through them.
+        The padded slots repeat the sequence's last token (an index clamp, no copy of the stream).
+        """
+        starts = torch.tensor(cu[:-1])
+        lengths = torch.tensor(cu[1:]) - starts
+        groups = _length_groups(lengths.tolist())
+        pieces, positions = [], []
+        for group in groups:
+            g = torch.tensor(group)
+            s, n = starts[g], lengths[g]
+            width = int(n.max())
+            col = torch.arange(width)
+            real = col.unsqueeze(0) < n.unsqueeze(1)  # [b, L]
+            idx = (s.unsqueeze(1) + torch.minimum(col.unsqueeze(0), (n - 1).unsqueeze(1))).to(query.device)
+            q, k, v = (x[idx].transpose(1, 2) for x in (query, key, value))  # [b, h, L, d]
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
+            out = out.transpose(1, 2).reshape(len(group), width, -1)  # [b, L, np * hv]
+            real = real.to(query.device)
+            pieces.append(out[real])
+            positions.append(idx[real])
+        if len(groups) == 1 and groups[0] == list(range(len(groups[0]))):
+            return pieces[0]  # one group in stream order: already the stream's layout
+        order = torch.cat(positions)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), device=order.device)
+        return torch.cat(pieces)[inverse]
+
+
+def _length_groups(lengths: list[int], slack: float = 1.25, min_width: int = 16) -> list[list[int]]:
+    """Indices of the non-empty sequences grouped by length: sorted (stable), and a new group
+    starts at a sequence longer than max(slack x, min_width +) the group's shortest. Padding stays
+    under ~25% of a group's attention; short sequences, whose cost is the call itself, share one."""
+    order = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lengths.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] <= max(slack * lengths[groups[-1][0]], lengths[groups[-1][0]] + min_width):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def use_cpu_core_attention(layer_spec):

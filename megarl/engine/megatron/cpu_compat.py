@@ -9,13 +9,13 @@ needing it. Measured against megatron-core 0.19.2 + torch 2.13 CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 _ACTIVE = False
-_THREAD = threading.local()
+_LOCK = threading.Lock()
 
 
 def needed() -> bool:
@@ -25,21 +25,20 @@ def needed() -> bool:
 def activate() -> bool:
     """Install the CPU patches if CUDA is absent. Idempotent. Returns whether they are active.
 
-    Call it in every thread that runs megatron code: the device-redirect mode is thread-local.
+    The patches are process-wide (every thread, once); call it before any megatron code runs.
     """
     global _ACTIVE
     if not needed():
         return False
-    if not _ACTIVE:
-        _patch_torch_cuda()
-        _patch_rng()
-        _patch_torch_norm()
-        _patch_moe_splits()
-        _patch_torch_adam_checkpoints()
-        _ACTIVE = True
-    if not getattr(_THREAD, "mode_on", False):
-        _CudaToCpu().__enter__()
-        _THREAD.mode_on = True
+    with _LOCK:
+        if not _ACTIVE:
+            _patch_torch_cuda()
+            _patch_cuda_placement()
+            _patch_rng()
+            _patch_torch_norm()
+            _patch_moe_splits()
+            _patch_torch_adam_checkpoints()
+            _ACTIVE = True
     return True
 
 
@@ -47,8 +46,19 @@ def activate() -> bool:
 # Hard-coded placement: megatron writes `device="cuda"`, `.cuda()` and `pin_memory=True` in ~34
 # places on the paths we use (causal masks in transformer/utils.py, schedules.py,
 # get_batch_on_this_cp_rank, MoE token counts, DDP buffers...), each failing with "Torch not
-# compiled with CUDA enabled". One function mode sends all of them to the CPU instead of 34
-# call-site patches that would go stale with every megatron release.
+# compiled with CUDA enabled". Rather than 34 call-site patches that would go stale with every
+# megatron release, the functions those sites call send CUDA placements to the CPU: the tensor
+# factories (a `device=` or `pin_memory=` argument), `Tensor.to/.cuda/.pin_memory/.new_*`, and
+# `Tensor.type()`, which DDP and the optimizers compare with 'torch.cuda.FloatTensor'.
+#
+# An earlier version used one TorchFunctionMode, which saw every torch call: ~5 us of Python per
+# op, 19% of an actor's CPU time in the quickstart (py-spy). These wrappers run only on the calls
+# that can carry a device: no other op pays anything.
+
+_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
+              "randint", "randperm", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+              "randn_like", "empty_strided", "linspace", "logspace", "eye", "tril_indices", "triu_indices")
+_NEW_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
 
 def _is_cuda(device) -> bool:
@@ -59,23 +69,44 @@ def _is_cuda(device) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-class _CudaToCpu(TorchFunctionMode):
-    _IDENTITY = {torch.Tensor.cuda, torch.Tensor.pin_memory}
+def _cpu_kwargs(kwargs: dict) -> dict:
+    if "device" in kwargs and _is_cuda(kwargs["device"]):
+        kwargs["device"] = "cpu"
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    return kwargs
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self._IDENTITY:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # DDP and the optimizers check `param.type() == 'torch.cuda.FloatTensor'`.
-            return func(*args).replace("torch.", "torch.cuda.", 1)
-        if "device" in kwargs and _is_cuda(kwargs["device"]):
-            kwargs = {**kwargs, "device": "cpu"}
-        if kwargs.get("pin_memory"):
-            kwargs = {**kwargs, "pin_memory": False}
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+
+def _redirect_factory(fn):
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        return fn(*args, **_cpu_kwargs(kwargs)) if kwargs else fn(*args)
+    factory.__megarl_cpu__ = fn
+    return factory
+
+
+def _patch_cuda_placement():
+    for name in _FACTORIES:
+        setattr(torch, name, _redirect_factory(getattr(torch, name)))
+    for name in _NEW_METHODS:
+        setattr(torch.Tensor, name, _redirect_factory(getattr(torch.Tensor, name)))
+
+    to, tensor_type = torch.Tensor.to, torch.Tensor.type
+
+    def to_cpu(self, *args, **kwargs):
+        if args and _is_cuda(args[0]):
+            args = ("cpu", *args[1:])
+        return to(self, *args, **_cpu_kwargs(kwargs)) if kwargs else to(self, *args)
+
+    def cuda_type(self, *args, **kwargs):
+        if not args and not kwargs:  # DDP / optimizers: param.type() == 'torch.cuda.FloatTensor'
+            return tensor_type(self).replace("torch.", "torch.cuda.", 1)
+        return tensor_type(self, *args, **kwargs)
+
+    torch.Tensor.to = to_cpu
+    torch.Tensor.type = cuda_type
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
 
 
 # --------------------------------------------------------------------------------------------
