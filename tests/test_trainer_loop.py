@@ -37,8 +37,10 @@ def three_steps(tmp_path_factory):
     # a critic group (EP=2, its own layout) is built from the config next to the actor: PPO, GAE
     # over its values, with the KL to the reference both in the loss and, adaptively, in the reward
     # (the reference curve test keeps grpo's advantages; the score-only estimators are checked by
-    # hand: README "Advantage estimators").
+    # hand: README "Advantage estimators"). The old-log-prob pass runs here (actor.old_log_prob=
+    # recompute); the reference curve and durability tests run auto's rollout log-probs.
     cfg = validate(load_config(ROOT / "configs/quickstart.yaml", [
+        "actor.old_log_prob=recompute",
         f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.val_every=3",
         "trainer.tensorboard=true", "data.num_train=64", "data.num_val=16",
         "actor.parallel.ep=1", "actor.parallel.tp=2", "actor.use_kl_loss=true",
@@ -278,3 +280,59 @@ def test_parity_tolerates_an_isolated_row_but_not_a_stale_sync():
     cfg.bridge.parity_rows_off = 0.0  # strict
     with pytest.raises(ParityError):
         trainer._check_parity(rows_with(1), 2)
+
+
+def test_old_log_prob_auto_takes_the_rollouts_only_where_they_are_the_trainers_own():
+    """actor.old_log_prob=auto resolves to rollout for the quickstart (sync, embedded engine,
+    fp32, parity checked) and to recompute wherever the rollout's log-probs are not the
+    trainer's own; an explicit rollout with an asynchronous loop is refused, naming the field."""
+    from megarl.config.loader import ConfigError
+
+    def resolved(*overrides):
+        return validate(load_config(ROOT / "configs/quickstart.yaml", list(overrides))).actor.old_log_prob
+
+    assert resolved() == "rollout"
+    assert resolved("actor.old_log_prob=recompute") == "recompute"
+    assert resolved("actor.rollout_is.level=token") == "recompute"
+    assert resolved("bridge.check_parity=false") == "recompute"
+    assert resolved("actor.precision=bf16") == "recompute"
+    assert validate(load_config(ROOT / "configs/disaggregated.yaml", ["trainer.mode=one_step_off"])
+                    ).actor.old_log_prob == "recompute"
+    with pytest.raises(ConfigError, match="actor.old_log_prob=rollout takes the rollout engine's log-probs"):
+        validate(load_config(ROOT / "configs/disaggregated.yaml",
+                             ["trainer.mode=one_step_off", "actor.old_log_prob=rollout"]))
+
+
+def test_update_parity_merges_the_ranks_first_mini_batch_and_refuses_a_stale_sync():
+    """With the rollout's log-probs as the old ones, each rank's update reports parity sums of its
+    first mini-batch (algo.corrections.parity_stats); the loop merges them (max of the worst
+    token, sums of the rest), reports rollout/entropy from them and raises ParityError past
+    bridge.parity_rows_off, as the old-log-prob pass's check does."""
+    import torch
+
+    from megarl.algo.corrections import parity_stats
+    from megarl.trainer.parity import ParityError
+    from megarl.trainer.sync_trainer import SyncTrainer
+
+    cfg = validate(load_config(ROOT / "configs/quickstart.yaml", []))
+    trainer = SyncTrainer.__new__(SyncTrainer)
+    trainer.cfg, trainer.weight_version = cfg, 1
+    trainer.rt = type("Runtime", (), {"fleet": type("Fleet", (), {"engine_urls": []})()})()
+    mask = torch.ones(64, 2)
+
+    def rank(off: int, worst: float = 2.5e-3, entropy: float = 1.0) -> dict:
+        rollout = torch.zeros(64, 2)
+        rollout[:off, 0] = worst
+        sums = parity_stats(torch.zeros(64, 2), rollout, mask, cfg.bridge.parity_atol)
+        return {"actor/pg_loss": 0.5, **{f"parity/{k}": v for k, v in sums.items()},
+                "parity/entropy_sum": entropy * 128, "parity/entropy_tokens": 128.0}
+
+    per_rank = [rank(1), rank(0, entropy=3.0)]
+    metrics = trainer._update_parity(per_rank, 2)
+    assert metrics["rollout/logprob_rows_off"] == 1.0 and metrics["rollout/logprob_rows_checked"] == 128.0
+    assert metrics["rollout/logprob_diff_max"] == pytest.approx(2.5e-3)
+    assert metrics["rollout/logprob_diff_mean"] == pytest.approx(2.5e-3 / 256)
+    assert metrics["rollout/entropy"] == pytest.approx(2.0)
+    assert per_rank == [{"actor/pg_loss": 0.5}, {"actor/pg_loss": 0.5}]  # the sums left the metrics
+    with pytest.raises(ParityError, match=r"in 2 rows, more than the 1 .*\(of 128 rows checked\).*first mini-batch"):
+        trainer._update_parity([rank(1), rank(1)], 2)

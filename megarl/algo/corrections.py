@@ -12,7 +12,8 @@ training") reweights each token's loss by the ratio, truncated at `threshold` to
             token of the row
 
 The weights are constants to the loss (detached). mismatch_metrics is what to log whether or not
-the correction is on.
+the correction is on. parity_stats measures the same disagreement as the weight sync's check (the
+two agree to ~1e-6 with the same weights and fp32 on both sides: trainer/parity.py).
 """
 
 from __future__ import annotations
@@ -60,3 +61,20 @@ def rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     metrics = {"rollout_is/mean": masked_mean(w, unit_mask),
                "rollout_is/clipfrac": masked_mean(truncated.to(w.dtype), unit_mask)}
     return (w * mask).detach(), metrics
+
+
+def parity_stats(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, atol: float) -> dict:
+    """Sums over response tokens of |trainer - rollout| log-probs ([B, R] each): the pieces that
+    add up across ranks (merge_parity_stats) before trainer/parity.py judges them."""
+    mask = mask.bool()
+    per_token = (trainer - rollout.to(trainer.dtype)).abs() * mask
+    diff = per_token[mask]
+    return {"diff_max": float(diff.max()) if diff.numel() else 0.0, "diff_sum": float(diff.sum()),
+            "tokens": float(diff.numel()), "rows_off": float((per_token > atol).any(1).sum()),
+            "rows": float(len(trainer))}
+
+
+def merge_parity_stats(parts: list[dict]) -> dict:
+    out = {k: sum(p[k] for p in parts) for k in ("diff_sum", "tokens", "rows_off", "rows")}
+    out["diff_max"] = max((p["diff_max"] for p in parts), default=0.0)
+    return out

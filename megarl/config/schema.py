@@ -180,6 +180,13 @@ class ActorConfig:
     cispo_clip_ratio_low: float = 1.0     # cispo: IS weight clipped to [1 - low, 1 + high];
     cispo_clip_ratio_high: float = 0.28   # low = 1: no lower bound (MiniMax-M1 tuned only high)
     rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
+    # old_log_probs, the PPO ratio's denominator: recompute them (one forward pass over the step's
+    # rows before the update), or take the rollout engine's. auto: the rollout's where they are the
+    # trainer's own up to fp32 rounding (trainer.mode=sync, rollout.backend=embedded,
+    # actor.precision=fp32, no rollout_is, no agent loop, bridge.check_parity on), else recompute.
+    # With the rollout's, the update's first mini-batch (its forward runs on the weights that
+    # sampled) is the per-step parity check, and rollout/entropy is its rows' (trainer/parity.py)
+    old_log_prob: Literal["auto", "recompute", "rollout"] = "auto"
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: KlLossType = "low_var_kl"

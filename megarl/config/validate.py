@@ -32,7 +32,7 @@ from megarl.config.validate_data import check_data
 from megarl.config.validate_losses import check_losses, resolve_ref
 from megarl.config.validate_reward import check_reward_model, resolve_reward
 from megarl.config.validate_rollout import check_rollout, resolve_rollout
-from megarl.config.validate_trainer import check_loop_mode
+from megarl.config.validate_trainer import check_loop_mode, reuses_rollout_log_probs
 
 
 _POSITIVE = [
@@ -358,12 +358,14 @@ def read_model_config(cfg: RunConfig) -> dict | None:
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """A copy with auto fields decided: sequence parallel on iff tp > 1; ref iff a KL needs it."""
+    """A copy with auto fields decided: sequence parallel on iff tp > 1; ref iff a KL needs it;
+    actor.old_log_prob (validate_trainer.reuses_rollout_log_probs)."""
     out = copy.deepcopy(cfg)
     for p in (out.actor.parallel, out.critic.parallel):
         if p.sequence_parallel is None:
             p.sequence_parallel = p.tp > 1
     resolve_ref(out)
+    out.actor.old_log_prob = "rollout" if reuses_rollout_log_probs(out) else "recompute"
     resolve_rollout(out)
     resolve_reward(out)
     return out

@@ -5,8 +5,23 @@ from __future__ import annotations
 from megarl.config.loader import ConfigError
 
 
+def reuses_rollout_log_probs(cfg) -> bool:
+    """actor.old_log_prob resolved: whether the rollout's log-probs serve as old_log_probs (see
+    the schema): explicitly, or by auto where they equal the trainer's up to fp32 rounding."""
+    a = cfg.actor
+    if a.old_log_prob != "auto":
+        return a.old_log_prob == "rollout"
+    return (cfg.trainer.mode == "sync" and cfg.rollout.backend == "embedded" and a.precision == "fp32"
+            and a.rollout_is.level is None and cfg.rollout.agent_loop is None and cfg.bridge.check_parity)
+
+
 def check_loop_mode(cfg) -> None:
     t = cfg.trainer
+    if cfg.actor.old_log_prob == "rollout" and t.mode != "sync":
+        raise ConfigError("actor.old_log_prob", (
+            f"actor.old_log_prob=rollout takes the rollout engine's log-probs as the old policy's, "
+            f"but with trainer.mode={t.mode} the engines sample with older weights than the actor "
+            "holds. Use actor.old_log_prob=recompute (or auto), or trainer.mode=sync"))
     if t.mode == "sync":
         return
     if cfg.cluster.placement != "disaggregated":

@@ -3,6 +3,10 @@ scored with, so their log-probs of the same tokens must agree, or the sync is br
 
     metrics = check_parity(rows, step, cfg.bridge, weight_version, lambda: engine_versions(fleet))
 
+Where the loop takes the rollout's log-probs as the old ones (actor.old_log_prob: rollout), the
+update's first mini-batch (its forward runs on the weights the rollout sampled with) is checked
+instead: each rank reports parity_stats of its rows, merged and judged here.
+
 Tolerances: `bridge.parity_atol` per token; up to `bridge.parity_rows_off` of the rows may exceed
 it (isolated rows: an MoE router's near-tied experts take different branches in the two engines'
 numerics); more raise ParityError, whose message says where the disagreement is and what version
@@ -15,11 +19,29 @@ from collections.abc import Callable
 
 import torch
 
+from megarl.algo.corrections import merge_parity_stats, parity_stats
 from megarl.data.batch import Batch
 
 
 class ParityError(RuntimeError):
     """The rollout server and the trainer disagree on the log-probs of the same tokens."""
+
+
+def check_parity_stats(stats: dict, step: int, bridge, weight_version: int, detail: Callable[[], str]) -> dict:
+    """rollout/logprob_* metrics of merged parity_stats; raises ParityError when more rows than
+    bridge.parity_rows_off allows are off (and bridge.check_parity is on). `detail()`: where the
+    disagreement is, asked only for the error message."""
+    rows_off, worst = int(stats["rows_off"]), stats["diff_max"]
+    allowed = int(bridge.parity_rows_off * stats["rows"])
+    if bridge.check_parity and rows_off > allowed:
+        raise ParityError(
+            f"step {step}: rollout server and trainer log-probs differ by up to {worst:.2e} "
+            f"(bridge.parity_atol={bridge.parity_atol}) in {rows_off} rows, more than the "
+            f"{allowed} bridge.parity_rows_off={bridge.parity_rows_off} allows (of {int(stats['rows'])} "
+            f"rows checked), for weight version {weight_version}; the weight sync did not reproduce "
+            "the trainer's weights. " + detail())
+    return {"rollout/logprob_diff_max": worst, "rollout/logprob_rows_off": float(rows_off),
+            "rollout/logprob_diff_mean": stats["diff_sum"] / stats["tokens"] if stats["tokens"] else 0.0}
 
 
 def check_parity(rows: Batch, step: int, bridge, weight_version: int,
@@ -28,21 +50,35 @@ def check_parity(rows: Batch, step: int, bridge, weight_version: int,
     raises ParityError when more rows than bridge.parity_rows_off allows are off (and
     bridge.check_parity is on). `engine_versions()`: "url: version" of every engine, asked only
     for the error message."""
-    mask = rows["response_mask"].bool()
-    per_token = (rows["old_log_probs"] - rows["rollout_log_probs"]).abs() * mask
-    diff = per_token[mask]
-    worst = float(diff.max()) if diff.numel() else 0.0
-    rows_off = int((per_token > bridge.parity_atol).any(1).sum())
-    allowed = int(bridge.parity_rows_off * len(rows))
-    if bridge.check_parity and rows_off > allowed:
-        raise ParityError(
-            f"step {step}: rollout server and trainer log-probs differ by up to {worst:.2e} "
-            f"(bridge.parity_atol={bridge.parity_atol}) in {rows_off} rows, more than the {allowed} "
-            f"bridge.parity_rows_off={bridge.parity_rows_off} allows, for weight version "
-            f"{weight_version}; the weight sync did not reproduce the trainer's weights. "
-            + parity_detail(rows, per_token, bridge.parity_atol, engine_versions()))
-    return {"rollout/logprob_diff_max": worst, "rollout/logprob_rows_off": float(rows_off),
-            "rollout/logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0}
+    stats = parity_stats(rows["old_log_probs"], rows["rollout_log_probs"], rows["response_mask"], bridge.parity_atol)
+
+    def detail() -> str:
+        mask = rows["response_mask"].bool()
+        per_token = (rows["old_log_probs"] - rows["rollout_log_probs"]).abs() * mask
+        return parity_detail(rows, per_token, bridge.parity_atol, engine_versions())
+
+    return check_parity_stats(stats, step, bridge, weight_version, detail)
+
+
+def check_update_parity(per_rank: list[dict], step: int, bridge, weight_version: int,
+                        engine_versions: Callable[[], list[str]]) -> dict:
+    """The check and rollout/entropy from the update's first mini-batch, whose forward ran on the
+    weights the rollout sampled with (actor.old_log_prob=rollout): the parity/* sums leave each
+    rank's metrics (`per_rank`, changed in place) and are merged here. Half the step's rows or
+    fewer are checked (reshuffled every step); a failure raises after the update, before the sync."""
+    sums = [{k[len("parity/"):]: d.pop(k) for k in list(d) if k.startswith("parity/")} for d in per_rank if d]
+    sums = [s for s in sums if s]
+    if not sums:
+        raise RuntimeError("actor.old_log_prob=rollout: the update returned no parity sums")
+    stats = merge_parity_stats(sums)
+    entropy = sum(s["entropy_sum"] for s in sums) / max(sum(s["entropy_tokens"] for s in sums), 1.0)
+
+    def detail() -> str:
+        return ("Checked on the update's first mini-batch; actor.old_log_prob=recompute checks every "
+                "row and names the worst. Engines report weight versions " + ", ".join(engine_versions()))
+
+    return {**check_parity_stats(stats, step, bridge, weight_version, detail),
+            "rollout/entropy": entropy, "rollout/logprob_rows_checked": stats["rows"]}
 
 
 def parity_detail(rows: Batch, per_token: torch.Tensor, atol: float, engines: list[str]) -> str:

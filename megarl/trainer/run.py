@@ -45,7 +45,7 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
 def _train_locked(cfg: RunConfig, run_dir: Path, stream) -> dict:
     from megarl.trainer import checkpoints
     from megarl.trainer.metrics import MetricsLogger
-    from megarl.trainer.runtime import start_runtime
+    from megarl.trainer.runtime import StartupClock, start_runtime
     from megarl.trainer.async_trainer import make_trainer
 
     point = checkpoints.resume_point(run_dir, cfg.trainer.resume)
@@ -60,7 +60,8 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream) -> dict:
             router = f" behind router {runtime.fleet.router_url}" if runtime.fleet.router_url else ""
             stream.write(f"megarl: run dir {run_dir}; {runtime.placement.describe()}; rollout engines "
                          f"{runtime.server_urls}{router}; actor mesh {runtime.actor.mesh[0].describe()} "
-                         f"x{len(runtime.actor.mesh)}{critic}; loop {cfg.trainer.mode}\n")
+                         f"x{len(runtime.actor.mesh)}{critic}; loop {cfg.trainer.mode}; start-up "
+                         f"{StartupClock.describe(runtime.startup or {})}\n")
             make_trainer(runtime, logger, resume=point).fit()
     finally:
         logger.close()

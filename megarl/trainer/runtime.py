@@ -32,11 +32,33 @@ class Runtime:
     placement: object  # PlacementPlan
     critic: object | None = None  # RayWorkerGroup of MegatronCritic (critic.enabled)
     reward_model_url: str | None = None  # the embedded judge server (reward.model genrm without url)
+    startup: dict | None = None  # seconds per start-up phase (StartupClock), in order
 
     @property
     def server_urls(self) -> list[str]:
         """Every engine's own URL (weight updates and control calls never go through the router)."""
         return self.fleet.engine_urls
+
+
+class StartupClock:
+    """Seconds per start-up phase, for the run's first line: what a user waits for before step 1.
+    The engines start with the actor ranks (fleet.launch); engines_after_ranks is the wait left."""
+
+    def __init__(self):
+        import time
+
+        self._now = time.perf_counter
+        self._last = self._now()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = self._now()
+        self.phases[phase] = now - self._last
+        self._last = now
+
+    @staticmethod
+    def describe(phases: dict[str, float]) -> str:
+        return f"{sum(phases.values()):.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) + ")"
 
 
 def run_dir_of(cfg: RunConfig) -> Path:
@@ -110,6 +132,7 @@ def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[li
         for k in range(r.nnodes)] for e in range(r.num_servers)]
 
 
+
 def build_fleet(cfg: RunConfig, plan, pools: dict, model_path: str, run_dir: Path):
     import secrets
 
@@ -150,12 +173,15 @@ def start_runtime(cfg: RunConfig):
     from megarl.data.dataset import build_datasets
     from megarl.rollout.manager import RolloutManager
 
+    clock = StartupClock()
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model_path(cfg, run_dir)
+    clock.mark("model")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_data, val_data = build_datasets(cfg.data, tokenizer, run_dir / "data")
     plan = plan_placement(cfg)
+    clock.mark("data")
 
     with contextlib.ExitStack() as stack:
         if cfg.cluster.address is None:  # a local cluster declares its CPU "devices"
@@ -163,6 +189,7 @@ def start_runtime(cfg: RunConfig):
             stack.enter_context(RayCluster(num_cpus=cfg.cluster.num_cpus, resources=devices))
         else:
             stack.enter_context(RayCluster(cfg.cluster.address))
+        clock.mark("ray")
         resource = device_resource()
         pools = {}
         for name, spec in plan.pools.items():
@@ -187,6 +214,7 @@ def start_runtime(cfg: RunConfig):
             name_prefix="actor", **device_share(RANK_DEVICE_SHARE),
         )
         stack.callback(actor.shutdown)
+        clock.mark("actor_ranks")
         critic = None
         if cfg.critic.enabled:  # on the actor ranks' devices, a mesh of its own
             critic = RayWorkerGroup(
@@ -200,7 +228,9 @@ def start_runtime(cfg: RunConfig):
         from megarl.reward.model import reward_model_server
 
         reward_model_url = stack.enter_context(reward_model_server(cfg.reward.model, run_dir))
+        clock.mark("critic_and_reward_model")
         fleet.wait_started()
+        clock.mark("engines_after_ranks")
         from megarl.rollout.agent.rollout import AgentRollout
 
         rollout = RolloutManager(fleet=fleet, timeout_s=cfg.rollout.request_timeout_s,
@@ -209,4 +239,5 @@ def start_runtime(cfg: RunConfig):
         stack.callback(rollout.close)
         yield Runtime(cfg=cfg, run_dir=run_dir, model_path=model_path, tokenizer=tokenizer,
                       train_data=train_data, val_data=val_data, actor=actor, rollout=rollout,
-                      fleet=fleet, placement=plan, critic=critic, reward_model_url=reward_model_url)
+                      fleet=fleet, placement=plan, critic=critic, reward_model_url=reward_model_url,
+                      startup=clock.phases)

@@ -43,7 +43,7 @@ from megarl.rollout.manager import SamplingSpec
 from megarl.trainer import checkpoints
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
-from megarl.trainer.parity import check_parity, engine_versions
+from megarl.trainer.parity import check_parity, check_update_parity, engine_versions
 from megarl.reward.overlong import overlong_penalty
 from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.rank_watch import RankWatch
@@ -61,6 +61,7 @@ class SyncTrainer:
         self.dp_size = runtime.actor.mesh[0].dp_size
         self.weight_version = 0
         self.release = bool(self.cfg.rollout.release_memory)
+        self.reuse_rollout_log_probs = self.cfg.actor.old_log_prob == "rollout"  # resolved by validate
         self.resume_from, self.start_step = resume, 0
         self.checkpointer = checkpoints.RunCheckpointer(runtime.run_dir, self.cfg.trainer.max_checkpoints)
         self.last_checkpoint = resume[0] if resume else None
@@ -172,10 +173,17 @@ class SyncTrainer:
                 self.rt.fleet.release_memory(["weights", "kv_cache"])
         if cfg.trainer.balance_batch and self.dp_size > 1:
             rows = rows[balance_across_ranks(self._token_lengths(rows), self.dp_size)]
-        with _timer(timing, "old_log_prob"):
-            rows = rows.union(self.rt.actor.compute_log_prob(self._trainer_view(rows),
-                                                             cfg.rollout.temperature))
-        parity = self._check_parity(rows, step)
+        # the rollout's log-probs as the old policy's (actor.old_log_prob=rollout) only where the
+        # rows were sampled with the actor's current weights: not rows an async loop generated
+        reuse = self.reuse_rollout_log_probs and generated is None
+        if reuse:  # checked against the update's first mini-batch instead (_update_parity)
+            rows["old_log_probs"] = rows["rollout_log_probs"].to(torch.float32)
+            parity = {}
+        else:
+            with _timer(timing, "old_log_prob"):
+                rows = rows.union(self.rt.actor.compute_log_prob(self._trainer_view(rows),
+                                                                 cfg.rollout.temperature))
+            parity = self._check_parity(rows, step)
         if cfg.ref.enabled:
             with _timer(timing, "ref"):
                 rows = rows.union(self.rt.actor.compute_ref_log_prob(
@@ -202,7 +210,10 @@ class SyncTrainer:
             keys = ["old_log_probs", "advantages", "rollout_log_probs"] + (["ref_log_probs"] if cfg.ref.enabled else [])
             per_rank = self.rt.actor.update_actor(
                 self._trainer_view(rows, *keys), cfg.actor.ppo_mini_batch_size,
-                cfg.actor.ppo_epochs, cfg.rollout.temperature, cfg.trainer.seed + step)
+                cfg.actor.ppo_epochs, cfg.rollout.temperature, cfg.trainer.seed + step,
+                parity_atol=cfg.bridge.parity_atol if reuse else None)
+        if reuse:
+            parity = self._update_parity(per_rank, step)
         if self.release:
             with _timer(timing, "resume"):
                 self.rt.fleet.resume_memory(["weights"])
@@ -375,6 +386,11 @@ class SyncTrainer:
         """The server sampled with the weights the trainer just scored with (parity.py)."""
         return check_parity(rows, step, self.cfg.bridge, self.weight_version, lambda: engine_versions(self.rt.fleet))
 
+    def _update_parity(self, per_rank: list[dict], step: int) -> dict:
+        """actor.old_log_prob=rollout: the check on the update's first mini-batch (parity.py)."""
+        return check_update_parity(per_rank, step, self.cfg.bridge, self.weight_version,
+                                   lambda: engine_versions(self.rt.fleet))
+
     def _rollout_metrics(self, rows: Batch) -> dict:
         mask = rows["response_mask"]
         lengths = mask.sum(-1)
@@ -384,8 +400,9 @@ class SyncTrainer:
             "reward/min": float(rows["scores"].min()),
             "response/length_mean": float(lengths.mean()),
             "response/clip_ratio": float(np.mean(rows["finish_reason"] == "length")),
-            "rollout/entropy": float(masked_mean(rows["entropy"], mask)),
         }
+        if "entropy" in rows:  # the old-log-prob pass's; else the update's first mini-batch's
+            out["rollout/entropy"] = float(masked_mean(rows["entropy"], mask))
         if self.cfg.reward.overlong_buffer.enable:
             out["reward/raw_mean"] = float(rows["raw_scores"].mean())
             out["reward/overlong_penalized_frac"] = float((rows["scores"] < rows["raw_scores"]).float().mean())

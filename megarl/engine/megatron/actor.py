@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.algo.corrections import mismatch_metrics, rollout_is_weights
+from megarl.algo.corrections import mismatch_metrics, parity_stats, rollout_is_weights
 from megarl.algo.kl import kl_penalty
 from megarl.algo.losses import PolicyLossConfig, agg_loss, get_policy_loss, masked_mean
 from megarl.bridge.spec import BridgeSpec
@@ -81,6 +81,16 @@ def actor_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
     return loss, units, metrics
 
 
+def _first_mini_batch_checks(first: list[tuple], atol: float) -> dict:
+    """parity/* sums (algo/corrections.parity_stats) and the entropy sums of the first mini-batch's rows."""
+    lp, ent = (torch.cat([f[i] for f in first]) for i in (0, 1))
+    mask = torch.cat([f[2]["response_mask"] for f in first]).to(lp.dtype)
+    rollout = torch.cat([f[2]["rollout_log_probs"] for f in first]).to(lp.dtype)
+    out = {f"parity/{k}": v for k, v in parity_stats(lp, rollout, mask, atol).items()}
+    out.update({"parity/entropy_sum": float((ent * mask).sum()), "parity/entropy_tokens": float(mask.sum())})
+    return out
+
+
 class MegatronActor(Worker):
     def __init__(self, engine_spec: EngineSpec, loss_spec: ActorLossSpec, with_ref: bool = False,
                  offload: OffloadConfig | None = None, ref_offload: bool = False, **dist):
@@ -136,11 +146,14 @@ class MegatronActor(Worker):
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch, mini_batch_size: int, epochs: int = 1,
-                     temperature: float = 1.0, seed: int = 0) -> dict:
+                     temperature: float = 1.0, seed: int = 0, parity_atol: float | None = None) -> dict:
         """PPO-style update: `epochs` passes over this rank's rows in shuffled mini-batches.
 
         `mini_batch_size` counts rows of the global batch; each data-parallel rank takes its
         share. Returns metrics averaged over mini-batches (from the dp-owner ranks).
+        `parity_atol`: the batch's old_log_probs are the rollout's (actor.old_log_prob: rollout);
+        the first mini-batch's forward, on the weights the rollout sampled with, is compared with
+        them (parity/* sums, trainer/parity.py) and gives their entropy (rollout/entropy_*).
         """
         dp = self.get_mesh_coord().dp_size
         local_mini = max(1, mini_batch_size // dp)
@@ -150,16 +163,25 @@ class MegatronActor(Worker):
         collected: list[dict] = []
         # the entropy is a metric unless the loss uses it: then it needs no backward
         head = self.actor.logprob_head(temperature, entropy_grad=bool(self.loss_spec.entropy_coeff))
+        first: list[tuple] = []  # the first mini-batch's (log_prob, entropy, micro-batch)
+
+        def loss(lp, ent, mb):
+            if capture:
+                first.append((lp.detach(), ent.detach(), mb))
+            return actor_loss(self.loss_spec, lp, ent, mb)
+
+        capture = parity_atol is not None
         with self.actor_offload.update(keep_params=True):  # the weight sync comes next
             for _ in range(epochs):
                 order = torch.randperm(len(batch), generator=gen)
                 shuffled = batch[order]
                 for mini in shuffled.chunk(n_mini):
-                    collected.append(self.actor.train_mini_batch(
-                        mini, lambda lp, ent, mb: actor_loss(self.loss_spec, lp, ent, mb), temperature,
-                        head=head))
+                    collected.append(self.actor.train_mini_batch(mini, loss, temperature, head=head))
+                    capture = False
             memory = memory_metrics(self.actor.model, self.actor.optimizer)  # all resident here
         metrics = mean_metrics(collected)
+        if first:
+            metrics.update(_first_mini_batch_checks(first, parity_atol))
         metrics.update(memory)
         metrics["actor/num_updates"] = float(len(collected))
         metrics["perf/update_s"] = time.perf_counter() - start

@@ -42,6 +42,29 @@ def activate() -> bool:
     return True
 
 
+def import_megatron() -> None:
+    """Import megatron-core without torch.compile when CUDA is absent (before anything else does).
+
+    megatron decorates its fusions with `jit_fuser = torch.compile` at import time, which imports
+    torch._dynamo and torch._inductor: 5 of a rank's 14 s of imports on this 2-core machine, twice
+    per start-up (two ranks). On CPU the decorated functions run eagerly instead: the fusions are
+    off in the CPU config anyway (model.py), and the few helpers that use the decorator too (the
+    router's expert-bias update, L2Norm) compute the same in eager mode (the quickstart's curve is
+    bit-identical; DeepSeek-V3's expert bias is covered by the architecture tests).
+    """
+    import importlib
+    import sys
+
+    if not needed() or "megatron.core" in sys.modules:
+        return
+    compile_fn = torch.compile
+    torch.compile = lambda model=None, **_: model if model is not None else (lambda fn: fn)
+    try:
+        importlib.import_module("megatron.core")
+    finally:
+        torch.compile = compile_fn
+
+
 # --------------------------------------------------------------------------------------------
 # Hard-coded placement: megatron writes `device="cuda"`, `.cuda()` and `pin_memory=True` in ~34
 # places on the paths we use (causal masks in transformer/utils.py, schedules.py,

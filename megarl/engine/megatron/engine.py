@@ -76,6 +76,7 @@ class MegatronEngine:
 
     # ---------------------------------------------------------------- set-up
     def initialize(self) -> None:
+        cpu_compat.import_megatron()  # first: without torch.compile on CPU
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
