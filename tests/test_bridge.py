@@ -98,7 +98,9 @@ def _sync_rounds(rank, model_path, urls, layout, rounds, tmp_dir):
     transports, out = {}, [{"pieces": pieces, "full": full if rank == 0 else None}]
     for version, name in enumerate(rounds, start=1):
         if name not in transports:
-            spec = BridgeSpec(name, tuple(urls), BUCKET, disk_dir=str(tmp_dir), timeout_s=120)
+            # "tensor-whole": every weight in one bucket, applied by one request with no commit
+            kind, bucket = ("tensor", 2**26) if name == "tensor-whole" else (name, BUCKET)
+            spec = BridgeSpec(kind, tuple(urls), bucket, disk_dir=str(tmp_dir), timeout_s=120)
             transports[name] = make_transport(spec, dist.get_rank(), dist.get_world_size(), "127.0.0.1")
         _step(engine, rows)
         stats = transports[name].sync(engine, f"v{version}", urls)
@@ -136,7 +138,7 @@ def engines(tiny_model_path, tmp_path_factory):
 @pytest.mark.parametrize("layout,rounds", [
     (dict(tp=2, ep=1, pp=1), ["tensor", "disk", "distributed", "reshard"]),
     (dict(tp=1, ep=2, pp=1), ["tensor", "distributed", "distributed", "reshard", "reshard"]),
-    (dict(tp=1, ep=1, pp=2), ["tensor", "distributed", "reshard"]),
+    (dict(tp=1, ep=1, pp=2), ["tensor", "distributed", "reshard", "tensor-whole"]),
 ], ids=["trainer-tp2", "trainer-ep2", "trainer-pp2"])
 def test_engines_match_trainer_after_every_sync(engines, tiny_model_path, tmp_path, layout, rounds):
     mask = make_rows()["response_mask"].bool()
@@ -156,6 +158,8 @@ def test_engines_match_trainer_after_every_sync(engines, tiny_model_path, tmp_pa
     if "disk" in by_transport:  # the superseded checkpoint is gone, the live one stays
         assert [p.name for p in tmp_path.iterdir()] == [f"weights_v{rounds.index('disk') + 1}"]
     assert by_transport["tensor"]["bridge/buckets"] > 1
+    if "tensor-whole" in by_transport:
+        assert by_transport["tensor-whole"]["bridge/buckets"] == 1
 
 
 def _check_pieces_rebuild_the_model(per_rank: list[dict]) -> None:

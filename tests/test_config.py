@@ -272,9 +272,15 @@ def test_config_built_in_code_is_type_checked():
     validate(cfg, TINY)
 
 
-def test_rollout_layout_auto_fields():
+def test_rollout_layout_auto_fields(monkeypatch):
     colocated = validate(load_config(QUICKSTART, []), TINY)
-    assert colocated.rollout.router is False and colocated.rollout.release_memory is True
+    # a local cluster on this CPU-only machine: no device memory to give back
+    assert colocated.rollout.router is False and colocated.rollout.release_memory is False
+    joined = validate(load_config(QUICKSTART, ["cluster.address=auto"]), TINY)
+    assert joined.rollout.release_memory is True  # a cluster joined by address may have GPUs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert validate(load_config(QUICKSTART, []), TINY).rollout.release_memory is True
+    monkeypatch.undo()
     assert colocated.cluster.num_rollout_devices is None
     disagg = validate(load_config(QUICKSTART, ["cluster.placement=disaggregated", "rollout.num_servers=2"]), TINY)
     assert disagg.rollout.router is True and disagg.rollout.release_memory is False

@@ -127,6 +127,20 @@ def test_sampler_draws_from_the_renormalised_kept_distribution():
     assert a[0] == b[0] and b[1] == 0  # a seeded row does not depend on its batch; T=0 is argmax
 
 
+def test_sampling_noise_is_one_draw_per_row_from_its_generator():
+    """Rows sharing a generator are drawn in one call (protocol._exponential_noise): the bits and
+    the generators' states afterwards must equal one draw per row, in row order."""
+    from megarl.rollout.protocol import _exponential_noise
+
+    for vocab in (1, 7, 64, 257):
+        shared, seeded = torch.Generator().manual_seed(vocab), torch.Generator().manual_seed(99)
+        layout = [shared] * 5 + [seeded] + [shared] * 3 + [seeded] * 2 + [shared]
+        copies = {id(g): torch.Generator().set_state(g.get_state()) for g in (shared, seeded)}
+        expected = torch.stack([torch.empty(vocab).exponential_(generator=copies[id(g)]) for g in layout])
+        assert torch.equal(_exponential_noise(len(layout), vocab, layout), expected)
+        assert all(torch.equal(g.get_state(), copies[id(g)].get_state()) for g in (shared, seeded))
+
+
 def test_single_prompt_with_n_answers_a_list_and_text_input_works(served, checkpoint):
     _, client = served
     out = generate(client, text="12+3=", sampling_params={"n": 2, "max_new_tokens": 4, "ignore_eos": True})
@@ -345,3 +359,34 @@ def _wait_for(condition, timeout=20.0):
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting for the engine"
         time.sleep(0.01)
+
+
+def test_all_results_wakes_once_in_order_and_fails_at_the_first_failure():
+    """server.all_results: the engine's futures settle on another thread, in any order."""
+    import asyncio
+    import concurrent.futures
+    import threading
+
+    from megarl.rollout.server import all_results
+
+    async def run(settle):
+        futures = [concurrent.futures.Future() for _ in range(4)]
+        thread = threading.Thread(target=settle, args=(futures,))
+        thread.start()
+        try:
+            return await asyncio.wait_for(all_results(futures), timeout=30)
+        finally:
+            thread.join()
+
+    def backwards(futures):
+        for k in reversed(range(len(futures))):
+            futures[k].set_result(k * 10)
+
+    assert asyncio.run(run(backwards)) == [0, 10, 20, 30]
+
+    def one_fails(futures):  # the others never finish: the failure must not wait for them
+        futures[2].set_exception(RuntimeError("row 2 failed"))
+
+    with pytest.raises(RuntimeError, match="row 2 failed"):
+        asyncio.run(run(one_fails))
+    assert asyncio.run(all_results([])) == []

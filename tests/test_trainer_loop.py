@@ -38,9 +38,10 @@ def three_steps(tmp_path_factory):
     # over its values, with the KL to the reference both in the loss and, adaptively, in the reward
     # (the reference curve test keeps grpo's advantages; the score-only estimators are checked by
     # hand: README "Advantage estimators"). The old-log-prob pass runs here (actor.old_log_prob=
-    # recompute); the reference curve and durability tests run auto's rollout log-probs.
+    # recompute); the reference curve and durability tests run auto's rollout log-probs. The
+    # engine releases and resumes its memory around the update (auto keeps it on a CPU cluster).
     cfg = validate(load_config(ROOT / "configs/quickstart.yaml", [
-        "actor.old_log_prob=recompute",
+        "actor.old_log_prob=recompute", "rollout.release_memory=true",
         f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.val_every=3",
         "trainer.tensorboard=true", "data.num_train=64", "data.num_val=16",
         "actor.parallel.ep=1", "actor.parallel.tp=2", "actor.use_kl_loss=true",

@@ -29,6 +29,8 @@ class Engine:
         # the embedded engine stages buckets and applies them on commit (all or nothing); SGLang
         # loads each bucket as it arrives
         self.stages = info.get("version") == EMBEDDED_VERSION
+        # this sync's update was applied whole by one request (a single bucket): nothing to commit
+        self.applied = False
 
     def close(self) -> None:
         self.client.close()
@@ -50,6 +52,8 @@ class EngineSet:
             if url not in self._known:
                 self._known[url] = Engine(url, self.timeout_s, self.api_key)
         self.engines = [self._known[u] for u in urls]
+        for engine in self.engines:
+            engine.applied = False
         return self.engines
 
     def forget(self, urls) -> None:
@@ -89,7 +93,8 @@ class EngineSet:
             self.each(lambda i, e: e.client.pause_generation(mode=self.pause_mode), "pause_generation")
 
     def commit(self, version: str) -> None:
-        self.each(lambda i, e: e.client.commit_weight_update(version) if e.stages else None, "commit_weight_update")
+        self.each(lambda i, e: e.client.commit_weight_update(version) if e.stages and not e.applied else None,
+                  "commit_weight_update")
 
     def abort(self) -> None:
         """Best effort after a failed sync: drop staged buckets (never raises; logs what failed)."""

@@ -168,6 +168,17 @@ def resolve_rollout(cfg: RunConfig) -> None:
     if r.router is None:
         r.router = r.num_servers > 1
     if r.release_memory is None:
-        r.release_memory = c.placement == "colocated"
+        r.release_memory = c.placement == "colocated" and not local_cpu_only(cfg)
     if c.placement == "disaggregated" and c.num_rollout_devices is None:
         c.num_rollout_devices = engine_devices(cfg)
+
+
+def local_cpu_only(cfg: RunConfig) -> bool:
+    """The run starts its own Ray cluster on a machine without CUDA: its "devices" are shares of
+    host memory, so colocated engines have no device memory to give the trainer back while it
+    runs, and releasing and resuming it would cost three round trips a step for nothing (~22 ms
+    of the CPU quickstart's ~0.4 s step, benchmarks/profile_step.py). A cluster joined by address
+    may have GPUs this machine does not see: there the release stays on."""
+    import torch
+
+    return cfg.cluster.address is None and not torch.cuda.is_available()

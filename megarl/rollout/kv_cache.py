@@ -61,15 +61,15 @@ class GrowableLayer(DynamicLayer):
         if not self.is_initialized or self.keys.numel() == 0 or not self._owned():
             super().batch_select_indices(index)
             return
-        width, order = self.keys.shape[-2], index.tolist()
-        moves = [(i, j) for i, j in enumerate(order) if j != i]
-        if moves:  # gathered into a temporary first, so sources may also be destinations
-            dst = torch.tensor([i for i, _ in moves], device=self._kbuf.device)
-            src = torch.tensor([j for _, j in moves], device=self._kbuf.device)
+        width, index = self.keys.shape[-2], index.to(self._kbuf.device)
+        moved = index != torch.arange(len(index), device=index.device)  # tensor ops: no loop over rows
+        if bool(moved.any()):  # gathered into a temporary first, so sources may also be destinations
+            dst, src = moved.nonzero()[:, 0], index[moved]
             with torch.inference_mode():  # the buffers are inference tensors (the forward made them)
-                self._kbuf.index_copy_(0, dst, self._kbuf.index_select(0, src))
-                self._vbuf.index_copy_(0, dst, self._vbuf.index_select(0, src))
-        self._kbuf, self._vbuf = self._kbuf[:len(order)], self._vbuf[:len(order)]
+                # the filled columns only: the headroom holds nothing yet (64 columns at first)
+                for buf in (self._kbuf[..., :width, :], self._vbuf[..., :width, :]):
+                    buf.index_copy_(0, dst, buf.index_select(0, src))
+        self._kbuf, self._vbuf = self._kbuf[:len(index)], self._vbuf[:len(index)]
         self._views(width)
 
     batch_select_indices = select_rows

@@ -80,10 +80,23 @@ def sample_next_tokens(logits: torch.Tensor, temperatures: list[float], top_ps: 
         min_p = torch.tensor(min_ps, dtype=logits.dtype, device=logits.device)[:, None]
         keep_sorted &= sorted_probs >= min_p * sorted_probs[:, :1]
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-    noise = torch.stack([torch.empty(vocab).exponential_(generator=g) for g in generators]).to(logits.device)
+    noise = _exponential_noise(rows, vocab, generators).to(logits.device)
     sampled = torch.where(keep, probs / noise, -1.0).argmax(-1)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def _exponential_noise(rows: int, vocab: int, generators: list[torch.Generator]) -> torch.Tensor:
+    """Row r's Exp(1) vector from generators[r]. Consecutive rows that share a generator (every
+    unseeded row shares the engine's) are drawn in one call: the same numbers, in the same order,
+    as one draw per row (tests/test_sampling_params.py checks the bits), without 256 small ops."""
+    noise = torch.empty(rows, vocab)
+    start = 0
+    for k in range(1, rows + 1):
+        if k == rows or generators[k] is not generators[start]:
+            noise[start:k].exponential_(generator=generators[start])
+            start = k
+    return noise
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import threading
 import uuid
 
 from fastapi import FastAPI, Request
@@ -87,7 +89,7 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
             return StreamingResponse(stream.events(request), media_type="text/event-stream")
         futures = engine.submit(call.requests)
         try:
-            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+            results = await all_results(futures)
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
             for req in call.requests:
                 engine.abort(req.rid, message="client disconnected")
@@ -212,6 +214,37 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
         return control(True, "; ".join(messages))
 
     return app
+
+
+async def all_results(futures: list[concurrent.futures.Future]) -> list:
+    """The results of the engine's futures, in order, once every one is done; the first failure is
+    raised as soon as it happens. The event loop is woken once for the whole batch: wrapping
+    each of a 256-row batch's futures in an asyncio future (asyncio.gather of wrap_future) woke it
+    once per row and cost ~20% of a busy engine's CPU, measured with py-spy."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    lock, left = threading.Lock(), [len(futures)]
+
+    def wake(failure: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(failure)
+
+    def settled(future: concurrent.futures.Future) -> None:  # on the scheduler's thread
+        failure = None if future.cancelled() else future.exception()
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last or failure is not None:
+            loop.call_soon_threadsafe(wake, failure)
+
+    for future in futures:
+        future.add_done_callback(settled)
+    if not futures:
+        wake(None)
+    failure = await done
+    if failure is not None:
+        raise failure
+    return [f.result() for f in futures]
 
 
 def _parser() -> argparse.ArgumentParser:
