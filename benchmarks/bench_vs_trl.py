@@ -16,7 +16,10 @@ Variants:
   the digits task, 16 prompts x 16 samples, 2 new tokens, 2 optimizer steps of 128 rows a step.
 - compute: the same model 6x wider (hidden 384, 6 heads of 64, experts of 384: 4.4M parameters,
   2.6M active per token) and every response exactly 64 tokens, 8 steps (the first 2 warm-up):
-  GEMMs dominate (sized for a TRL step of roughly 5-15 s on 2 cores). Exact lengths on both
+  GEMMs dominate (sized for a TRL step of roughly 5-15 s on 2 cores). megarl runs one rollout
+  engine per device (rollout.num_servers=2, batched requests straight to each: rollout.router=false),
+  as verl sizes its rollout, so both cores generate, and its two ranks are plain data parallel
+  (actor.parallel.ep=1; the quickstart's EP=2 measured 0.95x here, RESULTS.md says why). Exact lengths on both
   sides: the checkpoint's eos is id 64, outside the 64-logit vocabulary, so no side can sample it
   (the tokenizer gets 13 unused ids and <no_eos>; transformers warns that eos is out of vocab).
   Learning is not the point here, equal work is: same rows, tokens and optimizer steps.
@@ -74,13 +77,19 @@ class Variant:
     max_new_tokens: int
     model_overrides: dict = field(default_factory=dict)  # HF config changes to tiny-qwen3-moe
     no_eos: bool = False          # eos outside the vocabulary: every response is max_new_tokens long
+    megarl_args: tuple = ()       # megarl overrides of the variant (before --megarl-arg)
 
 
 VARIANTS = {
     "quickstart": Variant("quickstart", steps=200, warmup=5, max_new_tokens=2),
     "compute": Variant("compute", steps=8, warmup=2, max_new_tokens=64, no_eos=True, model_overrides=dict(
         hidden_size=384, intermediate_size=768, moe_intermediate_size=384, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=64)),
+        num_key_value_heads=2, head_dim=64),
+        # one engine per device, as verl sizes its rollout (devices / tp): generation is GEMM-bound
+        # here and the ranks are idle while it runs, so the second core generates too; the two
+        # ranks are plain data parallel (EP=1: 4.4M parameters fit a device many times over), so
+        # a skewed router never leaves one rank's experts idle while the other's work
+        megarl_args=("rollout.num_servers=2", "rollout.router=false", "actor.parallel.ep=1")),
 }
 
 
@@ -181,7 +190,7 @@ def run_megarl(variant: Variant, model: Path, steps: int, run_dir: Path, extra: 
     cmd = [str(ROOT / ".venv" / "bin" / "megarl"), "train", "configs/quickstart.yaml",
            f"trainer.output_dir={run_dir.parent}", f"trainer.experiment_name={exp}",
            f"trainer.total_steps={steps}", "trainer.val_every=0", f"model.path={model}",
-           f"rollout.max_new_tokens={variant.max_new_tokens}", *extra]
+           f"rollout.max_new_tokens={variant.max_new_tokens}", *variant.megarl_args, *extra]
     line_times: dict[int, float] = {}
 
     def on_line(text: str, now: float) -> None:

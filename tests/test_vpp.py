@@ -179,15 +179,15 @@ def test_vpp_train_step_equals_pp1(results, four_layer_path):
 
 def test_interleaved_micro_batch_count():
     from megarl.config.schema import ParallelConfig
-    from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
+    from megarl.engine.megatron.inputs import interleaved_micro_batch_count
 
-    engine = MegatronEngine(EngineSpec(model_path="unused", parallel=ParallelConfig(pp=2, vpp=2)))
-    count = engine._interleaved_micro_batch_count
+    def count(n, rows, p=ParallelConfig(pp=2, vpp=2)):
+        return interleaved_micro_batch_count(n, rows, p)
+
     assert [count(n, rows) for n, rows in ((1, 4), (2, 4), (3, 8), (3, 3), (5, 5), (4, 4))] == [2, 2, 4, 2, 4, 4]
     with pytest.raises(ValueError, match=r"actor\.parallel\.vpp=2.*at least pp=2"):
         count(1, 1)
-    plain = MegatronEngine(EngineSpec(model_path="unused", parallel=ParallelConfig(pp=2)))
-    assert plain._interleaved_micro_batch_count(3, 3) == 3
+    assert count(3, 3, ParallelConfig(pp=2)) == 3
 
 
 def test_vpp_validation_names_the_option():

@@ -31,7 +31,6 @@ from megarl.engine.megatron.model import make_bridge, pipeline_split_args, preci
 from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
 from megarl.engine.megatron import inputs as rows
 from megarl.engine.megatron import value_head as vh
-from megarl.engine.megatron.packing import row_lengths
 from megarl.engine.megatron.routing_replay import RoutingReplay
 from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_weights, load_hf_weights,
                                             sends_owned_weights)
@@ -210,49 +209,6 @@ class MegatronEngine:
             multiple *= 2 * p.cp
         return int(math.ceil(length / multiple) * multiple)
 
-    def _micro_batches(self, batch: Batch) -> tuple[list[Batch], torch.Tensor | None]:
-        """The micro-batches of one call, and the row order they hold (None: the batch's own).
-
-        By row count (`micro_batch_size`), or by token budget (`max_tokens_per_micro_batch`):
-        rows are grouped so every micro-batch's tokens stay within the budget and the groups are
-        balanced (data/balance.py). Every data-parallel rank runs the same number of micro-batches
-        (MoE expert-parallel collectives pair them up across ranks), so the count is agreed first.
-        """
-        budget = self.spec.max_tokens_per_micro_batch
-        if budget is None:
-            n = max(1, math.ceil(len(batch) / self.spec.micro_batch_size))
-            return batch.chunk(self._interleaved_micro_batch_count(n, len(batch))), None
-        from megatron.core import parallel_state as ps
-
-        from megarl.data.balance import min_micro_batches, partition_micro_batches
-
-        lengths = row_lengths(batch["input_ids"], batch["prompt_lengths"], batch["response_mask"]).tolist()
-        k = torch.tensor(min_micro_batches(lengths, budget))
-        dist.all_reduce(k, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
-        k = self._interleaved_micro_batch_count(int(k), len(batch))
-        if k > len(batch):
-            raise ValueError(f"max_tokens_per_micro_batch={budget}: another data-parallel rank needs "
-                             f"{k} micro-batches but this rank holds only {len(batch)} rows; give "
-                             "every rank the same number of rows (a batch divisible by dp)")
-        parts = partition_micro_batches(lengths, k)
-        order = torch.tensor([i for p in parts for i in p])
-        return [batch[torch.tensor(p)] for p in parts], order
-
-    def _interleaved_micro_batch_count(self, n: int, rows: int) -> int:
-        """`n` micro-batches adjusted for the interleaved schedule (vpp > 1), which runs them in
-        groups of pp per virtual stage and refuses fewer than pp or a last group smaller than pp:
-        round up to a multiple of pp, or down where rows are too few (micro-batches grow a little)."""
-        p = self.spec.parallel
-        if p.vpp == 1:
-            return n
-        if rows < p.pp:
-            raise ValueError(
-                f"actor.parallel.vpp={p.vpp}: the interleaved pipeline schedule needs at least "
-                f"pp={p.pp} micro-batches, but this call has {rows} row(s) on this data-parallel rank; "
-                f"send at least {p.pp} rows per rank or set actor.parallel.vpp=1")
-        up = math.ceil(n / p.pp) * p.pp
-        return up if up <= rows else rows // p.pp * p.pp
-
     def logprob_head(self, temperature: float, entropy_grad: bool = True) -> Head:
         """The policy head: vocab-parallel logits -> (log p(label), entropy) per position.
         entropy_grad=False: the entropy is a metric only (detached; saves its backward)."""
@@ -279,7 +235,8 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cpu_compat.activate()
-        micro, order = self._micro_batches(batch)
+        micro, order = rows.micro_batches(batch, self.spec.micro_batch_size,
+                                          self.spec.max_tokens_per_micro_batch, self.spec.parallel)
         if self.spec.pack_sequences:
             inputs = rows.packed_inputs(micro, self.spec.parallel, self.config.variable_seq_lengths)
         else:

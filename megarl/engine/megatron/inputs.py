@@ -1,6 +1,7 @@
 """How rows become the model's inputs, and the model's outputs come back to the rows.
 
-The engine's micro-batches of rows (engine.py's row layout) become either right-padded
+A call's rows are cut into micro-batches (by row count or by token budget, the same number on
+every data-parallel rank, rounded for the interleaved pipeline schedule). The micro-batches (engine.py's row layout) become either right-padded
 [b, T] inputs or one packed THD stream per micro-batch (packing.py); per-position outputs are read
 back at the positions that predict response tokens. Inputs and parameters go to the model's device
 (the host on CPU, this process's GPU otherwise).
@@ -101,3 +102,50 @@ def inputs_to(x: dict, device: torch.device) -> dict:
             f.name: getattr(params, f.name).to(device) for f in dataclasses.fields(params)
             if isinstance(getattr(params, f.name), torch.Tensor)})
     return out
+
+
+# ---------------------------------------------------------------- micro-batch planning
+def micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int | None,
+                  p: ParallelConfig) -> tuple[list[Batch], torch.Tensor | None]:
+    """The micro-batches of one call, and the row order they hold (None: the batch's own).
+
+    By row count (`micro_batch_size`), or by token budget (`max_tokens`, the engine's
+    max_tokens_per_micro_batch): rows are grouped so every micro-batch's tokens stay within the
+    budget and the groups are balanced (data/balance.py). Every data-parallel rank runs the same
+    number of micro-batches (MoE expert-parallel collectives pair them up across ranks), so the
+    count is agreed first.
+    """
+    if max_tokens is None:
+        n = max(1, math.ceil(len(batch) / micro_batch_size))
+        return batch.chunk(interleaved_micro_batch_count(n, len(batch), p)), None
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.data.balance import min_micro_batches, partition_micro_batches
+
+    lengths = row_lengths(batch["input_ids"], batch["prompt_lengths"], batch["response_mask"]).tolist()
+    k = torch.tensor(min_micro_batches(lengths, max_tokens))
+    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
+    k = interleaved_micro_batch_count(int(k), len(batch), p)
+    if k > len(batch):
+        raise ValueError(f"max_tokens_per_micro_batch={max_tokens}: another data-parallel rank needs "
+                         f"{k} micro-batches but this rank holds only {len(batch)} rows; give "
+                         "every rank the same number of rows (a batch divisible by dp)")
+    parts = partition_micro_batches(lengths, k)
+    order = torch.tensor([i for part in parts for i in part])
+    return [batch[torch.tensor(part)] for part in parts], order
+
+
+def interleaved_micro_batch_count(n: int, rows: int, p: ParallelConfig) -> int:
+    """`n` micro-batches adjusted for the interleaved schedule (vpp > 1), which runs them in
+    groups of pp per virtual stage and refuses fewer than pp or a last group smaller than pp:
+    round up to a multiple of pp, or down where rows are too few (micro-batches grow a little)."""
+    if p.vpp == 1:
+        return n
+    if rows < p.pp:
+        raise ValueError(
+            f"actor.parallel.vpp={p.vpp}: the interleaved pipeline schedule needs at least "
+            f"pp={p.pp} micro-batches, but this call has {rows} row(s) on this data-parallel rank; "
+            f"send at least {p.pp} rows per rank or set actor.parallel.vpp=1")
+    up = math.ceil(n / p.pp) * p.pp
+    return up if up <= rows else rows // p.pp * p.pp
