@@ -234,7 +234,7 @@ async def all_results(futures: list[concurrent.futures.Future]) -> list:
         with lock:
             left[0] -= 1
             last = left[0] == 0
-        if last or failure is not None:
+        if (last or failure is not None) and not loop.is_closed():  # closed: the server is gone
             loop.call_soon_threadsafe(wake, failure)
 
     for future in futures:

@@ -1,9 +1,10 @@
 """How rows become the model's inputs, and the model's outputs come back to the rows.
 
 A call's rows are cut into micro-batches (by row count or by token budget, the same number on
-every data-parallel rank, rounded for the interleaved pipeline schedule). The micro-batches (engine.py's row layout) become either right-padded
-[b, T] inputs or one packed THD stream per micro-batch (packing.py); per-position outputs are read
-back at the positions that predict response tokens. Inputs and parameters go to the model's device
+every data-parallel rank, rounded for the interleaved pipeline schedule). The micro-batches
+(engine.py's row layout) become either right-padded [b, T] inputs or one packed THD stream per
+micro-batch (packing.py); per-position outputs are read back at the positions that predict
+response tokens. Inputs and parameters go to the model's device
 (the host on CPU, this process's GPU otherwise).
 """
 
