@@ -11,5 +11,5 @@ setup(
     # torch / megatron-core need special install flags (see README), so they are not
     # listed here to keep `pip install -e .` from pulling CUDA wheels.
     install_requires=[],
-    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+    entry_points={"console_scripts": ["megarl=megarl.cli:entry"]},
 )
