@@ -83,10 +83,12 @@ def _children(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
+        kids = []  # every thread's: the driver's Ray processes are forked by its Ray-start thread
+        for task in Path(f"/proc/{p}/task").glob("*") if Path(f"/proc/{p}/task").is_dir() else ():
+            try:
+                kids += (task / "children").read_text().split()
+            except OSError:
+                continue
         out += [int(k) for k in kids]
         todo += [int(k) for k in kids]
     return out

@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         return compare_runs(args.run_a, args.run_b)
     from megarl.config.loader import ConfigError, dump, load_config
     from megarl.config.validate import validate
-    from megarl.data.dataset import DatasetError
+    from megarl.data.errors import DatasetError
 
     config_path, overrides = _split(args)
     try:

@@ -7,9 +7,11 @@ process survives.
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -102,7 +104,14 @@ HANDLERS_BEFORE_CLUSTER: dict[int, object] = {}
 @pytest.fixture(scope="module")
 def cluster():
     HANDLERS_BEFORE_CLUSTER.update({s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)})
-    with RayCluster(num_cpus=2, log_to_driver=False) as ray_cluster:
+    # started in the background, as `megarl train` starts its cluster: ray.init runs on a thread,
+    # whose Ray processes (forked there under a parent-death signal) must outlive ray.init; the
+    # signal handlers are installed in this thread when `with` waits for the start
+    ray_cluster = RayCluster(num_cpus=2, log_to_driver=False)
+    ray_cluster.start(background=True)
+    assert {s: signal.getsignal(s) for s in HANDLERS_BEFORE_CLUSTER} == HANDLERS_BEFORE_CLUSTER
+    with ray_cluster:
+        assert signal.getsignal(signal.SIGTERM) == ray_cluster._raise_to_unwind
         yield ray_cluster
 
 
@@ -289,3 +298,28 @@ def _wait_for_free_cpus(expected: float, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)  # placement-group removal is asynchronous
     assert ray.available_resources().get("CPU", 0.0) == pytest.approx(expected)
 
+
+
+BACKGROUND_START_THEN_CLOSE = """
+import psutil, sys
+from megarl.controller.cluster import RayCluster
+cluster = RayCluster(num_cpus=1, log_to_driver=False)
+cluster.start(background=True)
+if sys.argv[1] == "wait":
+    with cluster:
+        pass
+else:
+    cluster.close()  # the run failed before it needed Ray: nobody waited for the start
+print(" ".join(p.name() for p in psutil.Process().children(recursive=True)
+               if p.status() != psutil.STATUS_ZOMBIE), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["close-unwaited", "wait"])
+def test_a_background_start_closed_at_any_point_leaves_no_ray_process(how):
+    """close() right after start(background=True) waits for ray.init and stops what it started;
+    a waited start closes like a foreground one (the Ray-start thread released)."""
+    out = subprocess.run([sys.executable, "-c", BACKGROUND_START_THEN_CLOSE, how], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "", out.stdout

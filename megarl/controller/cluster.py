@@ -70,9 +70,14 @@ class RayCluster:
         self._previous_handlers: dict[int, Any] = {}
         self._terminated_by: int | None = None
         self._reaper: Reaper | None = None
+        self._starting: _Starting | None = None  # a background start not waited for yet
+        self._ray_thread: _Starting | None = None  # the thread that started Ray, kept alive
 
     def __enter__(self) -> RayCluster:
-        self.start()
+        if self._starting is not None:  # start(background=True) ran: wait for it
+            self.wait_started()
+        else:
+            self.start()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -83,8 +88,13 @@ class RayCluster:
             # conventional 128 + signal code so supervisors see a clean, signalled exit.
             raise SystemExit(128 + signum) from None
 
-    def start(self) -> None:
-        if ray.is_initialized():
+    def start(self, background: bool = False) -> None:
+        """Start (or join) the cluster. background=True returns at once with ray.init running on a
+        thread: a local Ray takes ~6 s to come up on 2 cores, mostly waiting for its daemons,
+        which the driver spends importing torch and transformers and building the model and data
+        instead (`megarl train` does). What needs the main thread (signal handlers, the reaper)
+        is done here, before returning; `with cluster:` or wait_started() joins the thread."""
+        if ray.is_initialized() or self._starting is not None:
             raise RuntimeError(
                 "Ray is already initialized in this process; RayCluster must own the connection so it can "
                 "clean up. Call ray.shutdown() first, or use the existing connection without RayCluster."
@@ -96,11 +106,29 @@ class RayCluster:
         try:
             if self.address is None:  # before ray.init, so a kill during start-up is covered too
                 self._reaper = Reaper.start(exclude=self._preexisting_children)
+            if background:
+                self._starting = _Starting(self._connect)
+                return
             self._connect()
         except BaseException:
             self._stop_reaper()
             self._restore_signal_handlers()
             raise
+        self._started = True
+        self._install_signal_handlers()
+
+    def wait_started(self) -> None:
+        """Wait for a background start; raises what ray.init raised. A no-op without one."""
+        if self._starting is None:
+            return
+        self._starting.connected.wait()  # a Ctrl-C here leaves _starting set: close() waits again
+        starting, self._starting = self._starting, None
+        if starting.error is not None:
+            starting.join()
+            self._stop_reaper()
+            self._restore_signal_handlers()
+            raise starting.error
+        self._ray_thread = starting
         self._started = True
         self._install_signal_handlers()
 
@@ -115,6 +143,10 @@ class RayCluster:
                 object_store_memory=self.object_store_memory,
                 resources=self.resources or None,
                 include_dashboard=False,
+                # Ray forks idle workers for the first driver before it knows the job's runtime_env;
+                # every worker here runs under that env (PYTHONPATH) or an actor's own, so none was
+                # ever used: 2 processes importing Ray (~1.4 s of CPU) while the run starts.
+                _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
                 **common,
             )
         else:
@@ -122,6 +154,12 @@ class RayCluster:
 
     def close(self) -> None:
         """Shut Ray down and make sure no Ray process started by this cluster outlives it."""
+        if self._starting is not None:  # started in the background and never waited for
+            try:
+                self.wait_started()
+            except Exception as err:  # noqa: BLE001  (the run failed before it needed Ray)
+                logger.warning("RayCluster: the background start failed too: %s", err)
+                return
         if not self._started:
             return
         self._started = False
@@ -131,6 +169,9 @@ class RayCluster:
             ray.shutdown()
             _reap(started_here, self.shutdown_grace_s)
         finally:
+            if self._ray_thread is not None:
+                self._ray_thread.finish()
+                self._ray_thread = None
             self._stop_reaper()
             self._restore_signal_handlers()
 
@@ -179,6 +220,48 @@ class RayCluster:
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous_handlers = {}
+
+
+class _Starting(threading.Thread):
+    """ray.init on a thread of its own (RayCluster.start(background=True)), which then stays alive
+    until the cluster is closed: Ray starts gcs_server and the raylet under a parent-death signal
+    (PR_SET_PDEATHSIG), and Linux sends it when the *thread* that forked them exits (seen: the
+    GCS gone and the driver dead 60 s later when this thread returned after ray.init)."""
+
+    def __init__(self, connect) -> None:
+        super().__init__(name="megarl-ray-start", daemon=True)
+        self._connect, self.error = connect, None
+        self.connected, self._release = threading.Event(), threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        # ray.init says it did not set a SIGTERM handler off the main thread: RayCluster installs
+        # its own in the main thread once connected (wait_started), as a foreground start does.
+        quiet = _DropMessage("SIGTERM handler is not set")
+        ray_logger = logging.getLogger("ray._private.worker")
+        ray_logger.addFilter(quiet)
+        try:
+            self._connect()
+        except BaseException as err:  # noqa: BLE001  (raised in the caller's thread by wait_started)
+            self.error = err
+        finally:
+            ray_logger.removeFilter(quiet)
+            self.connected.set()
+        if self.error is None:
+            self._release.wait()  # until close(): Ray's processes were forked by this thread
+
+    def finish(self) -> None:
+        self._release.set()
+        self.join()
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 def _log_ignored_signal(signum: int, frame: FrameType | None) -> None:

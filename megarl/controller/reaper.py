@@ -94,16 +94,15 @@ def _watch(driver_pid: int, exclude: set[int], poll_s: float) -> None:
     except psutil.NoSuchProcess:
         return
     exclude = exclude | {os.getpid()}
-    known: dict[tuple[int, float], psutil.Process] = {}
+    known: dict[tuple[int, int], psutil.Process] = {}
     message, told_ready = b"", False
     while _alive(driver):
-        try:
-            for child in driver.children():
-                if child.pid not in exclude:  # nor its descendants: not started by this run
-                    for process in (child, *child.children(recursive=True)):
-                        known.setdefault((process.pid, process.create_time()), process)
-        except psutil.Error:
-            pass  # the driver (or a child being listed) just died: seen on the next check
+        for pid, start in _descendants(driver_pid, exclude):
+            if (pid, start) not in known:
+                try:
+                    known[(pid, start)] = psutil.Process(pid)
+                except psutil.Error:
+                    pass  # gone already
         if not told_ready:
             os.write(sys.stdout.fileno(), READY)
             told_ready = True
@@ -121,6 +120,47 @@ def _watch(driver_pid: int, exclude: set[int], poll_s: float) -> None:
                 process.send_signal(signal.SIGKILL)
         except psutil.Error:
             pass
+
+
+def _descendants(root: int, exclude: set[int]) -> list[tuple[int, int]]:
+    """(pid, start time in clock ticks) of every process below `root`, not below a child in
+    `exclude`, from ONE pass over /proc. psutil's children() reads every process's stat file per
+    call, and the reaper called it once per child: ~12 passes a poll, ~7% of a core all run long
+    on this 2-core machine (py-spy: the reaper used 4.1 s of CPU in a 54 s quickstart)."""
+    parent_of = _proc_table() if os.path.isdir("/proc") else _psutil_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in parent_of.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [p for p in children.get(root, ()) if p not in exclude]
+    while todo:
+        pid = todo.pop()
+        found.append((pid, parent_of[pid][1]))
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, start ticks) from Linux's /proc."""
+    parent_of: dict[int, tuple[int, int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited between the listing and the read
+        fields = stat[stat.rindex(b")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        parent_of[int(name)] = (int(fields[1]), int(fields[19]))  # ppid, starttime (stat fields 4, 22)
+    return parent_of
+
+
+def _psutil_table() -> dict[int, tuple[int, int]]:
+    """The same without /proc (macOS): one psutil pass, ~4x the CPU of the /proc read."""
+    import psutil
+
+    return {p.pid: (p.info["ppid"], int(p.info["create_time"] * 1000))
+            for p in psutil.process_iter(["ppid", "create_time"]) if p.info["ppid"] is not None}
 
 
 def _alive(process) -> bool:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.controller.dispatch import MeshCoord
+from megarl.rollout.launcher import get_node_ip  # noqa: F401  (also imported from here)
 
 NUM_THREADS_ENV = "MEGARL_NUM_THREADS"
 DEFAULT_PROCESS_GROUP_TIMEOUT_S = 1800.0
@@ -118,22 +119,6 @@ def resolve_num_threads(num_threads: int | None) -> int:
     if num_threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
     return num_threads
-
-
-def get_node_ip() -> str:
-    """The IP other nodes reach this process at (Ray's view when running inside Ray)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    try:
-        # The address this host's name resolves to; no packet is sent to find it.
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def find_free_port() -> int:

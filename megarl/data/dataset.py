@@ -26,16 +26,13 @@ from typing import Any
 import numpy as np
 
 from megarl.data.batch import Batch
+from megarl.data.errors import DatasetError  # noqa: F401  (raised here, and importable from here)
 from megarl.data.tasks import write_task
 
 REWARD_STYLES = ("rule", "model")
 OVERLONG = ("error", "filter")
 
 log = logging.getLogger(__name__)
-
-
-class DatasetError(ValueError):
-    """A dataset file or row does not match the canonical format."""
 
 
 def read_rows(path: str | Path) -> list[dict]:

@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from megarl.reward.remote import API_KEY_ENV
+from megarl.rollout.procs import HealthProbe
 from megarl.reward.rule import RewardError, make_reward_function
 
 log = logging.getLogger(__name__)
@@ -115,16 +115,14 @@ class RewardServerProcess:
             if self.log_path:
                 out.close()
         deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the reward server exited with code {self.process.returncode} while "
-                                   f"starting (command: {' '.join(cmd)}; log: {self.log_path})")
-            try:
-                if httpx.get(f"http://{self.host}:{self.port}/health", timeout=2.0).status_code == 200:
+        with HealthProbe() as probe:  # one client for the wait (procs.HealthProbe says why)
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the reward server exited with code {self.process.returncode} while "
+                                       f"starting (command: {' '.join(cmd)}; log: {self.log_path})")
+                if probe.ok(f"http://{self.host}:{self.port}/health"):
                     return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+                time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"the reward server on port {self.port} did not serve within "
                            f"{self.startup_timeout_s:.0f} s (log: {self.log_path})")

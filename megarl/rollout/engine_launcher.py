@@ -62,7 +62,7 @@ class EngineLauncher:
         self._used_ports: set[int] = set()  # a restart never comes back on a predecessor's port
 
     def node_ip(self) -> str:
-        from megarl.controller.worker import get_node_ip
+        from megarl.rollout.launcher import get_node_ip
 
         return get_node_ip()
 

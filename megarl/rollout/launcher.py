@@ -23,11 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 import megarl
 from megarl.rollout import lifeline
-from megarl.rollout.procs import ManagedProcess, PortTaken, new_log_file
+from megarl.rollout.procs import HealthProbe, ManagedProcess, PortTaken, new_log_file
 
 _PACKAGE_ROOT = str(Path(megarl.__file__).resolve().parent.parent)
 
@@ -42,6 +40,23 @@ def free_port(host: str = "127.0.0.1", avoid=()) -> int:
         if port not in avoid:
             return port
     raise RuntimeError(f"the OS kept offering ports in {sorted(avoid)[:8]} on {host}")
+
+
+def get_node_ip() -> str:
+    """The IP other nodes reach this process at (Ray's view when running inside Ray). Here, not in
+    megarl.controller, so a launcher actor does not import torch (1.7 s of CPU at start-up) for it."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    try:
+        # The address this host's name resolves to; no packet is sent to find it.
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 class RolloutServerProcess(ManagedProcess):
@@ -101,22 +116,24 @@ class RolloutServerProcess(ManagedProcess):
 
     def _wait_until_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            code = self.process.poll()
-            if code is not None:
-                tail = self.log_tail()
-                self.stop()
-                if "address already in use" in tail.lower():
-                    raise PortTaken()
-                raise RuntimeError(f"rollout server exited with code {code} during startup "
-                                   f"(command: {' '.join(self.command(self.port))}); last log lines "
-                                   f"from {self.log_path}:\n{tail}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+        with HealthProbe() as probe:
+            while time.monotonic() < deadline:
+                if self._healthy_or_failed(probe):
                     return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+                time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"rollout server at {self.url} was not healthy within {self.startup_timeout_s:.0f}s; "
                            f"last log lines from {self.log_path}:\n{self.log_tail()}")
+
+    def _healthy_or_failed(self, probe: HealthProbe) -> bool:
+        """True once /health answers; raises if the process exited (PortTaken for a lost port)."""
+        code = self.process.poll()
+        if code is not None:
+            tail = self.log_tail()
+            self.stop()
+            if "address already in use" in tail.lower():
+                raise PortTaken()
+            raise RuntimeError(f"rollout server exited with code {code} during startup "
+                               f"(command: {' '.join(self.command(self.port))}); last log lines "
+                               f"from {self.log_path}:\n{tail}")
+        return probe.ok(f"{self.url}/health")

@@ -16,7 +16,7 @@ class RouterActor:
 
     def start(self) -> str:
         """The router's URL as other nodes reach it (the node's IP when bound to every interface)."""
-        from megarl.controller.worker import get_node_ip
+        from megarl.rollout.launcher import get_node_ip
 
         self.router.start()
         if self.router.host in ("0.0.0.0", "::", ""):

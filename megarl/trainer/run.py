@@ -3,6 +3,7 @@ export the policy, summarise, tear down. Everything printed also goes to RUN_DIR
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -34,15 +35,21 @@ def log_path_of(run_dir: Path) -> Path:
 def train(cfg: RunConfig, stream=sys.stdout) -> dict:
     """Run `cfg` (already validated) to completion; returns the reward-curve summary."""
     from megarl.trainer.run_lock import RunDirLock
-    from megarl.trainer.runtime import run_dir_of
+    from megarl.trainer.runtime import cluster_for, run_dir_of
 
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     with RunDirLock(run_dir), open(log_path_of(run_dir), "a") as log:
-        return _train_locked(cfg, run_dir, Tee(stream, log))
+        # Ray starts now, in the background, and comes up while this process imports torch,
+        # Megatron and transformers and builds the model and the data (~6 s of a quickstart's
+        # start-up that used to come after them); start_runtime waits for it, then stops it.
+        cluster = cluster_for(cfg)
+        cluster.start(background=True)
+        with contextlib.closing(cluster):  # closed already when start_runtime took it over
+            return _train_locked(cfg, run_dir, Tee(stream, log), cluster)
 
 
-def _train_locked(cfg: RunConfig, run_dir: Path, stream) -> dict:
+def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None) -> dict:
     from megarl.trainer import checkpoints
     from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import StartupClock, start_runtime
@@ -54,7 +61,7 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream) -> dict:
     logger = MetricsLogger(tb_dir, cfg.trainer.total_steps, cfg.trainer.log_every, stream,
                            jsonl_path=run_dir / "metrics.jsonl", resume_step=point[1]["step"] if point else 0)
     try:
-        with start_runtime(cfg) as runtime:
+        with start_runtime(cfg, cluster) as runtime:
             critic = (f"; critic mesh {runtime.critic.mesh[0].describe()} x{len(runtime.critic.mesh)}"
                       if runtime.critic is not None else "")
             router = f" behind router {runtime.fleet.router_url}" if runtime.fleet.router_url else ""

@@ -160,36 +160,49 @@ def build_fleet(cfg: RunConfig, plan, pools: dict, model_path: str, run_dir: Pat
                         max_restarts=cfg.rollout.max_engine_restarts)
 
 
-@contextlib.contextmanager
-def start_runtime(cfg: RunConfig):
-    """Yield a Runtime for `cfg`; on exit stop every process it started."""
-    from transformers import AutoTokenizer
-
+def cluster_for(cfg: RunConfig, plan=None):
+    """The RayCluster a run starts (cluster.address None: a local one declaring its CPU "devices")
+    or joins. Not started: `start_runtime` enters it, `train` starts it early in the background."""
     from megarl.controller.cluster import RayCluster
-    from megarl.controller.placement import (CPU_DEVICE_RESOURCE, CRITIC_DEVICE_SHARE,
-                                             RANK_DEVICE_SHARE, ResourcePool, device_resource,
-                                             plan_placement)
-    from megarl.controller.worker_group import RayWorkerGroup
-    from megarl.data.dataset import build_datasets
-    from megarl.rollout.manager import RolloutManager
+    from megarl.controller.placement import CPU_DEVICE_RESOURCE, plan_placement
+
+    if cfg.cluster.address is not None:
+        return RayCluster(cfg.cluster.address)
+    plan = plan or plan_placement(cfg)
+    devices = {CPU_DEVICE_RESOURCE: float(sum(p.num_devices for p in plan.pools.values()))}
+    return RayCluster(num_cpus=cfg.cluster.num_cpus, resources=devices)
+
+
+@contextlib.contextmanager
+def start_runtime(cfg: RunConfig, cluster=None):
+    """Yield a Runtime for `cfg`; on exit stop every process it started. `cluster`: a
+    cluster_for(cfg) already starting in the background (train), else one is started here."""
+    from megarl.controller.placement import (CRITIC_DEVICE_SHARE, RANK_DEVICE_SHARE, ResourcePool,
+                                             device_resource, plan_placement)
 
     clock = StartupClock()
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_path = resolve_model_path(cfg, run_dir)
-    clock.mark("model")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_data, val_data = build_datasets(cfg.data, tokenizer, run_dir / "data")
     plan = plan_placement(cfg)
-    clock.mark("data")
 
     with contextlib.ExitStack() as stack:
-        if cfg.cluster.address is None:  # a local cluster declares its CPU "devices"
-            devices = {CPU_DEVICE_RESOURCE: float(sum(p.num_devices for p in plan.pools.values()))}
-            stack.enter_context(RayCluster(num_cpus=cfg.cluster.num_cpus, resources=devices))
-        else:
-            stack.enter_context(RayCluster(cfg.cluster.address))
-        clock.mark("ray")
+        if cluster is None:
+            cluster = cluster_for(cfg, plan)
+            cluster.start(background=True)  # Ray comes up while the model, tokenizer and data are built
+        stack.push(cluster.__exit__)  # stops what it started (also a start still under way)
+        from transformers import AutoTokenizer
+
+        from megarl.controller.worker_group import RayWorkerGroup
+        from megarl.data.dataset import build_datasets
+        from megarl.rollout.manager import RolloutManager
+
+        model_path = resolve_model_path(cfg, run_dir)
+        clock.mark("model")
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        train_data, val_data = build_datasets(cfg.data, tokenizer, run_dir / "data")
+        clock.mark("data")
+        cluster.wait_started()
+        clock.mark("ray")  # the wait left for Ray after the model and data
         resource = device_resource()
         pools = {}
         for name, spec in plan.pools.items():
