@@ -390,3 +390,35 @@ def test_all_results_wakes_once_in_order_and_fails_at_the_first_failure():
     with pytest.raises(RuntimeError, match="row 2 failed"):
         asyncio.run(run(one_fails))
     assert asyncio.run(all_results([])) == []
+
+
+def test_decode_takes_the_backend_path_and_says_what_the_tokenizer_says(served):
+    """The engine decodes through the `tokenizers` backend (transformers' own fast decode, less
+    its per-call to_py_obj): the same text as tokenizer.decode for any ids, special ones too, with
+    and without skipping them, and with the space clean-up on."""
+    import random
+
+    from transformers import PreTrainedTokenizerFast
+
+    from megarl.rollout.engine import plain_fast_backend
+
+    engine, _ = served
+    tok = engine.tokenizer
+    assert engine._backend is not None and engine._backend is tok.backend_tokenizer
+    rng = random.Random(0)
+    vocab = len(tok)
+    cases = [[], [0], list(tok.all_special_ids)] + [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+                                                   for _ in range(200)]
+    for clean_up in (engine._clean_up, not engine._clean_up):
+        engine._clean_up = clean_up
+        for ids in cases:
+            for skip in (True, False):
+                assert engine.decode(ids, skip_special_tokens=skip) == tok.decode(
+                    ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean_up), (ids, skip, clean_up)
+    engine._clean_up = bool(tok.clean_up_tokenization_spaces)
+
+    class OwnDecode(PreTrainedTokenizerFast):  # a tokenizer class with its own decode keeps it
+        def decode(self, *args, **kwargs):
+            return "own"
+
+    assert plain_fast_backend(OwnDecode(tokenizer_object=tok.backend_tokenizer)) is None
