@@ -310,3 +310,37 @@ def test_token_budget_micro_batch_count_is_agreed_across_data_parallel_ranks(tin
     for name, w in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], w, atol=1e-6, rtol=0, msg=name)
 
+
+
+def _train_allgather_uneven_on_rank(rank, model_path, world, packed):
+    """The allgather dispatcher with EP=2 when the data-parallel ranks' micro-batches differ in
+    length (rank 0's longest packed micro-batch is 17 tokens, rank 1's 13): before the stream
+    length was agreed across ranks, gloo aborted the rank ("Received data size doesn't match
+    expected size"). One rank on both ranks' rows is the reference."""
+    from megarl.algo.losses import policy_loss
+    from megarl.data.batch import Batch
+
+    rows = make_rows()  # 8, 9, 4 and 9 tokens
+    other = rows[[2, 0, 2, 3]]
+    if world == 1:
+        rows = Batch.concat([rows, other])
+    elif rank == 1:
+        rows = other
+    engine = _engine(model_path, 1, world, train=True, dispatcher="allgather", packed=packed)
+
+    def loss_fn(logp, ent, mb):
+        mask = mb["response_mask"]
+        loss, _ = policy_loss(logp, logp.detach(), mb["advantages"], mask, global_denominator=1.0)
+        return loss, mask.sum(), {}
+
+    metrics = engine.train_mini_batch(rows, loss_fn)
+    return {"grad_norm": metrics["actor/grad_norm"], "weights": {k: v.clone() for k, v in engine.export_weights()}}
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_allgather_dispatcher_with_ranks_holding_different_lengths_equals_one_rank(tiny_model_path, packed):
+    one = run_ranks(_train_allgather_uneven_on_rank, 1, tiny_model_path, 1, packed)[0]
+    two = run_ranks(_train_allgather_uneven_on_rank, 2, tiny_model_path, 2, packed)[0]
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], w, atol=1e-6, rtol=0, msg=name)

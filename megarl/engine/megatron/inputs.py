@@ -37,16 +37,31 @@ def padded_inputs(micro: list[Batch], seq_len: int) -> list[dict]:
     return out
 
 
-def packed_inputs(micro: list[Batch], p: ParallelConfig, variable_seq_lengths: bool) -> list[dict]:
+def agreed_max(value: int) -> int:
+    """The largest `value` over the data-parallel (with context-parallel) group: a length every
+    rank of an expert-parallel group must share (the allgather dispatcher all-gathers tokens, which
+    needs the same count on every rank; data-parallel ranks hold different rows)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor(value)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return int(t)
+
+
+def packed_inputs(micro: list[Batch], p: ParallelConfig, variable_seq_lengths: bool,
+                  agree=None) -> list[dict]:
     """One THD stream [1, t] per micro-batch (packing.py): rows back to back, each padded to a
     multiple of 2*cp, the stream to a multiple of tp under sequence parallel. Without variable
-    sequence lengths in the pipeline (the allgather dispatcher) every stream has one length."""
+    sequence lengths in the pipeline (the allgather dispatcher) every stream has one length, on
+    every rank: `agree` (agreed_max) makes it the longest over the data-parallel ranks."""
     row_multiple = 2 * p.cp if p.cp > 1 else 1
     total_multiple = p.tp if p.sequence_parallel else 1
     lengths = [row_lengths(mb["input_ids"], mb["prompt_lengths"], mb["response_mask"]) for mb in micro]
     padded = [padded_row_lengths(n, row_multiple, total_multiple) for n in lengths]
     if not variable_seq_lengths:
         total = max(int(x.sum()) for x in padded)
+        total = agree(total) if agree is not None else total
         total = int(math.ceil(total / math.lcm(row_multiple, total_multiple)) * math.lcm(row_multiple, total_multiple))
         padded = [padded_row_lengths(n, row_multiple, total_multiple, total=total) for n in lengths]
     out = []
