@@ -279,11 +279,24 @@ def test_train_step_tp2_ep2_pp2_etp2_cp2_and_allgather_match_tp1(tiny_model_path
     assert changed > len(before) // 2
 
 
+def _summed_loss_step(engine, rows) -> dict:
+    """One optimizer step on `rows` with a summed (not averaged) policy loss, so the result does
+    not depend on how rows are split over ranks: its grad norm and the exported weights."""
+    from megarl.algo.losses import policy_loss
+
+    def loss_fn(logp, ent, mb):
+        mask = mb["response_mask"]
+        loss, _ = policy_loss(logp, logp.detach(), mb["advantages"], mask, global_denominator=1.0)
+        return loss, mask.sum(), {}
+
+    metrics = engine.train_mini_batch(rows, loss_fn)
+    return {"grad_norm": metrics["actor/grad_norm"], "weights": {k: v.clone() for k, v in engine.export_weights()}}
+
+
 def _train_uneven_on_rank(rank, model_path, world):
     """Token-budget micro-batches with data-parallel ranks holding different rows: rank 0 needs 3
     micro-batches under the budget of 12 tokens, rank 1 only 2, so the count must be agreed (an
     EP all-to-all pairs the micro-batches up). One rank on all the rows is the reference."""
-    from megarl.algo.losses import policy_loss
     from megarl.data.batch import Batch
 
     rows = make_rows()
@@ -293,14 +306,7 @@ def _train_uneven_on_rank(rank, model_path, world):
     elif rank == 1:
         rows = extra
     engine = _engine(model_path, 1, world, train=True, max_tokens=12)
-
-    def loss_fn(logp, ent, mb):
-        mask = mb["response_mask"]
-        loss, _ = policy_loss(logp, logp.detach(), mb["advantages"], mask, global_denominator=1.0)
-        return loss, mask.sum(), {}
-
-    metrics = engine.train_mini_batch(rows, loss_fn)
-    return {"grad_norm": metrics["actor/grad_norm"], "weights": {k: v.clone() for k, v in engine.export_weights()}}
+    return _summed_loss_step(engine, rows)
 
 
 def test_token_budget_micro_batch_count_is_agreed_across_data_parallel_ranks(tiny_model_path):
@@ -317,7 +323,6 @@ def _train_allgather_uneven_on_rank(rank, model_path, world, packed):
     length (rank 0's longest packed micro-batch is 17 tokens, rank 1's 13): before the stream
     length was agreed across ranks, gloo aborted the rank ("Received data size doesn't match
     expected size"). One rank on both ranks' rows is the reference."""
-    from megarl.algo.losses import policy_loss
     from megarl.data.batch import Batch
 
     rows = make_rows()  # 8, 9, 4 and 9 tokens
@@ -327,14 +332,7 @@ def _train_allgather_uneven_on_rank(rank, model_path, world, packed):
     elif rank == 1:
         rows = other
     engine = _engine(model_path, 1, world, train=True, dispatcher="allgather", packed=packed)
-
-    def loss_fn(logp, ent, mb):
-        mask = mb["response_mask"]
-        loss, _ = policy_loss(logp, logp.detach(), mb["advantages"], mask, global_denominator=1.0)
-        return loss, mask.sum(), {}
-
-    metrics = engine.train_mini_batch(rows, loss_fn)
-    return {"grad_norm": metrics["actor/grad_norm"], "weights": {k: v.clone() for k, v in engine.export_weights()}}
+    return _summed_loss_step(engine, rows)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
