@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import httpx
 import psutil
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -67,16 +68,13 @@ class HealthProbe:
     ~0.4 ms a probe. Use it as a context manager (the client is closed at the end)."""
 
     def __init__(self, timeout_s: float = 2.0):
-        import httpx
-
-        self._httpx = httpx
         self.client = httpx.Client(timeout=timeout_s)
 
     def ok(self, url: str, timeout_s: float | None = None) -> bool:
         try:
             kwargs = {} if timeout_s is None else {"timeout": timeout_s}
             return self.client.get(url, **kwargs).status_code == 200
-        except self._httpx.TransportError:
+        except httpx.TransportError:
             return False
 
     def close(self) -> None:
