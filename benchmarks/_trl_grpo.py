@@ -58,7 +58,7 @@ report_to="none"); TRL logs its metrics once per round (logging_steps=2), as meg
 per step. torch keeps its default thread count: TRL is one process and may use every core.
 
 Output (--out, one JSON object a line): {"kind": "step", "step", "start", "end", "step_s",
-"reward_mean", "trl": {TRL's logged metrics}} per round (time.time() stamps), then
+"reward_mean", "gen_s", "prepare_s" (time_stages), "trl": {TRL's logged metrics}} per round (time.time() stamps), then
 {"kind": "summary", ...} with process_start (this script's first line), first_step_start,
 last_step_end, steps_s (their difference), startup_s, process_s, torch_threads and versions.
 """
@@ -119,6 +119,22 @@ def batch_shape(args) -> dict:
             "optimizer_steps_per_round": rows // args.mini_batch}
 
 
+def time_stages(trainer, stage_s: dict) -> None:
+    """Accumulate a round's seconds in TRL's generation (`_generate`: the sampling loop) and in the
+    rest of its batch preparation (`prepare`: `_generate_and_score_completions` less generation:
+    tokenising, rewards, advantages and the old log-prob pass); the optimizer steps are the rest."""
+    def timed(fn, key, minus=None):
+        def wrapper(*a, **kw):
+            t0, before = time.perf_counter(), stage_s.get(minus, 0.0)
+            try:
+                return fn(*a, **kw)
+            finally:
+                stage_s[key] += time.perf_counter() - t0 - (stage_s.get(minus, 0.0) - before)
+        return wrapper
+    trainer._generate = timed(trainer._generate, "gen")
+    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "prepare", "gen")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     # local files only, and no usage pings (TRL's trainers send one through huggingface_hub)
@@ -137,7 +153,8 @@ def main(argv=None) -> None:
         rows = [json.loads(line) for line in f if line.strip()]
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
-    record = {"rewards": [], "final_logs": {}}  # the reward function and on_log fill these
+    # the reward function, on_log and the stage timers fill these
+    record = {"rewards": [], "final_logs": {}, "stage_s": {"gen": 0.0, "prepare": 0.0}}
 
     def digits_reward(prompts, completions, answer, **_):
         if len(completions) != args.prompts * args.n:
@@ -172,7 +189,9 @@ def main(argv=None) -> None:
                                    "times; TRL's batching is not one generation per round")
             self.flush()
             self.pending = {"kind": "step", "step": self.rounds, "start": self.start, "end": end,
-                            "step_s": end - self.start, "reward_mean": record["rewards"][-1]}
+                            "step_s": end - self.start, "reward_mean": record["rewards"][-1],
+                            **{f"{k}_s": v for k, v in record["stage_s"].items()}}
+            record["stage_s"].update(dict.fromkeys(record["stage_s"], 0.0))  # in place: the timers hold it
 
         def on_log(self, a, state, control, logs=None, **kw):
             if self.pending is None:  # the Trainer's end-of-training summary
@@ -202,6 +221,7 @@ def main(argv=None) -> None:
     timer = RoundTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=digits_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
+    time_stages(trainer, record["stage_s"])
     trainer.train()
     timer.flush()
     end = time.time()

@@ -37,7 +37,10 @@ Pairs alternate which side goes first (megarl first in pair 1, TRL first in pair
 process runs at a time. Per run: whole (launch to exit), steps (first step's start to last step's
 end), s/step (median over the steps after the variant's warm-up), start-up (launch to first step's
 start), the first step whose 10-step mean reward is >= 0.9 and the steps-clock time to its end,
-and the 1-minute load average before/after. Then the medians per side and megarl/TRL ratios.
+and the 1-minute load average before/after. Then the medians per side and megarl/TRL ratios, and
+where a step went on each side: generation, the batch's preparation (TRL's old log-prob pass,
+reward, advantages; megarl's reward and advantages, as it takes the rollout's log-probs), the update
+(TRL: the round's optimizer steps), and megarl's weight sync and the rest.
 megarl's perf/step_s spans generation to the end of the weight sync (SyncTrainer.train_step; not
 validation, not logging) and a step's start is its progress line's arrival minus it; TRL's rounds
 (generation + 2 optimizer steps) are timed by a TrainerCallback. Logs and per-run files: --workdir.
@@ -207,8 +210,29 @@ def run_megarl(variant: Variant, model: Path, steps: int, run_dir: Path, extra: 
         if done is None:
             raise SystemExit(f"bench_vs_trl: no progress line for megarl step {m['step']} (trainer.log_every must be 1)")
         rows.append({"start": done - m["perf/step_s"], "end": done, "step_s": m["perf/step_s"],
-                     "reward": m["reward/mean"]})
+                     "reward": m["reward/mean"], **megarl_stages(m)})
     return {"launch": launch, "exit": end, "steps": rows, "metrics_path": str(run_dir / "metrics.jsonl")}
+
+
+# a step's stages, the same names on both sides (STAGES in the report)
+PREP_KEYS = ("perf/old_log_prob_s", "perf/ref_s", "perf/values_s", "perf/reward_s", "perf/adv_s")
+
+
+def megarl_stages(m: dict) -> dict:
+    """perf/* of one megarl step: generation, the batch's preparation (old/ref log-probs where
+    computed, values, reward, advantages), the update, and the rest (weight sync, the loop's own)."""
+    prep = sum(m.get(k, 0.0) for k in PREP_KEYS)
+    return {"gen_s": m["perf/gen_s"], "prep_s": prep, "update_s": m["perf/update_s"],
+            "other_s": m["perf/step_s"] - m["perf/gen_s"] - prep - m["perf/update_s"]}
+
+
+def trl_stages(r: dict) -> dict:
+    """_trl_grpo.py's time_stages: `_generate`, the rest of `_generate_and_score_completions` (its
+    old log-prob pass, reward, advantages), and the optimizer steps (the round's remainder)."""
+    if "gen_s" not in r:  # written by an older _trl_grpo.py
+        return {}
+    return {"gen_s": r["gen_s"], "prep_s": r["prepare_s"], "update_s": r["step_s"] - r["gen_s"] - r["prepare_s"],
+            "other_s": None}
 
 
 def run_trl(variant: Variant, model: Path, train: Path, steps: int, out: Path, python: str) -> dict:
@@ -218,7 +242,7 @@ def run_trl(variant: Variant, model: Path, train: Path, steps: int, out: Path, p
     launch, end = run_logged(cmd, out.with_suffix(".log"))
     records = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
     rows = [{"start": r["start"], "end": r["end"], "step_s": r["step_s"], "reward": r["reward_mean"],
-             "trl": r.get("trl", {})} for r in records if r["kind"] == "step"]
+             "trl": r.get("trl", {}), **trl_stages(r)} for r in records if r["kind"] == "step"]
     summary = next(r for r in records if r["kind"] == "summary")
     return {"launch": launch, "exit": end, "steps": rows, "trl_summary": summary}
 
@@ -241,7 +265,9 @@ def summarize(run: dict, warmup: int) -> dict:
             "sum_step_s": sum(s["step_s"] for s in steps), "median_step_s": statistics.median(steady),
             "startup_s": first_start - run["launch"], "reach_step": reach,
             "reach_s": steps[reach - 1]["end"] - first_start if reach else None,
-            "reward_first": sum(rewards[:w]) / w, "reward_last": sum(rewards[-w:]) / w}
+            "reward_first": sum(rewards[:w]) / w, "reward_last": sum(rewards[-w:]) / w,
+            "stages": {k: statistics.median(v) if None not in (v := [s.get(k) for s in steps[warmup_of(len(steps), warmup):]])
+                       else None for k, _ in STAGES}}
 
 
 def check_reference_curve(metrics_path: str, steps: int) -> str:
@@ -256,6 +282,8 @@ def check_reference_curve(metrics_path: str, steps: int) -> str:
 
 
 # ------------------------------------------------------------------ report
+STAGES = [("gen_s", "generation"), ("prep_s", "old log-probs, reward, advantages"), ("update_s", "update"),
+          ("other_s", "weight sync, the rest")]
 COLUMNS = [("whole_s", "whole s"), ("steps_s", "steps s"), ("median_step_s", "s/step"),
            ("startup_s", "start-up s"), ("reach_step", "step to 0.9"), ("reach_s", "time to 0.9 s")]
 
@@ -263,6 +291,21 @@ COLUMNS = [("whole_s", "whole s"), ("steps_s", "steps s"), ("median_step_s", "s/
 def fmt(v) -> str:
     return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) and v < 1 else
                                   f"{v:.2f}" if isinstance(v, float) else str(v))
+
+
+def print_stages(runs: list[dict]) -> None:
+    """Where a step went on each side: per stage, the median over a side's runs of each run's
+    median (steps after the warm-up)."""
+    med = {}
+    for side in SIDES:
+        per_run = [r["summary"].get("stages") or {} for r in runs if r["side"] == side]
+        med[side] = {k: statistics.median(v) if (v := [x[k] for x in per_run if x.get(k) is not None]) else None
+                     for k, _ in STAGES}
+    print("\n| stage (s/step, median) | megarl | TRL | megarl/TRL |\n|---|---|---|---|")
+    for k, label in STAGES:
+        a, b = med["megarl"][k], med["trl"][k]
+        ratio = f"{a / b:.2f}x" if a is not None and b else "-"
+        print(f"| {label} | {fmt(a)} | {fmt(b)} | {ratio} |")
 
 
 def report(variant: Variant, runs: list[dict]) -> dict:
@@ -288,6 +331,7 @@ def report(variant: Variant, runs: list[dict]) -> dict:
     print("| median | TRL | " + " | ".join(fmt(medians["trl"][k]) for k, _ in COLUMNS) + " | | |")
     print("| ratio | megarl/TRL | " + " | ".join("-" if ratios[k] is None else f"{ratios[k]:.2f}x"
                                                  for k, _ in COLUMNS) + " | | |")
+    print_stages(runs)
     print(f"\nreward curves ({REWARD_WINDOW}-step means of reward/mean, every {REWARD_WINDOW} steps):")
     for r in runs:
         rewards = [s["reward"] for s in r["steps"]]
