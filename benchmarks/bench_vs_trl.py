@@ -260,14 +260,15 @@ def summarize(run: dict, warmup: int) -> dict:
     reach = next((k for k in range(REWARD_WINDOW, len(rewards) + 1)
                   if sum(rewards[k - REWARD_WINDOW:k]) / REWARD_WINDOW >= REWARD_TARGET), None)
     w = min(REWARD_WINDOW, len(rewards))
-    steady = [s["step_s"] for s in steps[warmup_of(len(steps), warmup):]]
+    after_warmup = steps[warmup_of(len(steps), warmup):]
+    steady = [s["step_s"] for s in after_warmup]
     return {"whole_s": run["exit"] - run["launch"], "steps_s": steps[-1]["end"] - first_start,
             "sum_step_s": sum(s["step_s"] for s in steps), "median_step_s": statistics.median(steady),
             "startup_s": first_start - run["launch"], "reach_step": reach,
             "reach_s": steps[reach - 1]["end"] - first_start if reach else None,
             "reward_first": sum(rewards[:w]) / w, "reward_last": sum(rewards[-w:]) / w,
-            "stages": {k: statistics.median(v) if None not in (v := [s.get(k) for s in steps[warmup_of(len(steps), warmup):]])
-                       else None for k, _ in STAGES}}
+            "stages": {k: statistics.median(v) if None not in (v := [s.get(k) for s in after_warmup]) else None
+                       for k, _ in STAGES}}
 
 
 def check_reference_curve(metrics_path: str, steps: int) -> str:

@@ -226,11 +226,9 @@ def plain_fast_backend(tokenizer):
     overrides it), else None. Such a decode is the backend's decode plus the optional space
     clean-up; transformers first runs each id list through `to_py_obj`, which took 6% of the
     engine's samples in a quickstart step (256 rows decoded a step), for nothing on a list of ints."""
-    try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    except ImportError:
-        return None
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
     cls = type(tokenizer)
     if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
             and cls._decode is PreTrainedTokenizerFast._decode):

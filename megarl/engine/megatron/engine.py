@@ -237,12 +237,12 @@ class MegatronEngine:
         cpu_compat.activate()
         micro, order = rows.micro_batches(batch, self.spec.micro_batch_size,
                                           self.spec.max_tokens_per_micro_batch, self.spec.parallel)
-        fixed = not self.config.variable_seq_lengths  # the allgather dispatcher: one length everywhere
-        if self.spec.pack_sequences:
+        if self.spec.pack_sequences:  # the allgather dispatcher (no variable lengths): one length everywhere
             inputs = rows.packed_inputs(micro, self.spec.parallel, self.config.variable_seq_lengths,
-                                        agree=rows.agreed_max if fixed else None)
+                                        agree=rows.agreed_max)
         else:
             longest = max(mb["input_ids"].shape[1] for mb in micro)
+            fixed = not self.config.variable_seq_lengths
             inputs = rows.padded_inputs(micro, self._padded_length(rows.agreed_max(longest) if fixed else longest))
         cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
         if self.replay is not None:  # each micro-batch's expert records, queued for the routers

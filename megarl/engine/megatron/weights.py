@@ -11,6 +11,7 @@ functions taking `models` walk every chunk, each with its own layer offset.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Iterator
@@ -194,26 +195,30 @@ def _gather_ep(tensors: list[tuple[str, torch.Tensor]], num_experts: int):
 
 def _full_mcore_tensors(bridge, models) -> Iterator[tuple[str, torch.Tensor]]:
     """This PP stage's parameters (all its virtual stages) as full (TP- and EP-gathered) mcore
-    tensors, in parameter order: consecutive expert tensors are EP-gathered together (up to
-    EP_GATHER_BYTES of one dtype), flushed before the next dense one."""
+    tensors, in parameter order: each run of consecutive expert tensors is EP-gathered in chunks
+    (_expert_chunks), so the order stays that of the parameters."""
     num_experts = models[0].config.num_moe_experts or 0
-    experts: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for global_name, local in global_tensors(models):
-        tensor = _gather_tp(bridge, global_name, local)
-        if _is_expert(global_name):
-            if experts and (tensor.dtype != experts[0][1].dtype or size >= EP_GATHER_BYTES):
-                yield from _gather_ep(experts, num_experts)
-                experts, size = [], 0
-            experts.append((global_name, tensor))
-            size += tensor.numel() * tensor.element_size()
+    full = ((name, _gather_tp(bridge, name, local)) for name, local in global_tensors(models))
+    for expert, run in itertools.groupby(full, key=lambda item: _is_expert(item[0])):
+        if not expert:
+            yield from ((name, tensor.detach()) for name, tensor in run)
             continue
-        if experts:
-            yield from _gather_ep(experts, num_experts)
-            experts, size = [], 0
-        yield global_name, tensor.detach()
-    if experts:
-        yield from _gather_ep(experts, num_experts)
+        for chunk in _expert_chunks(run):
+            yield from _gather_ep(chunk, num_experts)
+
+
+def _expert_chunks(run) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive (name, tensor) of one dtype and up to EP_GATHER_BYTES each (a tensor that
+    crosses the cap ends its chunk): one all-gather apiece."""
+    chunk, size = [], 0
+    for name, tensor in run:
+        if chunk and (tensor.dtype != chunk[0][1].dtype or size >= EP_GATHER_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+    if chunk:
+        yield chunk
 
 
 @torch.no_grad()
