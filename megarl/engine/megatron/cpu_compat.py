@@ -14,6 +14,8 @@ import threading
 
 import torch
 
+from megarl.engine.megatron import cpu_collectives
+
 _ACTIVE = False
 _LOCK = threading.Lock()
 
@@ -38,6 +40,7 @@ def activate() -> bool:
             _patch_torch_norm()
             _patch_moe_splits()
             _patch_torch_adam_checkpoints()
+            cpu_collectives.install()  # ranks on one host: hot collectives through shared memory
             _ACTIVE = True
     return True
 

@@ -1,0 +1,407 @@
+"""Collectives through shared memory for ranks on one CPU host (gloo stays for everything else).
+
+Why: on a VM, a gloo collective between two ranks on one machine costs 0.45-0.9 ms however
+small its tensors, because every message crosses TCP and hops between threads that sleep in
+between: each hop wakes a halted vCPU. Measured on the 2-core CI machine (Firecracker, EPYC):
+a two-rank all_to_all_single of 80 KB takes 527 us in gloo and 37 us here, and the quickstart's
+update step spent 32 ms a step (of 98) in 50 small gloo collectives, 24 of them the MoE
+dispatcher's all-to-alls (benchmarks/RESULTS.md, issue 13 fifth pass).
+
+How: each group gets one shared segment (a /dev/shm file, unlinked as soon as every rank has
+mapped it). A rank copies its input into its own slot, publishes a sequence number, and spins
+until every peer has published the same one, then reads the peers' slots. Slots alternate
+between two buffers, so a rank may write op k+2 only after every peer has posted op k+1, that
+is, has finished reading op k: one round per collective. Waiting spins first (the point: no
+vCPU halt), then yields, then sleeps; it raises when a peer's process is gone or after the
+group timeout, naming the op and the rank.
+
+Only the calls on the hot path go here: all_to_all_single, all_gather_into_tensor, all_gather,
+all_reduce (sum, max, min, product), reduce_scatter_tensor, broadcast, barrier, on CPU tensors.
+Anything else, a call inside a coalescing manager, a tensor over the slot size (every rank
+learns of it from the header and all take gloo), or a group spanning hosts goes to gloo
+unchanged. Sums add the ranks' tensors in rank order on every rank; for two ranks that is
+bit-identical to gloo (a + b == b + a).
+
+Enabled on CPU by cpu_compat.activate(); $MEGARL_CPU_COLLECTIVES picks: `auto` (default: when
+the world's ranks fit the host's cores, spinning costs nothing the peers need), `shm`, `gloo`.
+x86-64 only: its stores become visible in program order (and torch's copies release the GIL,
+whose atomic re-acquire orders even streaming stores); other CPUs keep gloo.
+"""
+
+from __future__ import annotations
+
+import array
+import functools
+import math
+import os
+import platform
+import socket
+import sys
+import time
+import uuid
+import mmap
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import _create_work_from_future
+
+ENV = "MEGARL_CPU_COLLECTIVES"
+ENV_MB = "MEGARL_CPU_COLLECTIVES_MB"
+SLOT_MB = 4            # per rank and buffer; larger tensors go through gloo
+SPIN_S = 0.002         # spin this long (the common case: the peer is microseconds away) ...
+YIELD_S = 0.05         # ... then yield the core this long, then sleep between looks
+SLEEP_S = 0.0005
+TIMEOUT_S = 1800.0     # as megarl's process groups (controller/worker.py)
+
+_INSTALLED = False
+_CREATING = object()
+_channels: dict = {}   # ProcessGroup -> _Channel | None (gloo) | _CREATING
+_orig: dict = {}
+_REDUCE = {
+    dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum,
+    dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.PRODUCT: torch.mul,
+}
+
+
+def mode() -> str:
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "shm", "gloo"):
+        raise ValueError(f"${ENV}={value!r}: expected auto, shm or gloo")
+    return value
+
+
+def install() -> bool:
+    """Route the hot collectives of CPU ranks through shared memory (idempotent). Returns whether
+    the wrappers are in place; each group still decides at its first collective."""
+    global _INSTALLED
+    if _INSTALLED or mode() == "gloo" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return _INSTALLED
+    for name, impl in (("all_to_all_single", _all_to_all_single), ("all_gather_into_tensor", _all_gather_into),
+                       ("all_gather", _all_gather), ("all_reduce", _all_reduce),
+                       ("reduce_scatter_tensor", _reduce_scatter), ("broadcast", _broadcast),
+                       ("barrier", _barrier), ("destroy_process_group", _destroy)):
+        orig = getattr(c10d, name)
+        _orig[name] = orig
+        wrapped = functools.wraps(orig)(impl)
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
+    _INSTALLED = True
+    _rebind_aliases()
+    return True
+
+
+# megatron binds some collectives to module names at import (dist_all_gather_func = ...)
+ALIAS_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.distributed.param_and_grad_buffer",
+                 "megatron.core.utils", "megatron.core.transformer.multi_token_prediction")
+
+
+def _rebind_aliases() -> None:
+    """Point megatron's import-time aliases of the originals at the wrappers (a module imported
+    after install() binds the wrappers itself)."""
+    wrapped = {id(orig): getattr(c10d, name) for name, orig in _orig.items()}
+    for module in filter(None, map(sys.modules.get, ALIAS_MODULES)):
+        for attr, value in list(vars(module).items()):
+            if id(value) in wrapped:
+                setattr(module, attr, wrapped[id(value)])
+
+
+def _host_key() -> str:
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class _Channel:
+    def __init__(self, group, mm: mmap.mmap, pids: list[int], slot: int):
+        self.group, self.mm, self.pids, self.slot = group, mm, pids, slot
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.ranks = dist.get_process_group_ranks(group)
+        self.words = 1 + 2 * (self.n + 2)  # seq, then per buffer: status, n+1 cumulative byte offsets
+        self.hdr = memoryview(mm)[:self.n * self.words * 8].cast("q")
+        self.data = torch.frombuffer(mm, dtype=torch.uint8)
+        self.base = _header_bytes(self.n)
+        self.seq = 0
+
+    @staticmethod
+    def size(n: int, slot: int) -> int:
+        return _header_bytes(n) + n * 2 * slot
+
+    def field(self, p: int, seq: int) -> int:
+        """Where rank p's status for op seq is (its offsets follow); alternates like the buffers."""
+        return p * self.words + 1 + (seq % 2) * (self.n + 2)
+
+    def buf(self, p: int, seq: int, nbytes: int) -> torch.Tensor:
+        start = self.base + (p * 2 + seq % 2) * self.slot
+        return self.data[start:start + nbytes]
+
+    def post(self, tensor: torch.Tensor | None, offsets: list[int] | None = None) -> int:
+        """Copy tensor into this rank's slot and publish it; returns the op's sequence number. A
+        tensor over the slot publishes status -1: every rank then takes gloo (see overflowed)."""
+        self.seq += 1
+        seq, w, h = self.seq, self.words, self.hdr
+        nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
+        status = -1 if nbytes > self.slot else nbytes
+        if status > 0:
+            self.buf(self.rank, seq, nbytes).view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        at = self.field(self.rank, seq)
+        if offsets is not None:
+            h[at + 1:at + 2 + self.n] = array.array("q", offsets)
+        h[at] = status
+        h[self.rank * w] = seq  # last: peers read the data once they see it
+        return seq
+
+    def wait(self, seq: int, op: str) -> bool:
+        """Until every rank posted seq; returns False when one overflowed (all take gloo)."""
+        h, w = self.hdr, self.words
+        t0 = time.perf_counter()
+        for p in range(self.n):
+            spins = 0
+            while h[p * w] < seq:
+                spins += 1
+                if spins < 256:
+                    continue
+                spins = 0
+                waited = time.perf_counter() - t0
+                if waited < SPIN_S:
+                    continue
+                if waited < YIELD_S:
+                    os.sched_yield()
+                    continue
+                time.sleep(SLEEP_S)
+                self._check_peer(p, op, waited)
+        return all(h[self.field(p, seq)] >= 0 for p in range(self.n))
+
+    def _check_peer(self, p: int, op: str, waited: float) -> None:
+        try:
+            state = open(f"/proc/{self.pids[p]}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        where = f"{op} on group ranks {self.ranks} (this is rank {self.ranks[self.rank]})"
+        if state in ("gone", "Z", "X"):
+            raise RuntimeError(f"cpu_collectives: {where}: rank {self.ranks[p]} (pid {self.pids[p]}) exited "
+                               "before joining it")
+        if waited > TIMEOUT_S:
+            raise RuntimeError(f"cpu_collectives: {where}: rank {self.ranks[p]} did not join within "
+                               f"{TIMEOUT_S:.0f} s")
+
+    def offsets(self, p: int, seq: int) -> list[int]:
+        start = self.field(p, seq) + 1
+        return list(self.hdr[start:start + self.n + 1])
+
+
+def _header_bytes(n: int) -> int:
+    return -(-(n * (1 + 2 * (n + 2)) * 8) // 4096) * 4096
+
+
+def _open_channel(group) -> _Channel | None:
+    """Collective over the group (every member makes the same first call): agree on one host,
+    map one segment. None: this group stays on gloo."""
+    gather = _orig_object_gather
+    n = dist.get_world_size(group)
+    slot = int(float(os.environ.get(ENV_MB, SLOT_MB)) * (1 << 20))
+    want = mode() == "shm" or dist.get_world_size() <= (os.cpu_count() or 1)
+    infos = gather((_host_key(), os.getpid(), want), group)
+    if n < 2 or not all(want for _, _, want in infos) or len({key for key, _, _ in infos}) != 1:
+        return None
+    path, mm = None, None
+    if dist.get_rank(group) == 0:
+        path = f"/dev/shm/megarl-coll-{uuid.uuid4().hex}"
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, _Channel.size(n, slot))  # ENOSPC now, not SIGBUS later
+            finally:
+                os.close(fd)
+        except OSError:
+            path = None
+    path = _orig_object_broadcast(path, group)
+    if path is not None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, _Channel.size(n, slot))
+            finally:
+                os.close(fd)
+        except OSError:
+            mm = None
+    mapped = gather(mm is not None, group)  # every rank mapped it (or none uses it): unlink
+    if dist.get_rank(group) == 0 and path is not None:
+        os.unlink(path)
+    if not all(mapped):
+        return None
+    return _Channel(group, mm, [pid for _, pid, _ in infos], slot)
+
+
+def _orig_object_gather(obj, group) -> list:
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _orig_object_broadcast(obj, group):
+    box = [obj]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    return box[0]
+
+
+def _channel(group, *tensors) -> _Channel | None:
+    if group is None:
+        group = c10d._get_default_group()
+    if group in c10d._world.pg_coalesce_state or c10d._rank_not_in_group(group):
+        return None
+    if any(t.device.type != "cpu" or t.is_complex() for t in tensors):
+        return None
+    ch = _channels.get(group)
+    if ch is None and group not in _channels:
+        _channels[group] = _CREATING  # the set-up's own object collectives take gloo
+        try:
+            ch = _channels[group] = _open_channel(group)
+        except BaseException:
+            _channels.pop(group, None)
+            raise
+    return ch if isinstance(ch, _Channel) else None
+
+
+def _reduce_fn(op):
+    try:
+        return _REDUCE.get(op)
+    except TypeError:  # a ReduceOp object (premul_sum): gloo's
+        return None
+
+
+def _done(async_op: bool):
+    if not async_op:
+        return None
+    fut = torch.futures.Future()
+    fut.set_result(None)
+    return _create_work_from_future(fut)
+
+
+def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    ch = _channel(group, tensor)
+    fn = _reduce_fn(op)
+    if ch is None or fn is None or tensor.dtype == torch.bool:
+        return _orig["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+    seq = ch.post(tensor)
+    if not ch.wait(seq, "all_reduce"):
+        return _orig["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+    nbytes = tensor.numel() * tensor.element_size()
+    parts = [ch.buf(p, seq, nbytes).view(tensor.dtype).view(tensor.shape) for p in range(ch.n)]
+    acc = fn(parts[0], parts[1])
+    for part in parts[2:]:
+        acc = fn(acc, part)
+    tensor.copy_(acc)
+    return _done(async_op)
+
+
+def _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    ch = _channel(group, output, input)
+    fn = _reduce_fn(op)
+    if ch is None or fn is None or input.dtype == torch.bool:
+        return _orig["reduce_scatter_tensor"](output, input, op=op, group=group, async_op=async_op)
+    seq = ch.post(input)
+    if not ch.wait(seq, "reduce_scatter_tensor"):
+        return _orig["reduce_scatter_tensor"](output, input, op=op, group=group, async_op=async_op)
+    k, nbytes = output.numel(), input.numel() * input.element_size()
+    parts = [ch.buf(p, seq, nbytes).view(input.dtype)[ch.rank * k:(ch.rank + 1) * k] for p in range(ch.n)]
+    acc = fn(parts[0], parts[1])
+    for part in parts[2:]:
+        acc = fn(acc, part)
+    output.copy_(acc.view(output.shape))
+    return _done(async_op)
+
+
+def _all_gather_into(output_tensor, input_tensor, group=None, async_op=False):
+    ch = _channel(group, output_tensor, input_tensor)
+    if ch is None or not output_tensor.is_contiguous():
+        return _orig["all_gather_into_tensor"](output_tensor, input_tensor, group=group, async_op=async_op)
+    seq = ch.post(input_tensor)
+    if not ch.wait(seq, "all_gather_into_tensor"):
+        return _orig["all_gather_into_tensor"](output_tensor, input_tensor, group=group, async_op=async_op)
+    k, nbytes = input_tensor.numel(), input_tensor.numel() * input_tensor.element_size()
+    flat = output_tensor.view(-1)
+    for p in range(ch.n):
+        flat[p * k:(p + 1) * k].copy_(ch.buf(p, seq, nbytes).view(input_tensor.dtype))
+    return _done(async_op)
+
+
+def _all_gather(tensor_list, tensor, group=None, async_op=False):
+    ch = _channel(group, tensor, *tensor_list)
+    if ch is None or any(t.shape != tensor.shape or t.dtype != tensor.dtype for t in tensor_list):
+        return _orig["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
+    seq = ch.post(tensor)
+    if not ch.wait(seq, "all_gather"):
+        return _orig["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
+    nbytes = tensor.numel() * tensor.element_size()
+    for p, out in enumerate(tensor_list):
+        out.copy_(ch.buf(p, seq, nbytes).view(tensor.dtype).view(tensor.shape))
+    return _done(async_op)
+
+
+def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                       async_op=False):
+    ch = _channel(group, output, input)
+    if ch is None or not output.is_contiguous():
+        return _orig["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group=group,
+                                          async_op=async_op)
+    n = ch.n
+    row = input.element_size() * math.prod(input.shape[1:])
+    # split sizes come as lists, tensors or numpy arrays (megatron's dispatcher)
+    ins = [int(s) for s in input_split_sizes] if input_split_sizes is not None else [input.shape[0] // n] * n
+    outs = [int(s) for s in output_split_sizes] if output_split_sizes is not None else [output.shape[0] // n] * n
+    offsets = [0]
+    for s in ins:
+        offsets.append(offsets[-1] + s * row)
+    seq = ch.post(input, offsets)
+    if not ch.wait(seq, "all_to_all_single"):
+        return _orig["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group=group,
+                                          async_op=async_op)
+    flat, at = output.view(torch.uint8).view(-1) if output.numel() else None, 0
+    for p in range(n):
+        theirs = ch.offsets(p, seq)
+        lo, hi = theirs[ch.rank], theirs[ch.rank + 1]
+        if hi - lo != outs[p] * row:
+            raise RuntimeError(f"all_to_all_single: rank {ch.ranks[p]} sends {(hi - lo) // row} rows to rank "
+                               f"{ch.ranks[ch.rank]}, whose output_split_sizes expect {outs[p]}")
+        if hi > lo:
+            flat[at:at + hi - lo].copy_(ch.buf(p, seq, hi)[lo:hi])
+        at += hi - lo
+    return _done(async_op)
+
+
+def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    ch = _channel(group, tensor)
+    if ch is None:
+        return _orig["broadcast"](tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+    root = group_src if group_src is not None else dist.get_group_rank(ch.group, src)
+    seq = ch.post(tensor if ch.rank == root else None)
+    nbytes = tensor.numel() * tensor.element_size()
+    if not ch.wait(seq, "broadcast"):
+        return _orig["broadcast"](tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+    if ch.rank != root:
+        sent = ch.hdr[ch.field(root, seq)]
+        if sent != nbytes:
+            raise RuntimeError(f"broadcast: rank {ch.ranks[root]} sent {sent} bytes, rank {ch.ranks[ch.rank]} "
+                               f"expects {nbytes} ({tuple(tensor.shape)} {tensor.dtype})")
+        tensor.copy_(ch.buf(root, seq, nbytes).view(tensor.dtype).view(tensor.shape))
+    return _done(async_op)
+
+
+def _barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    ch = _channel(group)
+    if ch is None:
+        return _orig["barrier"](group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)
+    ch.wait(ch.post(None), "barrier")
+    return _done(async_op)
+
+
+def _destroy(group=None):
+    """Drop the channels of the groups destroyed (all of them with the default group)."""
+    if group is None or group is c10d.GroupMember.WORLD:
+        _channels.clear()
+    else:
+        _channels.pop(group, None)
+    return _orig["destroy_process_group"](group)
