@@ -50,7 +50,7 @@ ENV = "MEGARL_CPU_COLLECTIVES"
 ENV_MB = "MEGARL_CPU_COLLECTIVES_MB"
 SLOT_MB = 4            # per rank and buffer; larger tensors go through gloo
 SPIN_S = 0.002         # spin this long (the common case: the peer is microseconds away) ...
-YIELD_S = 0.05         # ... then yield the core this long, then sleep between looks
+YIELD_S = 0.005        # ... then yield the core this long, then sleep between looks
 SLEEP_S = 0.0005
 TIMEOUT_S = 1800.0     # as megarl's process groups (controller/worker.py)
 
