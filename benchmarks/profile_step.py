@@ -15,9 +15,10 @@ the following steps:
    line. On 2 cores, 2 CPU-seconds per wall second is the machine.
 3. Compute vs overhead (py-spy, unless --no-spy): each process is sampled (py-spy --nonblocking,
    100 Hz) over the window, and every sample is put in the first category whose frame is on its
-   stack, most specific first: gloo collectives, autograd backward, optimizer step, model forward
-   (torch modules), torch ops elsewhere, Ray RPC and (de)serialisation, HTTP/JSON, megarl's own
-   code, other. py-spy sees Python frames only, so "model forward" is the time inside module
+   stack, most specific first: collectives (gloo, or cpu_collectives' shared memory: its waits
+   spin, so a peer's lateness shows here as busy time), autograd backward, optimizer step, model
+   forward (torch modules), HTTP/JSON, Ray RPC and (de)serialisation (the innermost frames only),
+   torch ops elsewhere, megarl's own code, other. py-spy sees Python frames only, so "model forward" is the time inside module
    forwards, kernels and Python around them together; the plain-torch peer in bench_vs_trl.py
    gives the same math's cost without the framework.
 
@@ -54,9 +55,11 @@ PROCESS_KINDS = [
     ("ray idle worker", re.compile(r"default_worker\.py|ray::IDLE")),
 ]
 
-# (category, frame pattern): the first category with a frame on the sample's stack
+# (category, frame pattern): the first category with a frame on the sample's stack. Ray's
+# pattern is matched against the innermost frames only (RAY_INNERMOST): a rank's every stack
+# starts in Ray's worker loop, which would otherwise claim all the rank's own code.
 CATEGORIES = [
-    ("gloo collective", re.compile(r"distributed_c10d\.py")),
+    ("collective (gloo, shared memory)", re.compile(r"distributed_c10d\.py|megarl/engine/megatron/cpu_collectives\.py")),
     ("autograd backward", re.compile(r"_engine_run_backward|run_backward")),
     ("optimizer step", re.compile(r"\bmegatron/core/optimizer/")),
     ("model forward", re.compile(r"\btorch/nn/modules/module\.py")),
@@ -65,6 +68,7 @@ CATEGORIES = [
     ("torch ops elsewhere", re.compile(r"\btorch/")),
     ("megarl (batches, packing, loss, bridge)", re.compile(r"\bmegarl/")),
 ]
+RAY_INNERMOST = 2
 
 
 def parse_args(argv=None):
@@ -132,8 +136,9 @@ def categorise(raw: Path) -> collections.Counter:
         stack, _, n = line.rpartition(" ")
         if not n.isdigit():
             continue
+        innermost = ";".join(stack.split(";")[-RAY_INNERMOST:])
         for name, pattern in CATEGORIES:
-            if pattern.search(stack):
+            if pattern.search(innermost if name.startswith("Ray") else stack):
                 counts[name] += int(n)
                 break
         else:

@@ -140,6 +140,22 @@ def test_auto_keeps_gloo_when_ranks_outnumber_cores(monkeypatch):
         assert torch.equal(t, torch.full((2,), 2.0)) and ch is None
 
 
+def _mixed_wishes(rank: int, n: int):
+    import torch.distributed as dist
+    from megarl.engine.megatron import cpu_collectives as cc
+
+    os.environ["MEGARL_CPU_COLLECTIVES"] = "gloo" if rank == 0 else "shm"
+    cc.install()
+    t = torch.ones(2) * (rank + 1)
+    dist.all_reduce(t)
+    return t, cc._channels[dist.group.WORLD]
+
+
+def test_a_rank_that_wants_gloo_keeps_the_group_on_gloo():
+    for t, ch in run_ranks(_mixed_wishes, 2, 2, timeout=120):
+        assert torch.equal(t, torch.full((2,), 3.0)) and ch is None
+
+
 def _peer_dies(rank: int, n: int):
     import torch.distributed as dist
     from megarl.engine.megatron import cpu_collectives as cc

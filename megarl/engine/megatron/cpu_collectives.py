@@ -11,9 +11,11 @@ How: each group gets one shared segment (a /dev/shm file, unlinked as soon as ev
 mapped it). A rank copies its input into its own slot, publishes a sequence number, and spins
 until every peer has published the same one, then reads the peers' slots. Slots alternate
 between two buffers, so a rank may write op k+2 only after every peer has posted op k+1, that
-is, has finished reading op k: one round per collective. Waiting spins first (the point: no
-vCPU halt), then yields, then sleeps; it raises when a peer's process is gone or after the
-group timeout, naming the op and the rank.
+is, has finished reading op k: one round per collective. Waiting spins for 0.1 ms, then yields
+for 20 ms, then sleeps between looks: neither spinning nor yielding halts the vCPU (the point),
+and a yield hands the core to any other process that wants it (an engine generating beside the
+ranks). It raises when a peer's process is gone or after the group timeout, naming the op and
+the rank.
 
 Only the calls on the hot path go here: all_to_all_single, all_gather_into_tensor, all_gather,
 all_reduce (sum, max, min, product), reduce_scatter_tensor, broadcast, barrier, on CPU tensors.
@@ -49,9 +51,9 @@ from torch._C._distributed_c10d import _create_work_from_future
 ENV = "MEGARL_CPU_COLLECTIVES"
 ENV_MB = "MEGARL_CPU_COLLECTIVES_MB"
 SLOT_MB = 4            # per rank and buffer; larger tensors go through gloo
-SPIN_S = 0.002         # spin this long (the common case: the peer is microseconds away) ...
-YIELD_S = 0.005        # ... then yield the core this long, then sleep between looks
-SLEEP_S = 0.0005
+SPIN_S = 0.0001        # spin this long (the common case: the peer is microseconds away) ...
+YIELD_S = 0.02         # ... then yield the core (to any process that wants it: an engine that
+SLEEP_S = 0.0005       # generates while the ranks train) this long, then sleep between looks
 TIMEOUT_S = 1800.0     # as megarl's process groups (controller/worker.py)
 
 _INSTALLED = False
@@ -72,11 +74,13 @@ def mode() -> str:
 
 
 def install() -> bool:
-    """Route the hot collectives of CPU ranks through shared memory (idempotent). Returns whether
-    the wrappers are in place; each group still decides at its first collective."""
+    """Route the hot collectives of CPU ranks through shared memory (idempotent). The wrappers go
+    in whatever the mode, so every rank runs the same set-up protocol: each group decides at its
+    first collective, from what all its ranks want (gloo, when any says so)."""
     global _INSTALLED
-    if _INSTALLED or mode() == "gloo" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return _INSTALLED
+    if _INSTALLED:
+        return True
+    mode()  # a bad value fails here
     for name, impl in (("all_to_all_single", _all_to_all_single), ("all_gather_into_tensor", _all_gather_into),
                        ("all_gather", _all_gather), ("all_reduce", _all_reduce),
                        ("reduce_scatter_tensor", _reduce_scatter), ("broadcast", _broadcast),
@@ -202,7 +206,9 @@ def _open_channel(group) -> _Channel | None:
     gather = _orig_object_gather
     n = dist.get_world_size(group)
     slot = int(float(os.environ.get(ENV_MB, SLOT_MB)) * (1 << 20))
-    want = mode() == "shm" or dist.get_world_size() <= (os.cpu_count() or 1)
+    # every rank takes part in this agreement whatever it wants (its peers may want otherwise)
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    want = x86 and (mode() == "shm" or mode() == "auto" and dist.get_world_size() <= (os.cpu_count() or 1))
     infos = gather((_host_key(), os.getpid(), want), group)
     if n < 2 or not all(want for _, _, want in infos) or len({key for key, _, _ in infos}) != 1:
         return None
@@ -211,12 +217,16 @@ def _open_channel(group) -> _Channel | None:
         path = f"/dev/shm/megarl-coll-{uuid.uuid4().hex}"
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, _Channel.size(n, slot))  # ENOSPC now, not SIGBUS later
-            finally:
-                os.close(fd)
         except OSError:
             path = None
+        else:
+            try:
+                os.posix_fallocate(fd, 0, _Channel.size(n, slot))  # ENOSPC now, not SIGBUS later
+            except OSError:
+                os.unlink(path)
+                path = None
+            finally:
+                os.close(fd)
     path = _orig_object_broadcast(path, group)
     if path is not None:
         try:
@@ -227,12 +237,15 @@ def _open_channel(group) -> _Channel | None:
                 os.close(fd)
         except OSError:
             mm = None
-    mapped = gather(mm is not None, group)  # every rank mapped it (or none uses it): unlink
+    # every rank mapped it and sees every peer's process (one PID namespace: a dead peer is
+    # noticed through /proc), or none uses it; then the file goes
+    pids = [pid for _, pid, _ in infos]
+    mapped = gather(mm is not None and all(os.path.exists(f"/proc/{pid}") for pid in pids), group)
     if dist.get_rank(group) == 0 and path is not None:
         os.unlink(path)
     if not all(mapped):
         return None
-    return _Channel(group, mm, [pid for _, pid, _ in infos], slot)
+    return _Channel(group, mm, pids, slot)
 
 
 def _orig_object_gather(obj, group) -> list:
