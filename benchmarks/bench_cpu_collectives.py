@@ -8,7 +8,8 @@ blocks so both see the same minute of machine noise; the median of 5 blocks per 
 in microseconds per call, with gloo / shared memory. The sizes are the quickstart's: the MoE
 dispatcher's all-to-all of ~100 token rows of 64 floats, its per-layer count all-gather, a loss
 all-reduce of a few scalars, and the distributed optimizer's reduce-scatter / all-gather of the
-tiny model's 0.5 MB of gradients.
+tiny model's 0.5 MB of gradients; and of 16 MB (the compute variant's 17.6 MB of gradients go in
+rounds through the 4 MB slot; --iters / 30 calls per block for those).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def _cases(n: int, rank: int):
     scalars = torch.randn(4)
     grads, shard = torch.randn(n * 64 * 1024), torch.empty(64 * 1024)
     params = torch.empty(n * 64 * 1024)
+    big_grads, big_shard = torch.randn(n * 2 * 1024 * 1024), torch.empty(2 * 1024 * 1024)
+    big_params = torch.empty(n * 2 * 1024 * 1024)
     splits = [96 // n] * n
     a2a_out = torch.empty(sum(splits), 64)
     return {
@@ -44,6 +47,9 @@ def _cases(n: int, rank: int):
         "all_reduce 4 fp32": lambda f: f["all_reduce"](scalars.clone()),
         "reduce_scatter_tensor 256 KB/rank": lambda f: f["reduce_scatter_tensor"](shard, grads),
         "all_gather_into_tensor 256 KB/rank": lambda f: f["all_gather_into_tensor"](params, shard),
+        "reduce_scatter_tensor 16 MB -> 8 MB (rounds of the 4 MB slot)": lambda f: f["reduce_scatter_tensor"](
+            big_shard, big_grads),
+        "all_gather_into_tensor 8 MB -> 16 MB (rounds)": lambda f: f["all_gather_into_tensor"](big_params, big_shard),
         "barrier": lambda f: f["barrier"](),
     }
 
@@ -62,13 +68,14 @@ def _rank(rank: int, n: int, store: str, iters: int, out: str) -> None:
         times = {"shm": [], "gloo": []}
         for _ in range(BLOCKS):
             for side, fns in (("gloo", cc._orig), ("shm", shm)):
-                for _ in range(10):
+                calls = max(iters // 30, 3) if "MB" in name else iters  # the large ones: fewer calls
+                for _ in range(min(calls, 10)):
                     run(fns)
                 cc._orig["barrier"]()
                 t = time.perf_counter()
-                for _ in range(iters):
+                for _ in range(calls):
                     run(fns)
-                times[side].append((time.perf_counter() - t) / iters * 1e6)
+                times[side].append((time.perf_counter() - t) / calls * 1e6)
         results[name] = {side: statistics.median(v) for side, v in times.items()}
     assert isinstance(cc._channels.get(dist.group.WORLD), cc._Channel), "shared memory was not used"
     if rank == 0:

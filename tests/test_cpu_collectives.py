@@ -86,9 +86,13 @@ def _compare(rank: int, n: int, sub: bool):
     return results
 
 
-@pytest.mark.parametrize("n,sub", [(2, False), (3, False), (3, True)])
-def test_shared_memory_collectives_match_gloo(monkeypatch, n, sub):
+@pytest.mark.parametrize("n,sub,slot", [(2, False, None), (3, False, None), (3, True, None), (3, False, 64)])
+def test_shared_memory_collectives_match_gloo(monkeypatch, n, sub, slot):
+    """slot 64 bytes: the all-reduces, reduce-scatters and all-gathers go in rounds, the rest
+    overflows to gloo."""
     monkeypatch.setenv("MEGARL_CPU_COLLECTIVES", "shm")
+    if slot:
+        monkeypatch.setenv("MEGARL_CPU_COLLECTIVES_MB", str(slot / (1 << 20)))
     for rank, res in enumerate(run_ranks(_compare, n, n, sub, timeout=120)):
         for name, (mine, ref) in res.items():
             for a, b in zip(mine, ref):
@@ -98,29 +102,50 @@ def test_shared_memory_collectives_match_gloo(monkeypatch, n, sub):
                     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def _overflow_and_coalescing(rank: int, n: int):
+def _over_the_slot(rank: int, n: int):
     import torch.distributed as dist
     from megarl.engine.megatron import cpu_collectives as cc
 
     cc.install()
-    big = torch.arange(2000, dtype=torch.float32) * (rank + 1)   # 8 KB: over the 1 KB slot
+    out = {}
+    big = torch.arange(2000, dtype=torch.float32) * (rank + 1)   # 8 KB: 8 rounds of the 1 KB slot
     dist.all_reduce(big)
+    out["all_reduce"] = big
+    seq0 = cc._channels[dist.group.WORLD].seq
+    shard = torch.empty(700)                                     # 2 x 700 floats: 6 rounds of 128 columns
+    dist.reduce_scatter_tensor(shard, torch.arange(1400, dtype=torch.float32) + rank)
+    out["reduce_scatter_tensor"] = shard
+    gathered = torch.empty(2, 300)                               # 2 rounds of 256
+    dist.all_gather_into_tensor(gathered, torch.arange(300, dtype=torch.float32) * (rank + 1))
+    out["all_gather_into_tensor"] = gathered
+    seq1 = cc._channels[dist.group.WORLD].seq
+    rows = torch.arange(600, dtype=torch.float32).view(300, 2) + 1000 * rank  # an all-to-all over it: gloo
+    swapped = torch.empty(300, 2)
+    dist.all_to_all_single(swapped, rows)
+    out["all_to_all_single"] = swapped
     small = torch.ones(4) * (rank + 1)
     dist.all_reduce(small)                                       # through shared memory
-    out = torch.empty(3)
+    out["small"] = small
+    shard3 = torch.empty(3)
     with dist._coalescing_manager(async_ops=False):              # recorded for gloo, not run here
-        dist.reduce_scatter_tensor(out, torch.arange(6, dtype=torch.float32) + rank)
-    return big, small, out, cc._channels[dist.group.WORLD].seq
+        dist.reduce_scatter_tensor(shard3, torch.arange(6, dtype=torch.float32) + rank)
+    out["coalesced"] = shard3
+    return out, (seq0, seq1, cc._channels[dist.group.WORLD].seq)
 
 
-def test_overflow_and_coalescing_take_gloo(monkeypatch):
+def test_tensors_over_the_slot_go_in_rounds_and_the_rest_takes_gloo(monkeypatch):
     monkeypatch.setenv("MEGARL_CPU_COLLECTIVES", "shm")
     monkeypatch.setenv("MEGARL_CPU_COLLECTIVES_MB", str(1 / 1024))
-    for rank, (big, small, out, seq) in enumerate(run_ranks(_overflow_and_coalescing, 2, 2, timeout=120)):
-        assert torch.equal(big, torch.arange(2000, dtype=torch.float32) * 3)
-        assert torch.equal(small, torch.full((4,), 3.0))
-        assert torch.equal(out, torch.arange(3, dtype=torch.float32) * 2 + 1 + 6 * rank)
-        assert seq == 2  # the overflowed op and the small one posted; the coalesced one did not
+    for rank, (out, seqs) in enumerate(run_ranks(_over_the_slot, 2, 2, timeout=120)):
+        assert torch.equal(out["all_reduce"], torch.arange(2000, dtype=torch.float32) * 3)
+        assert torch.equal(out["reduce_scatter_tensor"], (torch.arange(700, dtype=torch.float32) + 700 * rank) * 2 + 1)
+        assert torch.equal(out["all_gather_into_tensor"], torch.stack([torch.arange(300.0), torch.arange(300.0) * 2]))
+        expect = torch.cat([torch.arange(300.0).view(150, 2) + 300 * rank + 1000 * p for p in range(2)])
+        assert torch.equal(out["all_to_all_single"], expect)
+        assert torch.equal(out["small"], torch.full((4,), 3.0))
+        assert torch.equal(out["coalesced"], torch.arange(3, dtype=torch.float32) * 2 + 1 + 6 * rank)
+        # 8 rounds; 6 + 2 rounds; then the overflowed all-to-all's post and the small all-reduce
+        assert seqs == (8, 16, 18)
 
 
 def _auto_oversubscribed(rank: int, n: int):

@@ -293,37 +293,48 @@ def _done(async_op: bool):
     return _create_work_from_future(fut)
 
 
+def _reduce(ch: _Channel, seq: int, shape, dtype, fn, pick=lambda part: part) -> torch.Tensor:
+    """The ranks' posted tensors of op seq combined in rank order (bit-identical on every rank)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    parts = [pick(ch.buf(p, seq, nbytes).view(dtype).view(shape)) for p in range(ch.n)]
+    acc = fn(parts[0], parts[1])
+    for part in parts[2:]:
+        acc = fn(acc, part)
+    return acc
+
+
+def _chunks(total: int, per: int):
+    """[start, stop) element ranges of at most `per` (a tensor over the slot goes in rounds; the
+    sizes of these ops are equal on every rank, so every rank makes the same rounds)."""
+    return [(j, min(j + per, total)) for j in range(0, total, max(per, 1))]
+
+
 def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     ch = _channel(group, tensor)
     fn = _reduce_fn(op)
     if ch is None or fn is None or tensor.dtype == torch.bool:
         return _orig["all_reduce"](tensor, op=op, group=group, async_op=async_op)
-    seq = ch.post(tensor)
-    if not ch.wait(seq, "all_reduce"):
-        return _orig["all_reduce"](tensor, op=op, group=group, async_op=async_op)
-    nbytes = tensor.numel() * tensor.element_size()
-    parts = [ch.buf(p, seq, nbytes).view(tensor.dtype).view(tensor.shape) for p in range(ch.n)]
-    acc = fn(parts[0], parts[1])
-    for part in parts[2:]:
-        acc = fn(acc, part)
-    tensor.copy_(acc)
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    for lo, hi in _chunks(flat.numel(), ch.slot // tensor.element_size()):
+        seq = ch.post(flat[lo:hi])
+        ch.wait(seq, "all_reduce")
+        flat[lo:hi].copy_(_reduce(ch, seq, (hi - lo,), tensor.dtype, fn))
+    if not tensor.is_contiguous():
+        tensor.copy_(flat.view(tensor.shape))
     return _done(async_op)
 
 
 def _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
     ch = _channel(group, output, input)
     fn = _reduce_fn(op)
-    if ch is None or fn is None or input.dtype == torch.bool:
+    if ch is None or fn is None or input.dtype == torch.bool or not output.is_contiguous():
         return _orig["reduce_scatter_tensor"](output, input, op=op, group=group, async_op=async_op)
-    seq = ch.post(input)
-    if not ch.wait(seq, "reduce_scatter_tensor"):
-        return _orig["reduce_scatter_tensor"](output, input, op=op, group=group, async_op=async_op)
-    k, nbytes = output.numel(), input.numel() * input.element_size()
-    parts = [ch.buf(p, seq, nbytes).view(input.dtype)[ch.rank * k:(ch.rank + 1) * k] for p in range(ch.n)]
-    acc = fn(parts[0], parts[1])
-    for part in parts[2:]:
-        acc = fn(acc, part)
-    output.copy_(acc.view(output.shape))
+    n, k = ch.n, output.numel()
+    rows, out = input.reshape(n, k), output.view(-1)  # row r: what rank r receives
+    for lo, hi in _chunks(k, ch.slot // (n * input.element_size())):
+        seq = ch.post(rows[:, lo:hi])  # every destination's columns lo..hi, one round
+        ch.wait(seq, "reduce_scatter_tensor")
+        out[lo:hi].copy_(_reduce(ch, seq, (n, hi - lo), input.dtype, fn, lambda part: part[ch.rank]))
     return _done(async_op)
 
 
@@ -331,13 +342,13 @@ def _all_gather_into(output_tensor, input_tensor, group=None, async_op=False):
     ch = _channel(group, output_tensor, input_tensor)
     if ch is None or not output_tensor.is_contiguous():
         return _orig["all_gather_into_tensor"](output_tensor, input_tensor, group=group, async_op=async_op)
-    seq = ch.post(input_tensor)
-    if not ch.wait(seq, "all_gather_into_tensor"):
-        return _orig["all_gather_into_tensor"](output_tensor, input_tensor, group=group, async_op=async_op)
-    k, nbytes = input_tensor.numel(), input_tensor.numel() * input_tensor.element_size()
-    flat = output_tensor.view(-1)
-    for p in range(ch.n):
-        flat[p * k:(p + 1) * k].copy_(ch.buf(p, seq, nbytes).view(input_tensor.dtype))
+    k, dtype = input_tensor.numel(), input_tensor.dtype
+    flat, out = input_tensor.reshape(-1), output_tensor.view(ch.n, k)
+    for lo, hi in _chunks(k, ch.slot // input_tensor.element_size()):
+        seq = ch.post(flat[lo:hi])
+        ch.wait(seq, "all_gather_into_tensor")
+        for p in range(ch.n):
+            out[p, lo:hi].copy_(ch.buf(p, seq, (hi - lo) * input_tensor.element_size()).view(dtype))
     return _done(async_op)
 
 
