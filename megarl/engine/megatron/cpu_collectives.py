@@ -19,9 +19,10 @@ the rank.
 
 Only the calls on the hot path go here: all_to_all_single, all_gather_into_tensor, all_gather,
 all_reduce (sum, max, min, product), reduce_scatter_tensor, broadcast, barrier, on CPU tensors.
-Anything else, a call inside a coalescing manager, a tensor over the slot size (every rank
-learns of it from the header and all take gloo), or a group spanning hosts goes to gloo
-unchanged. Sums add the ranks' tensors in rank order on every rank; for two ranks that is
+All-reduce, reduce-scatter and all-gather-into-tensor of a tensor over the slot (4 MB,
+$MEGARL_CPU_COLLECTIVES_MB) go in rounds (their sizes agree on every rank); for the others a
+tensor over the slot goes to gloo (every rank learns of it from the header, so all do). Anything
+else, a call inside a coalescing manager, or a group spanning hosts goes to gloo unchanged. Sums add the ranks' tensors in rank order on every rank; for two ranks that is
 bit-identical to gloo (a + b == b + a).
 
 Enabled on CPU by cpu_compat.activate(); $MEGARL_CPU_COLLECTIVES picks: `auto` (default: when
