@@ -28,7 +28,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 import megarl
 from megarl.controller.decorator import Registration, registration_of
 from megarl.controller.dispatch import Dispatch, MeshCoord, collect_outputs, split_args, validate_mesh
-from megarl.controller.worker import Worker
+from megarl.controller.shm_leftovers import remove_torch_shm_files
+from megarl.controller.worker import Worker, get_node_ip
 from megarl.data.batch import Batch
 
 REPO_ROOT = str(Path(megarl.__file__).resolve().parents[1])
@@ -269,6 +270,8 @@ class RayWorkerGroup:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
+        here = get_node_ip()  # the ranks on this machine: their torch shared-memory files go too
+        remove_torch_shm_files([p["pid"] for p in self.processes if p.get("node") == here])
         if self._owns_placement_group and self.placement_group is not None:
             remove_placement_group(self.placement_group)
 
