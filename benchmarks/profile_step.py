@@ -18,9 +18,9 @@ the following steps:
    stack, most specific first: collectives (gloo, or cpu_collectives' shared memory: its waits
    spin, so a peer's lateness shows here as busy time), autograd backward, optimizer step, model
    forward (torch modules), HTTP/JSON, Ray RPC and (de)serialisation (the innermost frames only),
-   torch ops elsewhere, megarl's own code, other. py-spy sees Python frames only, so "model forward" is the time inside module
-   forwards, kernels and Python around them together; the plain-torch peer in bench_vs_trl.py
-   gives the same math's cost without the framework.
+   torch ops elsewhere, megarl's own code, other. py-spy sees Python frames only, so "model
+   forward" is the time inside module forwards, kernels and Python around them together; the
+   plain-torch peer in bench_vs_trl.py gives the same math's cost without the framework.
 
 Prints the tables in RESULTS.md's format. Timing noise on this shared machine is 20-35% from
 minute to minute: compare before/after runs made back to back.
@@ -59,7 +59,8 @@ PROCESS_KINDS = [
 # pattern is matched against the innermost frames only (RAY_INNERMOST): a rank's every stack
 # starts in Ray's worker loop, which would otherwise claim all the rank's own code.
 CATEGORIES = [
-    ("collective (gloo, shared memory)", re.compile(r"distributed_c10d\.py|megarl/engine/megatron/cpu_collectives\.py")),
+    ("collective (gloo, shared memory)",
+     re.compile(r"distributed_c10d\.py|megarl/engine/megatron/cpu_collectives\.py")),
     ("autograd backward", re.compile(r"_engine_run_backward|run_backward")),
     ("optimizer step", re.compile(r"\bmegatron/core/optimizer/")),
     ("model forward", re.compile(r"\btorch/nn/modules/module\.py")),

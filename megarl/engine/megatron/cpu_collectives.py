@@ -22,8 +22,9 @@ all_reduce (sum, max, min, product), reduce_scatter_tensor, broadcast, barrier, 
 All-reduce, reduce-scatter and all-gather-into-tensor of a tensor over the slot (4 MB,
 $MEGARL_CPU_COLLECTIVES_MB) go in rounds (their sizes agree on every rank); for the others a
 tensor over the slot goes to gloo (every rank learns of it from the header, so all do). Anything
-else, a call inside a coalescing manager, or a group spanning hosts goes to gloo unchanged. Sums add the ranks' tensors in rank order on every rank; for two ranks that is
-bit-identical to gloo (a + b == b + a).
+else, a call inside a coalescing manager, or a group spanning hosts goes to gloo unchanged.
+Sums add the ranks' tensors in rank order on every rank; for two ranks that is bit-identical to
+gloo (a + b == b + a).
 
 Enabled on CPU by cpu_compat.activate(); $MEGARL_CPU_COLLECTIVES picks: `auto` (default: when
 the world's ranks fit the host's cores, spinning costs nothing the peers need), `shm`, `gloo`.
@@ -124,7 +125,7 @@ class _Channel:
         self.group, self.mm, self.pids, self.slot = group, mm, pids, slot
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group)
-        self.words = 1 + 2 * (self.n + 2)  # seq, then per buffer: status, n+1 cumulative byte offsets
+        self.words = _words(self.n)
         self.hdr = memoryview(mm)[:self.n * self.words * 8].cast("q")
         self.data = torch.frombuffer(mm, dtype=torch.uint8)
         self.base = _header_bytes(self.n)
@@ -144,7 +145,7 @@ class _Channel:
 
     def post(self, tensor: torch.Tensor | None, offsets: list[int] | None = None) -> int:
         """Copy tensor into this rank's slot and publish it; returns the op's sequence number. A
-        tensor over the slot publishes status -1: every rank then takes gloo (see overflowed)."""
+        tensor over the slot publishes status -1: every rank then takes gloo (wait returns False)."""
         self.seq += 1
         seq, w, h = self.seq, self.words, self.hdr
         nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
@@ -181,7 +182,8 @@ class _Channel:
 
     def _check_peer(self, p: int, op: str, waited: float) -> None:
         try:
-            state = open(f"/proc/{self.pids[p]}/stat").read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{self.pids[p]}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             state = "gone"
         where = f"{op} on group ranks {self.ranks} (this is rank {self.ranks[self.rank]})"
@@ -197,8 +199,13 @@ class _Channel:
         return list(self.hdr[start:start + self.n + 1])
 
 
+def _words(n: int) -> int:
+    """int64 header words per rank: seq, then per buffer a status and n+1 cumulative byte offsets."""
+    return 1 + 2 * (n + 2)
+
+
 def _header_bytes(n: int) -> int:
-    return -(-(n * (1 + 2 * (n + 2)) * 8) // 4096) * 4096
+    return -(-(n * _words(n) * 8) // 4096) * 4096
 
 
 def _open_channel(group) -> _Channel | None:
