@@ -142,6 +142,19 @@ def test_long_request_keeps_running_while_short_ones_join_and_leave(engine, refe
                                hf_logprobs(reference, PROMPTS[2], result.output_ids), atol=TOL, rtol=0)
 
 
+def test_a_batch_gets_the_kv_headroom_its_rows_can_use(engine, monkeypatch):
+    """A prefill's cache has spare columns for the tokens its rows can still sample (kv_cache.
+    headroom_for), not a fixed 64: rows of 2 and 5 new tokens need 4 after the prefill."""
+    from megarl.rollout.kv_cache import HEADROOM
+
+    seen, make = [], engine.runner.new_cache
+    monkeypatch.setattr(engine.runner, "new_cache", lambda headroom: seen.append(headroom) or make(headroom))
+    futures = engine.submit([request("a", PROMPTS[0], 2, seed=1), request("b", PROMPTS[1], 5, seed=2)])
+    assert [len(f.result(timeout=60).output_ids) for f in futures] == [2, 5]
+    engine.submit([request("long", PROMPTS[3], HEADROOM + 10, seed=3)])[0].result(timeout=60)
+    assert seen == [4, HEADROOM]
+
+
 # ---- pause, abort, retract -----------------------------------------------------------------------
 def test_pause_abort_returns_the_partial_tokens(engine):
     req = request("a", PROMPTS[0], 40, seed=1, on_token=at_token(5, lambda: engine.pause("abort")))

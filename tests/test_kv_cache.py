@@ -14,7 +14,7 @@ import torch
 from megarl.models.tiny import PRESETS, build_tiny_checkpoint
 from megarl.rollout import kv_merge
 from megarl.rollout.attn_mask import forward_step, prepare_model
-from megarl.rollout.kv_cache import GrowableLayer, new_engine_cache
+from megarl.rollout.kv_cache import HEADROOM, GrowableLayer, headroom_for, new_engine_cache
 
 
 def _prefill(model, cache, lengths, g):
@@ -89,13 +89,24 @@ def test_growable_cache_equals_dynamic_cache(tmp_path, preset):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prepare_model(model)
     ref_logits, ref_cache = _script(model, DynamicCache)
-    logits, cache = _script(model, new_engine_cache)
-    assert all(type(layer) is GrowableLayer for layer in cache.layers)
-    assert len(logits) == len(ref_logits)
-    for k, (a, b) in enumerate(zip(logits, ref_logits)):
-        assert torch.equal(a, b), f"forward {k}: logits differ by {(a - b).abs().max()}"
-    for a, b in zip(cache.layers, ref_cache.layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # the default headroom, and headrooms sized to short rows (buffers outgrown every few steps,
+    # batches of different headrooms merged), as the scheduler sizes them
+    small = iter([2, 1, 5])
+    for make_cache in (new_engine_cache, lambda: new_engine_cache(next(small))):
+        logits, cache = _script(model, make_cache)
+        assert all(type(layer) is GrowableLayer for layer in cache.layers)
+        assert len(logits) == len(ref_logits)
+        for k, (a, b) in enumerate(zip(logits, ref_logits)):
+            assert torch.equal(a, b), f"forward {k}: logits differ by {(a - b).abs().max()}"
+        for a, b in zip(cache.layers, ref_cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert all(layer.headroom == 5 for layer in cache.layers)  # a merge keeps the larger headroom
+
+
+def test_headroom_for_the_rows_remaining_tokens():
+    """The prefill's token needs no column; each later token needs one; never more than HEADROOM."""
+    assert [headroom_for(n) for n in (1, 2, 3, 10)] == [1, 1, 2, 9]
+    assert headroom_for(HEADROOM + 1) == HEADROOM and headroom_for(10_000) == HEADROOM
 
 
 def test_decode_steps_write_in_place():
@@ -104,13 +115,13 @@ def test_decode_steps_write_in_place():
     k = torch.randn(2, 1, 3, 4)
     layer.update(k, k.clone())
     buffer = layer._kbuf
-    for step in range(GrowableLayer.headroom):
+    for step in range(HEADROOM):
         keys, _ = layer.update(torch.full((2, 1, 1, 4), float(step)), torch.zeros(2, 1, 1, 4))
         assert layer._kbuf is buffer and keys.data_ptr() == buffer.data_ptr()
-    assert keys.shape[-2] == 3 + GrowableLayer.headroom
+    assert keys.shape[-2] == 3 + HEADROOM
     assert torch.equal(keys[..., :3, :], k) and torch.equal(keys[0, 0, -1], torch.full((4,), 63.0))
     layer.update(torch.ones(2, 1, 1, 4), torch.ones(2, 1, 1, 4))  # the headroom is used up: a new buffer
-    assert layer._kbuf is not buffer and layer.keys.shape[-2] == 4 + GrowableLayer.headroom
+    assert layer._kbuf is not buffer and layer.keys.shape[-2] == 4 + HEADROOM
     assert torch.equal(layer.keys[..., :3, :], k)
 
 

@@ -7,6 +7,10 @@ columns on the tiny Qwen3-MoE (torch profiler, fully_async run of benchmarks/ben
 a step writes its new columns into the spare ones and the layer's `keys` / `values` become a
 view of the filled part, so a decode step copies only what it adds. When the spare columns run
 out the buffer is reallocated with `headroom` more (amortised: one copy per `headroom` steps).
+A batch's headroom is what its rows can still use (`headroom_for`: the largest remaining
+`max_new_tokens` after the prefill's token, at most HEADROOM): 64 spare columns for rows that
+decode once allocated, zeroed in pages and copied ~10x the cache the quickstart's 2-token rows
+need (a 256-row generation took 31-42 ms with 64, 25-26 ms with 1; benchmarks/bench_kv_cache.py).
 
 The scheduler's other cache edits keep the buffer too: finished rows leave in place
 (`batch_select_indices`: only the rows after the first finished one move down; the buffer's
@@ -22,6 +26,7 @@ step; no change at narrow caches. MEGARL_KV_CACHE=dynamic gives transformers' la
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -31,8 +36,16 @@ from transformers.cache_utils import DynamicLayer
 HEADROOM = 64  # spare columns per (re)allocation
 
 
+def headroom_for(remaining_tokens: int) -> int:
+    """Spare columns for a batch whose rows may still sample up to `remaining_tokens` each: the
+    prefill samples the first without a new column, every later token feeds one."""
+    return max(1, min(HEADROOM, remaining_tokens - 1))
+
+
 class GrowableLayer(DynamicLayer):
-    headroom = HEADROOM
+    def __init__(self, headroom: int = HEADROOM):
+        super().__init__()
+        self.headroom = headroom
 
     def lazy_initialization(self, key_states: torch.Tensor):
         super().lazy_initialization(key_states)
@@ -84,8 +97,10 @@ class GrowableLayer(DynamicLayer):
         self._views(width - columns)
 
     def append_rows(self, other: "GrowableLayer") -> None:
-        """`other`'s rows after these, the narrower left-padded with zero columns, in one copy."""
+        """`other`'s rows after these, the narrower left-padded with zero columns, in one copy. The
+        merged batch keeps the larger of the two headrooms (the joined rows may need more)."""
         (ka, va), (kb, vb) = (self.keys, self.values), (other.keys, other.values)
+        self.headroom = max(self.headroom, other.headroom)
         width = max(ka.shape[-2], kb.shape[-2])
         rows = ka.shape[0]
         kbuf = ka.new_empty((rows + kb.shape[0], *ka.shape[1:-2], width + self.headroom, ka.shape[-1]))
@@ -116,10 +131,10 @@ class GrowableLayer(DynamicLayer):
             self._vbuf[..., :width, :].copy_(values)
 
 
-def new_engine_cache() -> DynamicCache:
-    """An empty DynamicCache whose layers (created on first use) are GrowableLayers
-    (MEGARL_KV_CACHE=dynamic: transformers' own layers, for comparisons)."""
+def new_engine_cache(headroom: int = HEADROOM) -> DynamicCache:
+    """An empty DynamicCache whose layers (created on first use) are GrowableLayers with
+    `headroom` spare columns (MEGARL_KV_CACHE=dynamic: transformers' own layers, for comparisons)."""
     cache = DynamicCache()
     if os.environ.get("MEGARL_KV_CACHE") != "dynamic":
-        cache.layer_class_to_replicate = GrowableLayer
+        cache.layer_class_to_replicate = functools.partial(GrowableLayer, headroom=headroom)
     return cache

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.rollout.kv_cache import headroom_for
 from megarl.rollout.logit_processing import process_logits, token_steps
 from megarl.rollout.protocol import sample_next_tokens
 from megarl.rollout.routing import BatchCapture
@@ -178,7 +179,9 @@ class Scheduler:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_input_lp = any(wants_input_logprobs(row) for row in admitted)
         routing = BatchCapture.start(self.routing, admitted)  # None unless a row asked for its experts
-        out, version = self._forward(ids, mask, positions, self.runner.new_cache(), keep_all=want_input_lp)
+        remaining = max(row.req.params.max_new_tokens - len(row.output_ids) for row in admitted)
+        cache = self.runner.new_cache(headroom_for(remaining))
+        out, version = self._forward(ids, mask, positions, cache, keep_all=want_input_lp)
         if routing is not None:
             routing.prefill(ids.shape[1])
         if want_input_lp:

@@ -1,7 +1,7 @@
 """The engine's handle on the model: `LocalRunner` (tp=1, the model in this process) and
 `TPRunner` (rank 0 of a tensor-parallel mesh). Both offer the same calls:
 
-    new_cache() -> cache            forward(ids, mask, positions, cache, keep_all) -> .logits, .past_key_values
+    new_cache(headroom) -> cache    forward(ids, mask, positions, cache, keep_all) -> .logits, .past_key_values
     load_named(named, ...) / load_payloads(payloads, load_format, ...) / load_files(files) -> Applied
     load_distributed(request) / load_reshard(request) -> Applied    (received over an update group)
     commit(weight_version) -> Applied      abort() -> pieces discarded      (the stage of defer=True updates)
@@ -83,10 +83,10 @@ class LocalRunner(_WeightCommands):
         self.full_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self._worker = RankWorker(self.model, {}, self.full_shapes, tp=1, rank=0, device=device)
 
-    def new_cache(self):
+    def new_cache(self, headroom: int):
         from megarl.rollout.kv_cache import new_engine_cache
 
-        return new_engine_cache()
+        return new_engine_cache(headroom)
 
     def forward(self, ids, mask, positions, cache, keep_all: bool):
         return forward_step(self.model, ids, mask, positions, cache, keep_all)
@@ -135,8 +135,8 @@ class _CacheHandle:
     holds the other handle until it is sent, so the other cache cannot be freed before it is merged.
     """
 
-    def __init__(self, cache_id: int):
-        self.id = cache_id
+    def __init__(self, cache_id: int, headroom: int):
+        self.id, self.headroom = cache_id, headroom
         self.pending: list[tuple] = []
 
     def batch_select_indices(self, index: torch.Tensor) -> None:
@@ -168,8 +168,8 @@ class TPRunner(_WeightCommands):
         self._lock = threading.Lock()
         self._closed = False
 
-    def new_cache(self) -> _CacheHandle:
-        handle = _CacheHandle(next(self._ids))
+    def new_cache(self, headroom: int) -> _CacheHandle:
+        handle = _CacheHandle(next(self._ids), headroom)
         weakref.finalize(handle, self._dropped.append, handle.id)
         return handle
 
@@ -177,7 +177,7 @@ class TPRunner(_WeightCommands):
         dropped = []
         while self._dropped:  # finalizers may append from any thread meanwhile
             dropped.append(self._dropped.pop())
-        cmd = {"op": "forward", "cache": cache.id, "edits": cache.take_pending(), "drop": dropped,
+        cmd = {"op": "forward", "cache": cache.id, "headroom": cache.headroom, "edits": cache.take_pending(), "drop": dropped,
                "keep_all": keep_all, **encode_inputs(ids, mask, positions)}
         return SimpleNamespace(logits=self._run(cmd), past_key_values=cache)
 

@@ -112,7 +112,7 @@ class RankWorker:
 
         cache = self._caches.get(cmd["cache"])
         if cache is None:  # the first step of a new batch
-            cache = self._caches[cmd["cache"]] = new_engine_cache()
+            cache = self._caches[cmd["cache"]] = new_engine_cache(cmd["headroom"])
         self._edit(cache, cmd["edits"])  # as rank 0 did to its cache since the last forward
         for cache_id in cmd["drop"]:  # batches that rank 0 has finished with (after the edits: a
             self._caches.pop(cache_id, None)  # merged cache is consumed by its merge)
