@@ -10,7 +10,8 @@ Checked: the trainer's log-probs without and with replay against Hugging Face fl
 with the served experts forced (the independent reference; with replay expected < 1e-5), the
 server-vs-trainer mismatch without and with replay, and one training step with replay (recompute
 none and full: finite grad norm, equal up to 1e-5 relative; the router weights move). --smoke runs
-it on the CPU (gloo) to check the script.
+it on the CPU (gloo) to check the script. On the device machine carry bench_gpu.py's wheels and
+orjson's (megarl.rollout.client, which the served answers go through, imports it).
 """
 
 from __future__ import annotations
