@@ -8,9 +8,10 @@ a step writes its new columns into the spare ones and the layer's `keys` / `valu
 view of the filled part, so a decode step copies only what it adds. When the spare columns run
 out the buffer is reallocated with `headroom` more (amortised: one copy per `headroom` steps).
 A batch's headroom is what its rows can still use (`headroom_for`: the largest remaining
-`max_new_tokens` after the prefill's token, at most HEADROOM): 64 spare columns for rows that
-decode once allocated, zeroed in pages and copied ~10x the cache the quickstart's 2-token rows
-need (a 256-row generation took 31-42 ms with 64, 25-26 ms with 1; benchmarks/bench_kv_cache.py).
+`max_new_tokens` after the prefill's token, at most HEADROOM). A fixed 64 made every prefill of
+the quickstart's 2-token rows allocate, fault in and copy a buffer ~10x the cache they use: a
+256-row generation took 31-42 ms with it and 25-26 ms without (benchmarks/bench_generate_path.py
+measures the engine alone against HF `generate`).
 
 The scheduler's other cache edits keep the buffer too: finished rows leave in place
 (`batch_select_indices`: only the rows after the first finished one move down; the buffer's

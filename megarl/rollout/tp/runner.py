@@ -177,8 +177,8 @@ class TPRunner(_WeightCommands):
         dropped = []
         while self._dropped:  # finalizers may append from any thread meanwhile
             dropped.append(self._dropped.pop())
-        cmd = {"op": "forward", "cache": cache.id, "headroom": cache.headroom, "edits": cache.take_pending(), "drop": dropped,
-               "keep_all": keep_all, **encode_inputs(ids, mask, positions)}
+        cmd = {"op": "forward", "cache": cache.id, "headroom": cache.headroom, "edits": cache.take_pending(),
+               "drop": dropped, "keep_all": keep_all, **encode_inputs(ids, mask, positions)}
         return SimpleNamespace(logits=self._run(cmd), past_key_values=cache)
 
     def merge_caches(self, into: _CacheHandle, other: _CacheHandle) -> None:
