@@ -9,6 +9,8 @@ line naming it (tests/test_durability.py). The time limits are the issue's: 30 s
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import re
 import signal
@@ -48,6 +50,16 @@ def test_driver_sigkill_leaves_no_process_of_the_run(tmp_path):
     proc.wait(timeout=10)
     gone_s = _wait_until_none_left(run_id, within_s=30, also=tree)
     print(f"driver SIGKILL -> nothing left {gone_s:.1f}s")
+    # ... but its ranks' torch shared-memory files (the bridge's bucket buffers), which a next run
+    # in this run directory removes (shm_leftovers.py); here the same call, on the run's record
+    from megarl.controller.shm_leftovers import SHM_DIR, remove_recorded_leftovers
+
+    record = tmp_path / "quickstart" / "ranks.json"
+    pids = json.loads(record.read_text())["pids"]
+    left = lambda: [f for pid in pids for f in glob.glob(f"{SHM_DIR}/torch_{pid}_*")]  # noqa: E731
+    assert len(pids) == 2 and left(), "the killed ranks left no shared-memory file: nothing to test"
+    assert remove_recorded_leftovers(record, json.loads(record.read_text())["node"]) == []
+    assert left() == []
 
 
 def test_killed_launcher_actor_takes_its_server_and_tp_followers_down(tiny_model_path, tmp_path):

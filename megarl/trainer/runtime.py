@@ -13,9 +13,13 @@ from pathlib import Path
 
 from megarl.algo.losses import PolicyLossConfig
 from megarl.config.schema import RunConfig
+from megarl.controller.shm_leftovers import record_ranks, remove_recorded_leftovers
 from megarl.engine.megatron.actor import ActorLossSpec, MegatronActor
 from megarl.engine.megatron.critic import CriticLossSpec, MegatronCritic
 from megarl.engine.megatron.engine import EngineSpec
+from megarl.rollout.launcher import get_node_ip
+
+RANKS_FILE = "ranks.json"  # this run's local rank pids (shm_leftovers: a later run here cleans up after them)
 
 
 @dataclass
@@ -203,6 +207,9 @@ def start_runtime(cfg: RunConfig, cluster=None):
         clock.mark("data")
         cluster.wait_started()
         clock.mark("ray")  # the wait left for Ray after the model and data
+        here, ranks_file = get_node_ip(), run_dir / RANKS_FILE  # Ray's view of this node from here on
+        still_running = remove_recorded_leftovers(ranks_file, here)  # an earlier run here killed outright?
+        stack.callback(remove_recorded_leftovers, ranks_file, here)  # at exit, after the ranks' shutdown
         resource = device_resource()
         pools = {}
         for name, spec in plan.pools.items():
@@ -240,6 +247,7 @@ def start_runtime(cfg: RunConfig, cluster=None):
             stack.callback(critic.shutdown)
         from megarl.reward.model import reward_model_server
 
+        record_ranks(ranks_file, actor.processes + (critic.processes if critic else []), here, still_running)
         reward_model_url = stack.enter_context(reward_model_server(cfg.reward.model, run_dir))
         clock.mark("critic_and_reward_model")
         fleet.wait_started()
