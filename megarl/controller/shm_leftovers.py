@@ -50,12 +50,18 @@ def remove_torch_shm_files(pids: list[int], timeout_s: float = 2.0, shm_dir: str
         if pid in running:
             logger.debug("pid %d still runs: its torch shared-memory files stay", pid)
             continue
-        for path in glob.glob(os.path.join(shm_dir, f"torch_{pid}_*")):
-            try:
-                os.unlink(path)
-                removed += 1
-            except OSError:
-                pass  # removed meanwhile (its manager did it after all)
+        removed += _remove_files_of(pid, shm_dir)
+    return removed
+
+
+def _remove_files_of(pid: int, shm_dir: str) -> int:
+    removed = 0
+    for path in glob.glob(os.path.join(shm_dir, f"torch_{pid}_*")):
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass  # removed meanwhile (its manager did it after all)
     return removed
 
 
@@ -94,12 +100,7 @@ def remove_recorded_leftovers(path: Path, node: str, shm_dir: str = SHM_DIR) -> 
         if _runs(pid):
             running.append(pid)  # a live process (perhaps another one with a reused pid) keeps its files
             continue
-        for name in glob.glob(os.path.join(shm_dir, f"torch_{pid}_*")):
-            try:
-                os.unlink(name)
-                removed += 1
-            except OSError:
-                pass
+        removed += _remove_files_of(pid, shm_dir)
     if removed:
         logger.info("removed %d torch shared-memory files in %s left by the killed ranks of an earlier run",
                     removed, shm_dir)
