@@ -13,9 +13,10 @@ ranks and their files stay, 16 MiB a rank for every kill of a crash-and-resume l
 records its local ranks' pids in its run directory (`record_ranks`), and a run started in the
 same directory (trainer.resume) removes the files of recorded ranks that no longer exist
 (`remove_recorded_leftovers`); recorded ranks still running then (Ray ends a dead driver's
-workers a few seconds later) are recorded again and swept when that run ends. Only recorded pids are touched, and only when no process with
-that pid exists here: /dev/shm may be shared with other pid namespaces (containers run with
---ipc=host), whose live files a sweep of every dead-looking pid would delete.
+workers a few seconds later) are recorded again and swept when that run ends. Only recorded pids
+are touched, and only when no process with that pid runs here: /dev/shm may be shared with other
+pid namespaces (containers run with --ipc=host), whose live files a sweep of every dead-looking
+pid would delete.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import glob
 import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -74,7 +76,7 @@ def _runs(pid: int) -> bool:
         return False
 
 
-def record_ranks(path: Path, processes: list[dict], node: str, also: list[int] = ()) -> None:
+def record_ranks(path: Path, processes: list[dict], node: str, also: Iterable[int] = ()) -> None:
     """Write the pids of `processes` ({"pid", "node"} per rank) that run on `node`, and `also`, to
     `path` (atomically), for remove_recorded_leftovers at this run's end or in a later run."""
     pids = sorted({p["pid"] for p in processes if p.get("node") == node and p.get("pid")} | set(also))

@@ -245,9 +245,9 @@ def start_runtime(cfg: RunConfig, cluster=None):
                 name_prefix="critic", **device_share(CRITIC_DEVICE_SHARE),
             )
             stack.callback(critic.shutdown)
+        record_ranks(ranks_file, actor.processes + (critic.processes if critic else []), here, still_running)
         from megarl.reward.model import reward_model_server
 
-        record_ranks(ranks_file, actor.processes + (critic.processes if critic else []), here, still_running)
         reward_model_url = stack.enter_context(reward_model_server(cfg.reward.model, run_dir))
         clock.mark("critic_and_reward_model")
         fleet.wait_started()
