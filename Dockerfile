@@ -11,7 +11,7 @@
 # SGLang's release image: CUDA 12.9, PyTorch, FlashInfer and sglang itself, built and tested
 # together by the SGLang project. v0.5.19-cu129 is the last CUDA 12 tag SGLang publishes (later
 # tags are CUDA 13); megarl's SGLang command lines are checked against 0.5.3 and 0.5.23 flags
-# (megarl/rollout/sglang_launch.py). Pinned by tag; pin by digest (@sha256:...) once pulled.
+# (megarl/rollout/fleet/sglang_launch.py). Pinned by tag; pin by digest (@sha256:...) once pulled.
 ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.19-cu129
 FROM ${SGLANG_IMAGE}
 

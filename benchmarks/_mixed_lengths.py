@@ -38,7 +38,7 @@ def run_hf_static(model, rows, lengths, batch: int):
 
 
 def run_engine(engine, rows, lengths):
-    from megarl.rollout.protocol import GenerationRequest, SamplingParams
+    from megarl.rollout.engine.protocol import GenerationRequest, SamplingParams
 
     tag = time.monotonic_ns()
     requests = [GenerationRequest(rid=f"mixed-{tag}-{i}", input_ids=p, return_logprob=True,
@@ -52,7 +52,7 @@ def run_engine(engine, rows, lengths):
 
 def run_server(url: str, rows, lengths):
     """The production client, one batched /generate with one sampling_params per row."""
-    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.client.client import RolloutClient
 
     params = [{"max_new_tokens": m, "temperature": 1.0, "ignore_eos": True} for m in lengths]
     with RolloutClient(url, batched=True) as client:
@@ -79,8 +79,8 @@ def _stats(engine_stats_fn, before: dict, repeats: int) -> str:
 def measure_mixed(model_dir, prompts, args, median_rate) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from megarl.rollout.engine import GenerationEngine
-    from megarl.rollout.launcher import RolloutServerProcess
+    from megarl.rollout.engine.generation import GenerationEngine
+    from megarl.rollout.fleet.server_process import RolloutServerProcess
 
     rows, lengths = mixed_rows(prompts, args)
     warm_rows, warm_lengths = rows[:2], [2, 2]

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megarl.rollout.manager import SamplingSpec
+from megarl.rollout.client.manager import SamplingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -256,7 +256,7 @@ def main(argv=None) -> None:
     from safetensors.torch import load_file
 
     from megarl.models.tiny import build_tiny_checkpoint
-    from megarl.rollout.launcher import RolloutServerProcess
+    from megarl.rollout.fleet.server_process import RolloutServerProcess
 
     wall = time.perf_counter()
     load_before = os.getloadavg()

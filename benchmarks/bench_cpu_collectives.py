@@ -1,4 +1,4 @@
-"""Shared-memory collectives (megarl/engine/megatron/cpu_collectives.py) against gloo, op by op.
+"""Shared-memory collectives (megarl/engine/megatron/cpu/collectives.py) against gloo, op by op.
 
     .venv/bin/python benchmarks/bench_cpu_collectives.py [--ranks 2] [--iters 300] [--json out.json]
 
@@ -56,7 +56,7 @@ def _cases(n: int, rank: int):
 
 def _rank(rank: int, n: int, store: str, iters: int, out: str) -> None:
     import torch.distributed as dist
-    from megarl.engine.megatron import cpu_collectives as cc
+    from megarl.engine.megatron.cpu import collectives as cc
 
     torch.set_num_threads(1)
     os.environ[cc.ENV] = "shm"

@@ -73,10 +73,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
-    from megarl.rollout.client import RolloutClient, _fields
-    from megarl.rollout.engine import GenerationEngine
-    from megarl.rollout.generate_input import parse_generate
-    from megarl.rollout.generate_output import output_item
+    from megarl.rollout.client.client import RolloutClient, _fields
+    from megarl.rollout.engine.generation import GenerationEngine
+    from megarl.rollout.server.generate_input import parse_generate
+    from megarl.rollout.server.generate_output import output_item
 
     model = args.model or quickstart_model()
     server = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model-path", model,

@@ -16,9 +16,9 @@ Stages
                train_mini_batch: finite grad norm, the weights change. A forward-only engine (the
                reference policy) must hold its parameters on the GPU too.
   rollout_ipc  after one fp32 train step, the engine's exported weights (CUDA tensors) are packed into
-               one flattened bucket in a CUDA buffer and serialised by megarl.rollout.weights_codec,
+               one flattened bucket in a CUDA buffer and serialised by megarl.wire.weights_codec,
                as bridge/tensor.py sends them; a spawned process builds the embedded rollout engine
-               (megarl.rollout.engine.GenerationEngine, cuda) from the untrained checkpoint and loads
+               (megarl.rollout.engine.generation.GenerationEngine, cuda) from the untrained checkpoint and loads
                the bucket through update_weights_from_payloads (its HTTP route's call). Checked: every
                tensor bit-exact, and the rollout model's log-probs of the rows equal the trainer's.
   mfu_moe      train step and forward of megarl's engine (bf16) against a plain HF
@@ -178,7 +178,7 @@ def stage_parity(state: dict) -> dict:
 def _rollout_receiver(path: str, payload: str, expected_path: str, queue) -> None:
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
-        from megarl.rollout.engine import GenerationEngine
+        from megarl.rollout.engine.generation import GenerationEngine
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         engine = GenerationEngine(path, device=device, dtype="float32")
@@ -202,7 +202,7 @@ def _rollout_receiver(path: str, payload: str, expected_path: str, queue) -> Non
 def stage_rollout_ipc(state: dict) -> dict:
     import torch.multiprocessing as mp
 
-    from megarl.rollout.weights_codec import flattened_bucket_nbytes, pack_flattened_bucket, serialize
+    from megarl.wire.weights_codec import flattened_bucket_nbytes, pack_flattened_bucket, serialize
     from tests.test_megatron_engine import make_rows
 
     engine = state["fp32_engine"]  # trained one step by `parity`: its weights differ from the checkpoint's

@@ -1,4 +1,4 @@
-"""The engine's KV cache (megarl/rollout/kv_cache.py) against transformers' DynamicCache: the
+"""The engine's KV cache (megarl/rollout/engine/kv_cache.py) against transformers' DynamicCache: the
 time of one decode step, and of one decode step plus a finished row leaving, as the engine runs
 them (forward_step, the engine's mask and attention), at several batch shapes.
 
@@ -22,8 +22,8 @@ import time
 import torch
 
 from megarl.models.tiny import build_tiny_checkpoint
-from megarl.rollout.attn_mask import forward_step, prepare_model
-from megarl.rollout.kv_cache import new_engine_cache
+from megarl.rollout.engine.attn_mask import forward_step, prepare_model
+from megarl.rollout.engine.kv_cache import new_engine_cache
 
 
 def parse_args(argv=None):

@@ -99,7 +99,7 @@ def sampling(args) -> dict:
 
 # ---- the three measurements -------------------------------------------------------------------
 def run_client(url: str, prompts, args, batched: bool = True) -> tuple[float, int, float | None]:
-    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.client.client import RolloutClient
 
     with RolloutClient(url, batched=batched) as client:
         start = time.perf_counter()
@@ -122,7 +122,7 @@ def run_one_request(url: str, prompts, args) -> tuple[float, int, float]:
 
 def run_engine_in_process(engine, prompts, args) -> tuple[float, int, None]:
     """The server's GenerationEngine without HTTP: separates engine cost from serving cost."""
-    from megarl.rollout.protocol import GenerationRequest, SamplingParams
+    from megarl.rollout.engine.protocol import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True)
     requests = [GenerationRequest(rid=f"{i}-{j}-{time.monotonic_ns()}", input_ids=p, params=params,
@@ -177,7 +177,7 @@ def measure_hf_peer(model_dir: Path, prompts, args) -> dict:
 
 
 def measure_engine(model_dir: Path, prompts, args) -> dict:
-    from megarl.rollout.engine import GenerationEngine
+    from megarl.rollout.engine.generation import GenerationEngine
 
     engine = GenerationEngine(str(model_dir), max_batch_size=args.max_batch_size, seed=0)
     try:
@@ -189,7 +189,7 @@ def measure_engine(model_dir: Path, prompts, args) -> dict:
 
 
 def measure_server(model_dir: Path, prompts, args) -> list[dict]:
-    from megarl.rollout.launcher import RolloutServerProcess
+    from megarl.rollout.fleet.server_process import RolloutServerProcess
 
     rows = []
     with RolloutServerProcess(model_dir, torch_threads=1, max_batch_size=args.max_batch_size) as server:
@@ -209,8 +209,8 @@ def measure_mesh(model_dir: Path, prompts, args) -> list[dict]:
     """One tp=1 engine, one tp=2 engine, two tp=1 engines behind sglang-router: per-prompt requests."""
     import contextlib
 
-    from megarl.rollout.launcher import RolloutServerProcess
-    from megarl.rollout.router import RouterProcess
+    from megarl.rollout.fleet.server_process import RolloutServerProcess
+    from megarl.rollout.fleet.router import RouterProcess
 
     def server(*extra):
         return RolloutServerProcess(model_dir, torch_threads=1, max_batch_size=args.max_batch_size,

@@ -10,7 +10,7 @@ and exactly where the rest breaks. Results: DIR/gpu_probe.json and the printed l
 Stages
   env       torch / CUDA / GPU facts.
   ipc       the colocated bridge's CUDA IPC path: a flattened bucket of CUDA tensors is packed and
-            serialised by megarl.rollout.weights_codec (as bridge/tensor.py sends it), and a spawned
+            serialised by megarl.wire.weights_codec (as bridge/tensor.py sends it), and a spawned
             process decodes it through the same allow-list unpickler the rollout server uses and
             compares it bit for bit with the sender's tensors.
   engine    MegatronEngine on one GPU over NCCL (world size 1): the tiny Qwen3-MoE's log-probs
@@ -47,7 +47,7 @@ def stage_env() -> dict:
 
 def _ipc_receiver(payload: str, expected_path: str, queue) -> None:
     try:
-        from megarl.rollout.weights_codec import decode_payload
+        from megarl.wire.weights_codec import decode_payload
 
         named = decode_payload(payload, "flattened_bucket")
         expected = torch.load(expected_path)
@@ -61,7 +61,7 @@ def _ipc_receiver(payload: str, expected_path: str, queue) -> None:
 def stage_ipc(tmp: str) -> dict:
     import torch.multiprocessing as mp
 
-    from megarl.rollout.weights_codec import pack_flattened_bucket, serialize
+    from megarl.wire.weights_codec import pack_flattened_bucket, serialize
 
     g = torch.Generator(device="cuda").manual_seed(0)
     bucket = [("a.weight", torch.randn(64, 32, device="cuda", generator=g)),

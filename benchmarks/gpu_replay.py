@@ -11,7 +11,7 @@ with the served experts forced (the independent reference; with replay expected 
 server-vs-trainer mismatch without and with replay, and one training step with replay (recompute
 none and full: finite grad norm, equal up to 1e-5 relative; the router weights move). --smoke runs
 it on the CPU (gloo) to check the script. On the device machine carry bench_gpu.py's wheels and
-orjson's (megarl.rollout.client, which the served answers go through, imports it).
+orjson's (megarl.rollout.client.client, which the served answers go through, imports it).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def run(device: str) -> dict:
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
     from megarl.models.tiny import build_tiny_checkpoint
-    from megarl.rollout.engine import GenerationEngine
-    from megarl.rollout.generate_input import parse_generate
-    from megarl.rollout.generate_output import output_item
+    from megarl.rollout.engine.generation import GenerationEngine
+    from megarl.rollout.server.generate_input import parse_generate
+    from megarl.rollout.server.generate_output import output_item
     from tests.test_routing_replay import (PROMPTS, hf_forced_log_probs, served_batch,
                                            server_and_trainer_checkpoints)
 

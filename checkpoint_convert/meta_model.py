@@ -28,7 +28,7 @@ class Param(NamedTuple):
 
 class MetaModel:
     def __init__(self, model_path: str):
-        from megarl.engine.megatron import cpu_compat
+        from megarl.engine.megatron.cpu import compat as cpu_compat
         from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
         self.engine = MegatronEngine(EngineSpec(model_path=model_path, optim=None, load_hf=False))

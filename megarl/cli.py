@@ -112,7 +112,7 @@ def _backend_unavailable(cfg) -> str | None:
     """Real SGLang needs CUDA and the sglang package on this machine (checked before starting)."""
     if cfg.rollout.backend != "sglang":
         return None
-    from megarl.rollout.sglang_launch import sglang_unavailable_reason
+    from megarl.rollout.fleet.sglang_launch import sglang_unavailable_reason
 
     return sglang_unavailable_reason()
 

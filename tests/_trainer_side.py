@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from megarl.rollout.update_group import host_store, join_update_group, new_update_group
+from megarl.wire.update_group import host_store, join_update_group, new_update_group
 
 TRAINER_TIMEOUT_S = 60.0  # a test that leaves a sender waiting fails after this, instead of hanging
 

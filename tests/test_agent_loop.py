@@ -26,8 +26,8 @@ from megarl.rollout.agent.base import AgentSample, EngineHandle
 from megarl.rollout.agent.rollout import AgentRollout
 from megarl.rollout.agent.tool_loop import ToolAgentLoop, ToolResponseFormat
 from megarl.rollout.agent.tools import ToolBox, ToolCall, parse_tool_calls
-from megarl.rollout.client import RolloutClient
-from megarl.rollout.manager import RolloutManager, SamplingSpec
+from megarl.rollout.client.client import RolloutClient
+from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 
 torch.set_num_threads(1)
 TOK = build_tokenizer(tools=True)
@@ -279,7 +279,7 @@ def test_real_engine_log_probs_match_hf_over_the_final_record(tools_model, tmp_p
     turn's request held exactly the recorded context; tool tokens carry 0."""
     from transformers import AutoModelForCausalLM
 
-    from megarl.rollout.launcher import RolloutServerProcess
+    from megarl.rollout.fleet.server_process import RolloutServerProcess
 
     call_open, call_close = TOK.convert_tokens_to_ids("<tool_call>"), TOK.convert_tokens_to_ids("</tool_call>")
     bias = {call_open: 3.0, call_close: 3.0}

@@ -17,8 +17,8 @@ import torch
 from megarl.config.loader import ConfigError, load_config
 from megarl.config.validate import validate
 from megarl.data.batch import Batch
-from megarl.rollout.client import GenerateOutput
-from megarl.rollout.manager import SamplingSpec
+from megarl.rollout.client.client import GenerateOutput
+from megarl.rollout.client.manager import SamplingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The engine's own 4-D attention mask and grouped-KV attention (rollout/attn_mask.py) against
+"""The engine's own 4-D attention mask and grouped-KV attention (rollout/engine/attn_mask.py) against
 transformers' mask creation and sdpa attention.
 
 Reference: the HF model as loaded (sdpa), given the 2-D padding mask, so transformers builds
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megarl.models.tiny import PRESETS, build_tiny_checkpoint
-from megarl.rollout.attn_mask import ENGINE_SDPA, forward_step, model_attention_mask, prepare_model
+from megarl.rollout.engine.attn_mask import ENGINE_SDPA, forward_step, model_attention_mask, prepare_model
 
 
 def _hf_step(model, ids, mask, positions, cache, keep_all):

@@ -120,7 +120,7 @@ def _sync_rounds(rank, model_path, urls, layout, rounds, tmp_dir):
 @pytest.fixture(scope="module")
 def engines(tiny_model_path, tmp_path_factory):
     """A tp=1 and a tp=2 embedded engine, shared by the module's tests."""
-    from megarl.rollout.launcher import RolloutServerProcess
+    from megarl.rollout.fleet.server_process import RolloutServerProcess
 
     disk = ("--weight-dirs", str(tmp_path_factory.getbasetemp()))  # the disk transport writes under tmp_path
     servers = [RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0, extra_args=disk),
@@ -259,7 +259,7 @@ def _resync_on_the_same_url(rank, model_path, transport, port, tmp_dir):
     import torch.distributed as dist
 
     from megarl.bridge import BridgeSpec, make_transport
-    from megarl.rollout.launcher import RolloutServerProcess
+    from megarl.rollout.fleet.server_process import RolloutServerProcess
     from tests.test_megatron_engine import _engine
 
     url = f"http://127.0.0.1:{port}"
@@ -296,7 +296,7 @@ def _resync_on_the_same_url(rank, model_path, transport, port, tmp_dir):
 def test_an_engine_restarted_on_its_predecessors_url_is_resynced(tiny_model_path, tmp_path, transport):
     """Groups and plans are kept per engine URL; a restart on the same URL must not inherit them
     (the new process never joined the old group: the resync failed before restarted=True)."""
-    from megarl.rollout.launcher import free_port
+    from megarl.procs.net import free_port
 
     mask = make_rows()["response_mask"].bool()
     results = run_ranks(_resync_on_the_same_url, 2, tiny_model_path, transport, free_port(), tmp_path)

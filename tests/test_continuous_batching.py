@@ -4,7 +4,7 @@ Requests that join a running batch (their prefilled KV cache merged into the bat
 exactly what they answer alone: same token ids with the same sampling_seed, log-probs within
 1e-5 (fp32; only the padding and the batch shape differ, observed <= 1e-6). Pauses: abort returns
 the partial tokens, in_place changes nothing when the weights do not change, retract re-prefills
-under the weights loaded during the pause. Partial rollout (megarl/rollout/partial.py) resumes an
+under the weights loaded during the pause. Partial rollout (megarl/rollout/client/partial.py) resumes an
 aborted request after a weight update; every token keeps the log-prob of the weights that
 produced it, checked against independent HF forwards of the old and of the new weights (fp32,
 1e-5). Joins are made deterministic by acting from a request's on_token callback, which runs on
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from megarl.models.tiny import build_tiny_checkpoint
-from megarl.rollout.engine import GenerationEngine
-from megarl.rollout.protocol import GenerationRequest, SamplingParams
+from megarl.rollout.engine.generation import GenerationEngine
+from megarl.rollout.engine.protocol import GenerationRequest, SamplingParams
 
 torch.set_num_threads(1)
 TOL = 1e-5
@@ -145,7 +145,7 @@ def test_long_request_keeps_running_while_short_ones_join_and_leave(engine, refe
 def test_a_batch_gets_the_kv_headroom_its_rows_can_use(engine, monkeypatch):
     """A prefill's cache has spare columns for the tokens its rows can still sample (kv_cache.
     headroom_for), not a fixed 64: rows of 2 and 5 new tokens need 4 after the prefill."""
-    from megarl.rollout.kv_cache import HEADROOM
+    from megarl.rollout.engine.kv_cache import HEADROOM
 
     seen, make = [], engine.runner.new_cache
     monkeypatch.setattr(engine.runner, "new_cache", lambda headroom: seen.append(headroom) or make(headroom))
@@ -221,7 +221,7 @@ def test_abort_by_rid_of_a_joined_row_leaves_the_other_rows_running(engine):
 def test_a_failure_between_steps_fails_its_rows_and_the_engine_keeps_serving(engine, monkeypatch):
     """An abort resolved between forwards whose cache edit raises: the running rows get the error
     (not a hang: the scheduler thread survives), and the next request is answered."""
-    from megarl.rollout import scheduler
+    from megarl.rollout.engine import scheduler
 
     real = scheduler.RunningBatch.keep_unfinished
 
@@ -246,9 +246,9 @@ def test_a_failure_between_steps_fails_its_rows_and_the_engine_keeps_serving(eng
 def served(engine):
     import uvicorn
 
-    from megarl.rollout.client import RolloutClient
-    from megarl.rollout.launcher import free_port
-    from megarl.rollout.server import create_app
+    from megarl.rollout.client.client import RolloutClient
+    from megarl.procs.net import free_port
+    from megarl.rollout.server.app import create_app
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
@@ -268,8 +268,8 @@ def served(engine):
 
 def test_partial_rollout_resumed_after_a_weight_update_keeps_each_tokens_logprob(
         served, monkeypatch, reference, updated_reference, new_weights):
-    from megarl.rollout.partial import is_partial, resume_partial
-    from megarl.rollout.weights_codec import serialize_named_tensors
+    from megarl.rollout.client.partial import is_partial, resume_partial
+    from megarl.wire.weights_codec import serialize_named_tensors
 
     engine, client = served
     k, total = 7, 20
@@ -343,8 +343,8 @@ def test_a_streamed_request_that_joins_a_running_batch_streams_its_answer(served
 
 
 def test_resume_request_reduces_the_budget_and_refuses_n_above_one():
-    from megarl.rollout.client import GenerateOutput
-    from megarl.rollout.partial import merge_runs, resume_request
+    from megarl.rollout.client.client import GenerateOutput
+    from megarl.rollout.client.partial import merge_runs, resume_request
 
     partial = GenerateOutput([5, 6, 7], "abc", [-1.0, -2.0, -3.0], {"type": "abort"}, {})
     ids, params = resume_request([1, 2], {"max_new_tokens": 10, "min_new_tokens": 4, "top_p": 0.9}, partial)

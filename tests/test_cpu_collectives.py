@@ -1,4 +1,4 @@
-"""Shared-memory collectives (megarl/engine/megatron/cpu_collectives.py) against gloo itself.
+"""Shared-memory collectives (megarl/engine/megatron/cpu/collectives.py) against gloo itself.
 
 Every rank computes each op twice, through shared memory and through gloo's own function (the
 wrapped original), on the same inputs; two ranks must agree bit for bit, three to float
@@ -69,7 +69,7 @@ def _ops(rank: int, n: int, group=None):
 
 def _compare(rank: int, n: int, sub: bool):
     import torch.distributed as dist
-    from megarl.engine.megatron import cpu_collectives as cc
+    from megarl.engine.megatron.cpu import collectives as cc
 
     assert cc.install()
     group = dist.new_group([0, n - 1]) if sub else None
@@ -104,7 +104,7 @@ def test_shared_memory_collectives_match_gloo(monkeypatch, n, sub, slot):
 
 def _over_the_slot(rank: int, n: int):
     import torch.distributed as dist
-    from megarl.engine.megatron import cpu_collectives as cc
+    from megarl.engine.megatron.cpu import collectives as cc
 
     cc.install()
     out = {}
@@ -150,7 +150,7 @@ def test_tensors_over_the_slot_go_in_rounds_and_the_rest_takes_gloo(monkeypatch)
 
 def _auto_oversubscribed(rank: int, n: int):
     import torch.distributed as dist
-    from megarl.engine.megatron import cpu_collectives as cc
+    from megarl.engine.megatron.cpu import collectives as cc
 
     cc.install()
     os.cpu_count = lambda: 1  # more ranks than cores: spinning would steal the peers' time
@@ -167,7 +167,7 @@ def test_auto_keeps_gloo_when_ranks_outnumber_cores(monkeypatch):
 
 def _mixed_wishes(rank: int, n: int):
     import torch.distributed as dist
-    from megarl.engine.megatron import cpu_collectives as cc
+    from megarl.engine.megatron.cpu import collectives as cc
 
     os.environ["MEGARL_CPU_COLLECTIVES"] = "gloo" if rank == 0 else "shm"
     cc.install()
@@ -183,7 +183,7 @@ def test_a_rank_that_wants_gloo_keeps_the_group_on_gloo():
 
 def _peer_dies(rank: int, n: int):
     import torch.distributed as dist
-    from megarl.engine.megatron import cpu_collectives as cc
+    from megarl.engine.megatron.cpu import collectives as cc
 
     cc.install()
     dist.all_reduce(torch.ones(1))                               # both: the channel opens

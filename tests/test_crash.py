@@ -2,8 +2,8 @@
 
 Whatever dies, nothing the run started may keep running (and holding ports, memory or GPUs):
 the driver's SIGKILL runs no cleanup, so its children die by parent-death signals
-(megarl/rollout/lifeline.py, Ray's own for gcs_server and raylet) and a Reaper
-(megarl/controller/reaper.py) for Ray's agents. A dead trainer rank stops the run at once with one
+(megarl/procs/lifeline.py, Ray's own for gcs_server and raylet) and a Reaper
+(megarl/procs/reaper.py) for Ray's agents. A dead trainer rank stops the run at once with one
 line naming it (tests/test_durability.py). The time limits are the issue's: 30 s to a clean machine, 60 s to a stopped run.
 """
 
@@ -68,7 +68,7 @@ def test_killed_launcher_actor_takes_its_server_and_tp_followers_down(tiny_model
     import ray
 
     from megarl.controller.cluster import RayCluster
-    from megarl.rollout.engine_launcher import EngineLauncher, EngineNodeSpec
+    from megarl.rollout.fleet.engine_launcher import EngineLauncher, EngineNodeSpec
 
     spec = EngineNodeSpec(backend="embedded", model_path=str(tiny_model_path), engine=0, tp=2,
                           log_path=str(tmp_path / "server.log"))
@@ -117,8 +117,8 @@ def test_a_rank_dying_during_generation_stops_the_run_without_waiting_for_it(tmp
 
 _PARENT = """
 import subprocess, sys
-from megarl.controller.reaper import Reaper
-from megarl.rollout import lifeline
+from megarl.procs.reaper import Reaper
+from megarl.procs import lifeline
 plain = subprocess.Popen(["sleep", "300"], start_new_session=True)       # only the reaper can stop it
 guarded = subprocess.Popen(lifeline.guarded(["sleep", "300"]), start_new_session=True)
 reaper = Reaper.start(poll_s=0.01)  # returns once the reaper has seen both
@@ -179,7 +179,7 @@ def test_a_child_whose_parent_died_before_the_guard_was_set_dies_at_once():
     import subprocess
     import sys
 
-    from megarl.rollout import lifeline
+    from megarl.procs import lifeline
 
     cmd = lifeline.guarded(["sleep", "300"])
     cmd[cmd.index("--") - 1] = "1"  # as if its parent had already died (the orphan's parent is init)

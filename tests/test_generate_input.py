@@ -1,4 +1,4 @@
-"""parse_generate's reuse of a batched call's sampling_params (rollout/generate_input.py): rows whose
+"""parse_generate's reuse of a batched call's sampling_params (rollout/server/generate_input.py): rows whose
 dicts differ only in sampling_seed share one parse; every row still gets exactly what parsing it
 alone gives, and every row's own values are still checked."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.rollout.generate_input import parse_generate, parse_sampling_params
-from megarl.rollout.protocol import InvalidRequest
+from megarl.rollout.server.generate_input import parse_generate, parse_sampling_params
+from megarl.rollout.engine.protocol import InvalidRequest
 
 
 class _Engine:  # what parse_generate asks of an engine for token-id prompts

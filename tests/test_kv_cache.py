@@ -1,4 +1,4 @@
-"""The engine's in-place KV cache (rollout/kv_cache.py) against transformers' DynamicCache.
+"""The engine's in-place KV cache (rollout/engine/kv_cache.py) against transformers' DynamicCache.
 
 The same sequence of continuous-batching operations (a padded prefill, decode steps past the
 buffer's headroom, rows leaving, leading padding trimmed, a second batch of another width
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megarl.models.tiny import PRESETS, build_tiny_checkpoint
-from megarl.rollout import kv_merge
-from megarl.rollout.attn_mask import forward_step, prepare_model
-from megarl.rollout.kv_cache import HEADROOM, GrowableLayer, headroom_for, new_engine_cache
+from megarl.rollout.engine import kv_merge
+from megarl.rollout.engine.attn_mask import forward_step, prepare_model
+from megarl.rollout.engine.kv_cache import HEADROOM, GrowableLayer, headroom_for, new_engine_cache
 
 
 def _prefill(model, cache, lengths, g):

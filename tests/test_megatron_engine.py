@@ -170,8 +170,8 @@ def _attention_parity_on_rank(rank):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megarl.engine.megatron import cpu_compat
-    from megarl.engine.megatron.cpu_attention import CpuCoreAttention
+    from megarl.engine.megatron.cpu import compat as cpu_compat
+    from megarl.engine.megatron.cpu.attention import CpuCoreAttention
 
     cpu_compat.activate()
     ps.initialize_model_parallel(1, 1)

@@ -35,9 +35,10 @@ from megarl.reward.genrm import DEFAULT_TEMPLATE, GenerativeReward, fill_templat
 from megarl.reward.model import RowColumns, RowScorer, _union
 from megarl.reward.remote import Failure, RemoteReward
 from megarl.reward.serve import RewardServerProcess
-from megarl.rollout.client import GenerateOutput, RolloutClient
-from megarl.rollout.launcher import RolloutServerProcess, free_port
-from megarl.rollout.manager import RolloutManager, SamplingSpec
+from megarl.rollout.client.client import GenerateOutput, RolloutClient
+from megarl.procs.net import free_port
+from megarl.rollout.fleet.server_process import RolloutServerProcess
+from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]

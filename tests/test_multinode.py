@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megarl.data.batch import Batch
-from megarl.rollout.engine_launcher import EngineNodeSpec
-from megarl.rollout.fleet import RolloutFleet
-from megarl.rollout.manager import RolloutManager, SamplingSpec
+from megarl.rollout.fleet.engine_launcher import EngineNodeSpec
+from megarl.rollout.fleet.fleet import RolloutFleet
+from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 
 torch.set_num_threads(1)
 

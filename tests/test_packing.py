@@ -100,7 +100,7 @@ def test_cpu_core_attention_thd_equals_each_sequence_alone():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megarl.engine.megatron.cpu_attention import CpuCoreAttention
+    from megarl.engine.megatron.cpu.attention import CpuCoreAttention
 
     config = SimpleNamespace(kv_channels=8, attention_dropout=0.0, context_parallel_size=1)
     attn = CpuCoreAttention(config, 1, AttnMaskType.causal, None).eval()
@@ -122,7 +122,7 @@ def test_cpu_core_attention_thd_batches_length_groups_exactly_forward_and_backwa
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megarl.engine.megatron.cpu_attention import CpuCoreAttention, _length_groups
+    from megarl.engine.megatron.cpu.attention import CpuCoreAttention, _length_groups
 
     lengths = [3, 40, 1, 60, 7, 45, 2]
     assert len(_length_groups(lengths)) == 3  # {1, 2, 3, 7}, {40, 45}, {60}: three calls

@@ -15,7 +15,7 @@ def test_categories_look_at_the_innermost_frames_for_ray(tmp_path):
     raw = tmp_path / "rank.txt"
     raw.write_text("\n".join([
         f"{ray};update_actor (megarl/engine/megatron/actor.py:179);loss (megarl/engine/megatron/logprob.py:9) 5",
-        f"{ray};forward (torch/nn/modules/module.py:1789);_wait (megarl/engine/megatron/cpu_collectives.py:150) 3",
+        f"{ray};forward (torch/nn/modules/module.py:1789);_wait (megarl/engine/megatron/cpu/collectives.py:150) 3",
         f"{ray};all_reduce (torch/distributed/distributed_c10d.py:3252) 2",
         f"{ray};deserialize (ray/_private/serialization.py:801) 7",
     ]) + "\n")

@@ -382,7 +382,7 @@ def megatron_tp2_ep2_sources(shapes):
 def test_qwen3_moe_megatron_tp2_ep2_to_a_tp2_engine():
     from transformers import Qwen3MoeConfig
 
-    from megarl.rollout.tp.sharding import parameter_layout, tp_plan_for
+    from megarl.rollout.engine.runner.sharding import parameter_layout, tp_plan_for
 
     shapes = qwen3_moe_shapes()
     layout = parameter_layout(shapes, tp_plan_for(Qwen3MoeConfig()), 2)

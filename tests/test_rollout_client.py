@@ -23,11 +23,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from megarl.models.tiny import build_tiny_checkpoint
-from megarl.rollout.client import RolloutClient, RolloutRequestError
-from megarl.rollout.engine import GenerationEngine
-from megarl.rollout.launcher import RolloutServerProcess, free_port
-from megarl.rollout.server import create_app
-from megarl.rollout.weights_codec import serialize_named_tensors
+from megarl.rollout.client.client import RolloutClient, RolloutRequestError
+from megarl.rollout.engine.generation import GenerationEngine
+from megarl.procs.net import free_port
+from megarl.rollout.fleet.server_process import RolloutServerProcess
+from megarl.rollout.server.app import create_app
+from megarl.wire.weights_codec import serialize_named_tensors
 
 torch.set_num_threads(1)
 LOGPROB_TOL = 1e-4
@@ -306,8 +307,8 @@ SENDER = textwrap.dedent("""
     import torch
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
-    from megarl.rollout.client import RolloutClient
-    from megarl.rollout.weights_codec import serialize_named_tensors
+    from megarl.rollout.client.client import RolloutClient
+    from megarl.wire.weights_codec import serialize_named_tensors
     torch.set_num_threads(1)
     assert mp.get_sharing_strategy() == "file_descriptor"  # torch's default; the codec must not need more
     url, checkpoint = sys.argv[1], sys.argv[2]

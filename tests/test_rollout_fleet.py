@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from megarl.data.batch import Batch
-from megarl.rollout.engine_launcher import EngineNodeSpec
-from megarl.rollout.fleet import RolloutFleet, RouterSpec
-from megarl.rollout.manager import RolloutManager, SamplingSpec
+from megarl.rollout.fleet.engine_launcher import EngineNodeSpec
+from megarl.rollout.fleet.fleet import RolloutFleet, RouterSpec
+from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 from tests._failures import run_while_killing
 
 torch.set_num_threads(1)
@@ -196,7 +196,7 @@ def label(url: str, version: str) -> None:
 
 
 def test_an_engine_on_another_weight_version_is_never_used_silently(two_engines):
-    from megarl.rollout.client import RolloutRequestError
+    from megarl.rollout.client.client import RolloutRequestError
 
     fleet, manager = two_engines
     url0, url1 = fleet.engine_urls
@@ -261,7 +261,7 @@ def test_a_restarted_engine_whose_resync_failed_is_not_served_until_a_resync_suc
 
 
 def test_a_free_port_is_never_one_a_predecessor_had(monkeypatch):
-    from megarl.rollout import launcher
+    from megarl.procs import net
 
     offered = iter([41000, 41000, 41001])
 
@@ -281,5 +281,5 @@ def test_a_free_port_is_never_one_a_predecessor_had(monkeypatch):
         def getsockname(self):
             return ("127.0.0.1", self.port)
 
-    monkeypatch.setattr(launcher.socket, "socket", Socket)
-    assert launcher.free_port("127.0.0.1", avoid={41000}) == 41001
+    monkeypatch.setattr(net.socket, "socket", Socket)
+    assert net.free_port("127.0.0.1", avoid={41000}) == 41001

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megarl.data.batch import Batch
-from megarl.rollout.launcher import RolloutServerProcess
-from megarl.rollout.manager import RolloutManager, SamplingSpec
+from megarl.rollout.fleet.server_process import RolloutServerProcess
+from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 
 torch.set_num_threads(1)
 LOGPROB_TOL = 1e-4  # server vs HF forward, fp32 (the tolerance test_rollout_client uses)

@@ -13,11 +13,12 @@ import pickle
 import pytest
 import torch
 
-from megarl.rollout.auth import is_loopback, resolve_api_key
-from megarl.rollout.engine import GenerationEngine
-from megarl.rollout.safe_unpickle import RefusedGlobal, safe_loads
-from megarl.rollout.server import create_app, main
-from megarl.rollout.weights_codec import serialize, serialize_flattened_bucket, serialize_named_tensors
+from megarl.procs.net import is_loopback
+from megarl.rollout.server.auth import resolve_api_key
+from megarl.rollout.engine.generation import GenerationEngine
+from megarl.wire.safe_unpickle import RefusedGlobal, safe_loads
+from megarl.rollout.server.app import create_app, main
+from megarl.wire.weights_codec import serialize, serialize_flattened_bucket, serialize_named_tensors
 
 torch.set_num_threads(1)
 PROMPT = [2, 10, 11, 12, 13, 3]
@@ -128,7 +129,7 @@ def test_api_key_source_and_loopback_rule(monkeypatch, capsys):
 
 # ---- body limit and weight directories: where the flags come from ------------------------------------
 def test_weight_dirs_come_from_the_flag_then_the_environment_then_the_model_path(monkeypatch, tmp_path):
-    from megarl.rollout.weight_dirs import PathNotAllowed, confine, resolve_weight_dirs
+    from megarl.rollout.server.weight_dirs import PathNotAllowed, confine, resolve_weight_dirs
 
     monkeypatch.setenv("MEGARL_ROLLOUT_WEIGHT_DIRS", f"{tmp_path}/a, {tmp_path}/b")
     assert resolve_weight_dirs("/x,/y", "/model") == ["/x", "/y"]
@@ -151,7 +152,7 @@ def test_bad_limits_are_refused_before_any_model_is_loaded(capsys):
 
 def test_the_fleet_passes_the_disk_transports_directory_and_the_launcher_the_flags(tmp_path):
     from megarl.config import RunConfig
-    from megarl.rollout.engine_launcher import EngineNodeSpec, _limit_args
+    from megarl.rollout.fleet.engine_launcher import EngineNodeSpec, _limit_args
     from megarl.trainer.runtime import engine_node_specs
 
     specs = [s for engine in engine_node_specs(RunConfig(), "/model", tmp_path) for s in engine]

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megarl.models.tiny import build_tiny_checkpoint
-from megarl.rollout.engine import GenerationEngine
-from megarl.rollout.protocol import sample_next_tokens
-from megarl.rollout.server import create_app
-from megarl.rollout.weights_codec import serialize_flattened_bucket, serialize_named_tensors
+from megarl.rollout.engine.generation import GenerationEngine
+from megarl.rollout.engine.protocol import sample_next_tokens
+from megarl.rollout.server.app import create_app
+from megarl.wire.weights_codec import serialize_flattened_bucket, serialize_named_tensors
 
 torch.set_num_threads(1)
 LOGPROB_TOL = 1e-4  # fp32, padded + KV-cached batch vs one unpadded forward
@@ -130,7 +130,7 @@ def test_sampler_draws_from_the_renormalised_kept_distribution():
 def test_sampling_noise_is_one_draw_per_row_from_its_generator():
     """Rows sharing a generator are drawn in one call (protocol._exponential_noise): the bits and
     the generators' states afterwards must equal one draw per row, in row order."""
-    from megarl.rollout.protocol import _exponential_noise
+    from megarl.rollout.engine.protocol import _exponential_noise
 
     for vocab in (1, 7, 64, 257):
         shared, seeded = torch.Generator().manual_seed(vocab), torch.Generator().manual_seed(99)
@@ -367,7 +367,7 @@ def test_all_results_wakes_once_in_order_and_fails_at_the_first_failure():
     import concurrent.futures
     import threading
 
-    from megarl.rollout.server import all_results
+    from megarl.rollout.server.app import all_results
 
     async def run(settle):
         futures = [concurrent.futures.Future() for _ in range(4)]
@@ -400,7 +400,7 @@ def test_decode_takes_the_backend_path_and_says_what_the_tokenizer_says(served):
 
     from transformers import PreTrainedTokenizerFast
 
-    from megarl.rollout.engine import plain_fast_backend
+    from megarl.rollout.engine.generation import plain_fast_backend
 
     engine, _ = served
     tok = engine.tokenizer

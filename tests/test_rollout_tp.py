@@ -19,9 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megarl.rollout.launcher import RolloutServerProcess, free_port
-from megarl.rollout.tp.sharding import parameter_layout, shard_spec, tp_plan_for, validate_tp
-from megarl.rollout.weights_codec import serialize_flattened_bucket, serialize_named_tensors
+from megarl.procs.net import free_port
+from megarl.rollout.fleet.server_process import RolloutServerProcess
+from megarl.rollout.engine.runner.sharding import parameter_layout, shard_spec, tp_plan_for, validate_tp
+from megarl.wire.weights_codec import serialize_flattened_bucket, serialize_named_tensors
 
 torch.set_num_threads(1)
 TOL = 1e-5  # fp32: a row-parallel all-reduce only reorders sums
@@ -62,7 +63,7 @@ def test_tp_that_splits_a_kv_head_is_refused_naming_the_key(config):
 
 
 def test_layout_of_a_pure_plan_tiles_every_sharded_tensor(config):
-    from megarl.rollout.tp.sharding import full_shapes
+    from megarl.rollout.engine.runner.sharding import full_shapes
 
     check_layout_tiles(parameter_layout(full_shapes(config), tp_plan_for(config), 4, nnodes=2), full_shapes(config))
 

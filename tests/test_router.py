@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from megarl.rollout.router import API_KEY_ENV, RouterProcess
+from megarl.rollout.fleet.router import API_KEY_ENV, RouterProcess
 
 KEY = "per-run-test-key"
 

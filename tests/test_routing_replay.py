@@ -60,9 +60,9 @@ def server_and_trainer_checkpoints(base, root) -> tuple:
 @pytest.fixture(scope="module")
 def served(moe_paths):
     """The server's answers (SGLang items) for PROMPTS x 2 samples, with routed experts."""
-    from megarl.rollout.engine import GenerationEngine
-    from megarl.rollout.generate_input import parse_generate
-    from megarl.rollout.generate_output import output_item
+    from megarl.rollout.engine.generation import GenerationEngine
+    from megarl.rollout.server.generate_input import parse_generate
+    from megarl.rollout.server.generate_output import output_item
 
     engine = GenerationEngine(str(moe_paths[0]), max_batch_size=16, seed=0)
     try:
@@ -91,7 +91,7 @@ def hf_full_sequence_topk(model_path, ids: list[int]) -> tuple[torch.Tensor, tor
 
 
 def test_engine_returns_the_experts_the_router_chose(served, moe_paths):
-    from megarl.rollout import routing
+    from megarl.wire import routing
 
     layers, k = served["layers"], served["top_k"]
     for item, result, req in zip(served["items"], served["results"], served["requests"]):
@@ -109,12 +109,12 @@ def test_routed_experts_start_len_http_route_and_dense_model_refusal(moe_paths, 
     from fastapi.testclient import TestClient
 
     from megarl.models.tiny import build_tiny_checkpoint
-    from megarl.rollout import routing
-    from megarl.rollout.engine import GenerationEngine
-    from megarl.rollout.generate_input import parse_generate
-    from megarl.rollout.generate_output import output_item
-    from megarl.rollout.protocol import InvalidRequest
-    from megarl.rollout.server import create_app
+    from megarl.wire import routing
+    from megarl.rollout.engine.generation import GenerationEngine
+    from megarl.rollout.server.generate_input import parse_generate
+    from megarl.rollout.server.generate_output import output_item
+    from megarl.rollout.engine.protocol import InvalidRequest
+    from megarl.rollout.server.app import create_app
 
     engine = GenerationEngine(str(moe_paths[0]), seed=0)
     try:
@@ -147,8 +147,8 @@ def test_routed_experts_start_len_http_route_and_dense_model_refusal(moe_paths, 
 # ---------------------------------------------------------------- the trainer replays them
 def served_batch(served):
     """The rollout rows as the trainer gets them (manager.rows_to_batch, through the wire format)."""
-    from megarl.rollout.client import GenerateOutput
-    from megarl.rollout.manager import rows_to_batch
+    from megarl.rollout.client.client import GenerateOutput
+    from megarl.rollout.client.manager import rows_to_batch
 
     rows = [(req.input_ids, GenerateOutput.from_response(item))
             for item, req in zip(served["items"], served["requests"])]
@@ -371,7 +371,7 @@ def test_routed_requests_bypass_sglang_router():
     worker behind RouterProcess), so those requests go to the engines, each its share batched."""
     from types import SimpleNamespace
 
-    from megarl.rollout.manager import RolloutManager, SamplingSpec
+    from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 
     fleet = SimpleNamespace(router_url="http://router:1", live_urls=lambda: ["http://e0:1", "http://e1:1"])
     manager = RolloutManager(fleet=fleet)

@@ -19,9 +19,9 @@ import psutil
 import pytest
 import torch
 
-from megarl.rollout.engine_launcher import EngineLauncher, EngineNodeSpec
-from megarl.rollout.server import create_app
-from megarl.rollout.weights_codec import serialize_flattened_bucket, serialize_named_tensors
+from megarl.rollout.fleet.engine_launcher import EngineLauncher, EngineNodeSpec
+from megarl.rollout.server.app import create_app
+from megarl.wire.weights_codec import serialize_flattened_bucket, serialize_named_tensors
 from tests.test_rollout_security import _CreatesFile, _RunsCommand
 
 torch.set_num_threads(1)
@@ -336,7 +336,7 @@ def test_nothing_ran_and_the_server_answers_exactly_as_before(server):
 
 
 def test_the_key_is_in_no_command_line_and_no_log(server):
-    from megarl.rollout.router import RouterProcess
+    from megarl.rollout.fleet.router import RouterProcess
 
     router = RouterProcess([server.url], api_key=KEY, log_path=server.run_dir / "router.log")
     with router:

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rollout.sglang_launch import (REDACTED, SGLangServerSpec, api_key_config_yaml, node_specs,
+from megarl.rollout.fleet.sglang_launch import (REDACTED, SGLangServerSpec, api_key_config_yaml, node_specs,
                                           redacted_argv, server_argv, sglang_unavailable_reason, validate)
 
 HEAD = ["py", "-m", "sglang.launch_server"]
@@ -144,8 +144,8 @@ def test_launcher_process_for_sglang_keeps_the_key_in_a_private_config_file(tmp_
     import os
     import stat
 
-    from megarl.rollout.engine_launcher import EngineNodeSpec
-    from megarl.rollout.sglang_process import SGLangServerProcess
+    from megarl.rollout.fleet.engine_launcher import EngineNodeSpec
+    from megarl.rollout.fleet.sglang_process import SGLangServerProcess
 
     node = EngineNodeSpec(backend="sglang", model_path="/ckpt", engine=1, node_rank=1, nnodes=2, tp=4, ep=2,
                           colocated=True, seed=7, log_path=str(tmp_path / "e.log"))

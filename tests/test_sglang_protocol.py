@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.rollout.engine import GenerationEngine
-from megarl.rollout.server import create_app
-from megarl.rollout.sglang_fields import (GENERATE_FIELDS, OFF_ONLY, SAMPLING_FIELDS, defaults)
+from megarl.rollout.engine.generation import GenerationEngine
+from megarl.rollout.server.app import create_app
+from megarl.rollout.server.sglang_fields import (GENERATE_FIELDS, OFF_ONLY, SAMPLING_FIELDS, defaults)
 
 torch.set_num_threads(1)
 TOL = 1e-4
@@ -175,7 +175,7 @@ def test_stream_interval_sends_one_chunk_per_that_many_tokens(client):
 def test_a_client_that_disconnects_mid_stream_aborts_its_request(engine):
     import uvicorn
 
-    from megarl.rollout.launcher import free_port
+    from megarl.procs.net import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
@@ -352,8 +352,8 @@ def test_non_finite_logprobs_are_sent_as_null(client):
 def test_logit_bias_of_many_rows_at_once_equals_row_by_row():
     """process_logits adds every bias-only row's logit_bias in one scatter; rows with penalties
     or min_new_tokens go row by row. Both give bit-for-bit what each row alone gives."""
-    from megarl.rollout.logit_processing import _process_row, process_logits
-    from megarl.rollout.protocol import SamplingParams
+    from megarl.rollout.engine.logit_processing import _process_row, process_logits
+    from megarl.rollout.engine.protocol import SamplingParams
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 12, generator=g)

@@ -9,7 +9,7 @@ import pytest
 
 from megarl.bridge import WeightSyncError
 from megarl.bridge.ticket_lock import TicketLock
-from megarl.rollout import update_group
+from megarl.wire import update_group
 
 
 @pytest.fixture()

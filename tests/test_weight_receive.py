@@ -23,9 +23,9 @@ import httpx
 import pytest
 import torch
 
-from megarl.rollout.client import RolloutClient, RolloutRequestError
-from megarl.rollout.launcher import RolloutServerProcess
-from megarl.rollout.weights_codec import serialize_flattened_bucket
+from megarl.rollout.client.client import RolloutClient, RolloutRequestError
+from megarl.rollout.fleet.server_process import RolloutServerProcess
+from megarl.wire.weights_codec import serialize_flattened_bucket
 from tests._trainer_side import (TRAINER_TIMEOUT_S, TrainerGroup, broadcast_full, distributed_request,
                                  plan_reshard, send_all)
 
@@ -315,7 +315,7 @@ def test_reshard_box_outside_the_shard_and_unknown_name_are_refused_after_receiv
 _DOOMED_SENDER = """
 import sys, torch
 torch.set_num_threads(1)
-from megarl.rollout.update_group import join_update_group
+from megarl.wire.update_group import join_update_group
 group = join_update_group("127.0.0.1", int(sys.argv[1]), 1, int(sys.argv[2]), sys.argv[3], timeout_s=60)
 print("joined", flush=True)
 sys.stdin.read()  # holds the group open until the test kills this process

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megarl.bridge.reshard import _pack
-from megarl.rollout.tp.receive import ReceiveBuffer
-from megarl.rollout.tp.stage import Piece, Stage, covered_names
+from megarl.rollout.engine.runner.receive import ReceiveBuffer
+from megarl.rollout.engine.runner.stage import Piece, Stage, covered_names
 
 
 def _model():

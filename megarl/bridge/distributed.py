@@ -21,7 +21,7 @@ from megarl.bridge.buckets import iter_buckets, tensor_bytes
 from megarl.bridge.engines import WeightSyncError, wait_all
 from megarl.bridge.ticket_lock import TicketLock
 from megarl.bridge.transport import WeightTransport, drain
-from megarl.rollout import update_group
+from megarl.wire import update_group
 
 
 def pack_flat(bucket, out: torch.Tensor | None = None) -> torch.Tensor:

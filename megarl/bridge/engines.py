@@ -7,7 +7,7 @@ import logging
 import concurrent.futures
 from typing import Callable
 
-from megarl.rollout.client import RolloutClient
+from megarl.rollout.client.client import RolloutClient
 
 log = logging.getLogger(__name__)
 EMBEDDED_VERSION = "megarl-embedded"  # what the embedded server answers in /get_server_info "version"

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megarl.bridge.engines import WeightSyncError, wait_all
 from megarl.bridge.plan import SourcePiece, TensorSource, plan_reshard
 from megarl.bridge.transport import WeightTransport
-from megarl.rollout import update_group
+from megarl.wire import update_group
 
 SEND_SLOTS = 2  # packed buffers per rank, kept across syncs: messages on the wire while the next is packed
 

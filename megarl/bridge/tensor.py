@@ -43,7 +43,7 @@ class TensorTransport(WeightTransport):
         return stats
 
     def _send(self, named, version, stats) -> None:
-        from megarl.rollout.weights_codec import flattened_bucket_nbytes, pack_flattened_bucket, serialize
+        from megarl.wire.weights_codec import flattened_bucket_nbytes, pack_flattened_bucket, serialize
 
         pending: concurrent.futures.Future | None = None  # the previous bucket's requests
         # taking the next bucket from the stream gathers it while the previous one is loading

@@ -15,16 +15,11 @@ from __future__ import annotations
 from megarl.config.loader import ConfigError
 from megarl.config.schema import RunConfig
 
-_LOOPBACK_HOSTS = ("localhost", "::1")
 
 
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(key, message)
-
-
-def is_loopback(host: str) -> bool:
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
 
 
 def engine_devices(cfg: RunConfig) -> int:

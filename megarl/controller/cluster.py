@@ -10,9 +10,9 @@ the job's actors and placement groups.
 
 A SIGKILL of this process runs no cleanup at all. A local cluster's gcs_server and raylet die with
 it (Ray's parent-death signal), its workers within seconds; Ray's dashboard and runtime-env agents
-would linger for a minute, so a local cluster also starts a Reaper (reaper.py) that kills what
+would linger for a minute, so a local cluster also starts a Reaper (megarl/procs/reaper.py) that kills what
 this process had started once it dies. Subprocesses of actors (rollout servers, the router) die
-with their actor (megarl/rollout/lifeline.py), on a local or an external cluster alike.
+with their actor (megarl/procs/lifeline.py), on a local or an external cluster alike.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import ray
 
-from megarl.controller.reaper import Reaper
+from megarl.procs.reaper import Reaper
 from megarl.controller.worker_group import pythonpath_with_repo
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """torch's file_system shared memory that a killed worker leaves in /dev/shm.
 
 torch names each such file /dev/shm/torch_<creator pid>_<random>_<n> (the bridge's tensor
-transport shares its bucket buffers this way: weights_codec.py) and relies on the creator's
+transport shares its bucket buffers this way: megarl/wire/weights_codec.py) and relies on the creator's
 `torch_shm_manager` daemon to unlink it once every process attached to it is gone. A worker
 killed with its children (Ray's actor kill and cluster shutdown) takes the manager with it, and
 the files stay until reboot: measured on the CPU machine, 88 files of 16 MiB (1.4 GiB of RAM)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.controller.dispatch import MeshCoord
-from megarl.rollout.launcher import get_node_ip  # noqa: F401  (also imported from here)
+from megarl.procs.net import get_node_ip  # noqa: F401  (also imported from here)
 
 NUM_THREADS_ENV = "MEGARL_NUM_THREADS"
 DEFAULT_PROCESS_GROUP_TIMEOUT_S = 1800.0

@@ -22,7 +22,7 @@ import os
 import re
 
 from megarl.reward.remote import API_KEY_ENV, Failure
-from megarl.rollout.client import RolloutClient, RolloutRequestError
+from megarl.rollout.client.client import RolloutClient, RolloutRequestError
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a problem.\n\n"

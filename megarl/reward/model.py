@@ -88,7 +88,7 @@ def reward_model_server(m, run_dir):
     if m.kind != "genrm" or m.url is not None:
         yield None
         return
-    from megarl.rollout.launcher import RolloutServerProcess
+    from megarl.rollout.fleet.server_process import RolloutServerProcess
 
     with RolloutServerProcess(m.path, max_batch_size=max(m.batch_size, 1), torch_threads=1,
                               log_path=run_dir / "judge_server.log") as server:

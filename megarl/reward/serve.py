@@ -29,7 +29,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from megarl.reward.remote import API_KEY_ENV
-from megarl.rollout.procs import HealthProbe
+from megarl.procs.managed import HealthProbe
 from megarl.reward.rule import RewardError, make_reward_function
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ _ROW_FIELDS = ("data_source", "response", "ground_truth")
 
 def create_app(reward_fn=None, api_key: str | None = None) -> FastAPI:
     """`reward_fn(data_source, solution_str, ground_truth, extra_info)`; None: the rule registry."""
-    from megarl.rollout.auth import ApiKeyMiddleware
+    from megarl.rollout.server.auth import ApiKeyMiddleware
 
     reward_fn = reward_fn or make_reward_function(None)
     app = FastAPI(title="megarl reference reward server")
@@ -147,7 +147,7 @@ class RewardServerProcess:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from megarl.rollout.auth import is_loopback
+    from megarl.procs.net import is_loopback
 
     parser = argparse.ArgumentParser(prog="python -m megarl.reward.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")

@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 from megarl.data.batch import Batch
-from megarl.rollout.manager import SamplingSpec, rows_to_batch
+from megarl.rollout.client.manager import SamplingSpec, rows_to_batch
 
 
 @dataclasses.dataclass
@@ -202,7 +202,7 @@ class RolloutProducer:
         return self._clients[url]
 
     def _rollout_client(self, url: str):
-        from megarl.rollout.client import RolloutClient
+        from megarl.rollout.client.client import RolloutClient
 
         r = self.rt.cfg.rollout
         return RolloutClient(url, batched=False, timeout_s=r.request_timeout_s, max_retries=r.max_retries,

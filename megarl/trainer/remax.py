@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from megarl.data.batch import Batch
-from megarl.rollout.manager import GENERATED_NON_TENSORS
+from megarl.rollout.client.manager import GENERATED_NON_TENSORS
 
 
 def prompt_rows(rows: Batch) -> tuple[Batch, np.ndarray]:

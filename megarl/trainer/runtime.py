@@ -17,7 +17,7 @@ from megarl.controller.shm_leftovers import record_ranks, remove_recorded_leftov
 from megarl.engine.megatron.actor import ActorLossSpec, MegatronActor
 from megarl.engine.megatron.critic import CriticLossSpec, MegatronCritic
 from megarl.engine.megatron.engine import EngineSpec
-from megarl.rollout.launcher import get_node_ip
+from megarl.procs.net import get_node_ip
 
 RANKS_FILE = "ranks.json"  # this run's local rank pids (shm_leftovers: a later run here cleans up after them)
 
@@ -121,7 +121,7 @@ def loss_spec(cfg: RunConfig) -> ActorLossSpec:
 
 
 def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[list]:
-    from megarl.rollout.engine_launcher import EngineNodeSpec
+    from megarl.rollout.fleet.engine_launcher import EngineNodeSpec
 
     r = cfg.rollout
     return [[EngineNodeSpec(
@@ -141,7 +141,7 @@ def build_fleet(cfg: RunConfig, plan, pools: dict, model_path: str, run_dir: Pat
     import secrets
 
     from megarl.controller.placement import LAUNCHER_DEVICE_SHARE, gpu_ids_of, pool_for_engines, scheduling
-    from megarl.rollout.fleet import RolloutFleet, RouterSpec
+    from megarl.rollout.fleet.fleet import RolloutFleet, RouterSpec
 
     pool = pool_for_engines(pools)
     share = {"num_gpus": LAUNCHER_DEVICE_SHARE} if pool.resource == "GPU" else {
@@ -198,7 +198,7 @@ def start_runtime(cfg: RunConfig, cluster=None):
 
         from megarl.controller.worker_group import RayWorkerGroup
         from megarl.data.dataset import build_datasets
-        from megarl.rollout.manager import RolloutManager
+        from megarl.rollout.client.manager import RolloutManager
 
         model_path = resolve_model_path(cfg, run_dir)
         clock.mark("model")

@@ -39,7 +39,7 @@ from megarl.data.balance import balance_across_ranks
 from megarl.data.batch import Batch
 from megarl.reward import take_counts
 from megarl.reward.model import RowScorer
-from megarl.rollout.manager import SamplingSpec
+from megarl.rollout.client.manager import SamplingSpec
 from megarl.trainer import checkpoints
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu

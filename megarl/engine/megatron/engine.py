@@ -24,7 +24,8 @@ import torch.distributed as dist
 from megarl.config.schema import OptimConfig, ParallelConfig
 from megarl.config.validate import stage_layers
 from megarl.data.batch import Batch
-from megarl.engine.megatron import cpu_compat, mcore_fixes
+from megarl.engine.megatron import mcore_fixes
+from megarl.engine.megatron.cpu import compat as cpu_compat
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge, pipeline_split_args, precision_dtype, recompute_args

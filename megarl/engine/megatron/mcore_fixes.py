@@ -1,5 +1,5 @@
 """Fixes for megatron-core bugs and slow paths met on every device (CPU-only patches live in
-cpu_compat.py).
+cpu/compat.py).
 
 Each fix names the version it was found in and the error or the cost; `apply()` is idempotent and
 is called when an engine initializes.

@@ -97,7 +97,7 @@ def _local_spec_mixin(base: type) -> type:
         def _get_transformer_layer_spec(self, vp_stage=None):
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-            from megarl.engine.megatron.cpu_attention import use_cpu_core_attention
+            from megarl.engine.megatron.cpu.attention import use_cpu_core_attention
 
             self.has_vp_stage = True  # read by mbridge's model providers (megatron-core >= 0.13)
             # the block spec follows moe_layer_freq (DeepSeek-V3's first k layers are dense); our

@@ -1,7 +1,7 @@
 """MoE routing replay (R3): the trainer's routers take the rollout engine's expert choices.
 
 With actor.moe.routing_replay the rows carry `routed_experts` [B, T, layers * top_k] (the rollout's
-choices for every token, -1 where it routed none; megarl/rollout/routing.py). In every forward of
+choices for every token, -1 where it routed none; megarl/wire/routing.py). In every forward of
 compute_log_prob, of the update and of the reference, each MoE layer routes token t to exactly the
 experts the rollout chose for it; the routing probabilities are still the trainer's own scores at
 those experts (softmax or sigmoid, normalised and scaled as configured), so the router gets its

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from megarl.rollout.client import GenerateOutput, RolloutClient
+from megarl.rollout.client.client import GenerateOutput, RolloutClient
 
 
 @dataclass
@@ -103,7 +103,7 @@ class EngineHandle:
         return self.client.base_url
 
     async def generate(self, input_ids: list[int], max_new_tokens: int, **extra) -> GenerateOutput:
-        from megarl.rollout.manager import StaleWeightsError, row_seed
+        from megarl.rollout.client.manager import StaleWeightsError, row_seed
 
         params = {**self.params, **extra, "n": 1, "max_new_tokens": int(max_new_tokens)}
         if self.seed is not None:  # trainer.deterministic: one seed per (row, turn)

@@ -29,7 +29,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.rollout.agent.base import AGENT_LOOPS, AgentLoop, AgentOutput, AgentSample, EngineHandle
-from megarl.rollout.client import _gather_or_cancel
+from megarl.rollout.client.client import _gather_or_cancel
 
 
 class AgentRollout:
@@ -49,7 +49,7 @@ class AgentRollout:
     def generate(self, manager, prompts: Batch, sampling, weight_version: str | None = None,
                  on_rows=None) -> Batch:
         """RolloutManager.generate's contract, rows from the agent loop (module doc)."""
-        from megarl.rollout.manager import _failed
+        from megarl.rollout.client.manager import _failed
 
         prompt_ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         columns = {k: list(prompts[k]) if k in prompts.non_tensors else [None] * len(prompts)

@@ -1,0 +1,3 @@
+from megarl.rollout.server.app import main
+
+main()
