@@ -17,8 +17,12 @@ import torch.distributed as dist
 from megarl.bridge.distributed import DistributedTransport
 
 # (prompt tokens, response tokens): the rows whose log-probs both sides must agree on
-SEQ_ROWS = [([2, 10, 11, 12, 3], [13, 14, 1]), ([2, 20, 21, 3], [22, 23, 24, 25, 1]),
-            ([2, 30, 3], [31]), ([2, 40, 41, 42, 43, 44, 3], [45, 46])]
+SEQ_ROWS = [
+    ([2, 10, 11, 12, 3], [13, 14, 1]),
+    ([2, 20, 21, 3], [22, 23, 24, 25, 1]),
+    ([2, 30, 3], [31]),
+    ([2, 40, 41, 42, 43, 44, 3], [45, 46]),
+]
 LAYOUTS = {"ep2": dict(tp=1, ep=2, pp=1), "pp2": dict(tp=1, ep=1, pp=2)}
 
 
@@ -31,21 +35,34 @@ def make_rows():
     resp = torch.zeros(len(SEQ_ROWS), rlen, dtype=torch.long)
     mask = torch.zeros(len(SEQ_ROWS), rlen)
     for i, (p, r) in enumerate(SEQ_ROWS):
-        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-        resp[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(r)] = 1
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        resp[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1) * mask
-    return Batch({"input_ids": ids, "responses": resp, "response_mask": mask,
-                  "prompt_lengths": torch.tensor([len(p) for p, _ in SEQ_ROWS]), "advantages": advantages})
+    return Batch(
+        {
+            "input_ids": ids,
+            "responses": resp,
+            "response_mask": mask,
+            "prompt_lengths": torch.tensor([len(p) for p, _ in SEQ_ROWS]),
+            "advantages": advantages,
+        }
+    )
 
 
 def build_engine(model_path, tp: int, ep: int, pp: int):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
-    engine = MegatronEngine(EngineSpec(
-        model_path=str(model_path), parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, sequence_parallel=tp > 1),
-        optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0), micro_batch_size=2, seed=1))
+    engine = MegatronEngine(
+        EngineSpec(
+            model_path=str(model_path),
+            parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, sequence_parallel=tp > 1),
+            optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0),
+            micro_batch_size=2,
+            seed=1,
+        )
+    )
     engine.initialize()
     return engine
 
@@ -62,8 +79,12 @@ def step_and_score(engine, rows) -> torch.Tensor:
 
 def engine_logprobs(url: str, like: torch.Tensor) -> torch.Tensor:
     """The engine's log-prob of every response token (prefill only: one batched /generate)."""
-    body = {"input_ids": [p + r for p, r in SEQ_ROWS], "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}
+    body = {
+        "input_ids": [p + r for p, r in SEQ_ROWS],
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+    }
     response = httpx.post(f"{url}/generate", json=body, timeout=120)
     response.raise_for_status()
     out = torch.zeros_like(like)
@@ -111,6 +132,7 @@ def _record_buckets(transport, sizes: list) -> None:
     def post(bucket, version):
         sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
         return original(bucket, version)
+
     transport._post_bucket = post
 
 
@@ -122,12 +144,14 @@ def _time_control_calls(transport, phases: dict) -> None:
     """Add the seconds rank 0 spends in each control call of a sync to `phases` (the rest is data)."""
     engines = transport.engines
     for method in CONTROL_CALLS:
+
         def timed(*args, _call=getattr(engines, method), _method=method, **kwargs):
             start = time.perf_counter()
             try:
                 return _call(*args, **kwargs)
             finally:
                 phases[_method] = phases.get(_method, 0.0) + time.perf_counter() - start
+
         setattr(engines, method, timed)
 
 
@@ -160,6 +184,7 @@ class TimedSource:
                 return fetch()
             finally:
                 self._add(start)
+
         return timed
 
     def export_weights(self):
@@ -177,11 +202,15 @@ class TimedSource:
 
 def _plan_facts(transport) -> dict:
     plan = transport._plan
-    return {"messages": [(m.src_rank, m.engine, m.dst_rank, m.tag, m.nbytes) for m in plan.messages],
-            "received": {f"{e}/{r}": plan.bytes_received(e, r)
-                         for e, size in enumerate(plan.engine_sizes) for r in range(size)},
-            "sent": {r: plan.bytes_sent(r) for r in range(transport.world_size)},
-            "payload_total": plan.total_bytes, "engine_sizes": list(plan.engine_sizes)}
+    return {
+        "messages": [(m.src_rank, m.engine, m.dst_rank, m.tag, m.nbytes) for m in plan.messages],
+        "received": {
+            f"{e}/{r}": plan.bytes_received(e, r) for e, size in enumerate(plan.engine_sizes) for r in range(size)
+        },
+        "sent": {r: plan.bytes_sent(r) for r in range(transport.world_size)},
+        "payload_total": plan.total_bytes,
+        "engine_sizes": list(plan.engine_sizes),
+    }
 
 
 def trainer_rank(rank, model_path, url, layout, blocks, repeats, bucket_bytes, disk_dir, atol):
@@ -197,8 +226,10 @@ def trainer_rank(rank, model_path, url, layout, blocks, repeats, bucket_bytes, d
     if rank == 0:  # the check must have teeth: the engine still serves the checkpoint's weights
         report["stale_err"] = logprob_error(url, trainer_lp, mask)
         if report["stale_err"] <= atol:
-            raise RuntimeError(f"a stale engine differs by only {report['stale_err']:.2e} <= {atol}: the check "
-                               "could not catch a sync that delivered nothing")
+            raise RuntimeError(
+                f"a stale engine differs by only {report['stale_err']:.2e} <= {atol}: the check "
+                "could not catch a sync that delivered nothing"
+            )
     version, phases = 0, {}
     source = TimedSource(engine, phases)
 
@@ -215,10 +246,12 @@ def trainer_rank(rank, model_path, url, layout, blocks, repeats, bucket_bytes, d
         stats = {**stats, "phases": dict(phases)}
         error = logprob_error(url, trainer_lp, mask) if rank == 0 else None
         if error is not None and error > atol:  # reported with the tables (and the exit code), not fatal:
-            time.sleep(1.0)                      # the timings of the other syncs still stand
+            time.sleep(1.0)  # the timings of the other syncs still stand
             again = logprob_error(url, trainer_lp, mask)
-            report["failures"].append(f"{layout} {name} sync v{version}: the engine's log-probs differ from the "
-                                      f"trainer's by {error:.2e} > {atol:g} (asked again 1 s later: {again:.2e})")
+            report["failures"].append(
+                f"{layout} {name} sync v{version}: the engine's log-probs differ from the "
+                f"trainer's by {error:.2e} > {atol:g} (asked again 1 s later: {again:.2e})"
+            )
         return max(elapsed), error, stats
 
     for block in blocks:
@@ -289,6 +322,7 @@ def broadcast_peer(rank, buckets: list[int], repeats: int, fresh: bool):
     def body():
         for make in makers:
             dist.broadcast(make(), src=0)
+
     times = _timed(body, repeats)
     return statistics.median(times) if rank == 0 else None
 
@@ -304,5 +338,6 @@ def p2p_peer(rank, messages: list[tuple[int, int, int, int]], repeats: int, fres
         works += [dist.irecv(make(), src=src, tag=tag) for src, tag, make in recvs]
         for work in works:
             work.wait()
+
     times = _timed(body, repeats)
     return statistics.median(times) if rank == 0 else None

@@ -15,8 +15,10 @@ def mixed_rows(prompts: list[list[int]], args) -> tuple[list[list[int]], list[in
     """--prompts x --n rows (the n samples of a prompt adjacent) and each row's exact length."""
     rng = random.Random(1)
     rows = [p for p in prompts for _ in range(args.n)]
-    lengths = [args.long_tokens if rng.random() < args.long_fraction else rng.randint(args.short_min, args.short_max)
-               for _ in rows]
+    lengths = [
+        args.long_tokens if rng.random() < args.long_fraction else rng.randint(args.short_min, args.short_max)
+        for _ in rows
+    ]
     return rows, lengths
 
 
@@ -26,12 +28,22 @@ def run_hf_static(model, rows, lengths, batch: int):
     are computed and thrown away); only each row's own tokens are counted."""
     start = time.perf_counter()
     for s in range(0, len(rows), batch):
-        chunk, longest = rows[s:s + batch], max(lengths[s:s + batch])
+        chunk, longest = rows[s : s + batch], max(lengths[s : s + batch])
         width = max(len(p) for p in chunk)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                             top_k=0, max_new_tokens=longest, min_new_tokens=longest, use_cache=True, pad_token_id=0)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            use_cache=True,
+            pad_token_id=0,
+        )
         if out.shape[1] - width != longest:
             raise RuntimeError(f"HF generate made {out.shape[1] - width} tokens, asked for {longest}")
     return time.perf_counter() - start, sum(lengths), None
@@ -41,9 +53,15 @@ def run_engine(engine, rows, lengths):
     from megarl.rollout.engine.protocol import GenerationRequest, SamplingParams
 
     tag = time.monotonic_ns()
-    requests = [GenerationRequest(rid=f"mixed-{tag}-{i}", input_ids=p, return_logprob=True,
-                                  params=SamplingParams(max_new_tokens=m, temperature=1.0, ignore_eos=True))
-                for i, (p, m) in enumerate(zip(rows, lengths))]
+    requests = [
+        GenerationRequest(
+            rid=f"mixed-{tag}-{i}",
+            input_ids=p,
+            return_logprob=True,
+            params=SamplingParams(max_new_tokens=m, temperature=1.0, ignore_eos=True),
+        )
+        for i, (p, m) in enumerate(zip(rows, lengths))
+    ]
     start = time.perf_counter()
     results = [f.result() for f in engine.submit(requests)]
     elapsed = time.perf_counter() - start
@@ -72,8 +90,10 @@ def _checked(outputs, lengths) -> int:
 def _stats(engine_stats_fn, before: dict, repeats: int) -> str:
     after = engine_stats_fn()
     delta = {k: (after.get(k, 0) - before.get(k, 0)) / repeats for k in ("batches", "forward_steps", "joined")}
-    return (f"{delta['batches']:.0f} batches, {delta['forward_steps']:.0f} forward steps, "
-            f"{delta['joined']:.0f} joins per run; max rows {after.get('max_rows', 0)}")
+    return (
+        f"{delta['batches']:.0f} batches, {delta['forward_steps']:.0f} forward steps, "
+        f"{delta['joined']:.0f} joins per run; max rows {after.get('max_rows', 0)}"
+    )
 
 
 def measure_mixed(model_dir, prompts, args, median_rate) -> list[dict]:
@@ -86,13 +106,20 @@ def measure_mixed(model_dir, prompts, args, median_rate) -> list[dict]:
     warm_rows, warm_lengths = rows[:2], [2, 2]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     run_hf_static(model, warm_rows, warm_lengths, args.batch_size)
-    results = [{"path": f"HF generate, static batches of {args.batch_size}",
-                "params": sum(p.numel() for p in model.parameters()),
-                **median_rate(lambda: run_hf_static(model, rows, lengths, args.batch_size), args.repeats)}]
-    for label, continuous in (("megarl engine in-process, continuous batching", True),
-                              ("megarl engine in-process, static batches (continuous_batching=False)", False)):
-        engine = GenerationEngine(str(model_dir), max_batch_size=args.batch_size, seed=0,
-                                  continuous_batching=continuous)
+    results = [
+        {
+            "path": f"HF generate, static batches of {args.batch_size}",
+            "params": sum(p.numel() for p in model.parameters()),
+            **median_rate(lambda: run_hf_static(model, rows, lengths, args.batch_size), args.repeats),
+        }
+    ]
+    for label, continuous in (
+        ("megarl engine in-process, continuous batching", True),
+        ("megarl engine in-process, static batches (continuous_batching=False)", False),
+    ):
+        engine = GenerationEngine(
+            str(model_dir), max_batch_size=args.batch_size, seed=0, continuous_batching=continuous
+        )
         try:
             run_engine(engine, warm_rows, warm_lengths)
             before = dict(engine.stats)
@@ -109,8 +136,10 @@ def measure_mixed(model_dir, prompts, args, median_rate) -> list[dict]:
 
         run_server(server.url, warm_rows, warm_lengths)
         before = stats()
-        row = {"path": "megarl server, RolloutClient (1 batched /generate), continuous batching",
-               **median_rate(lambda: run_server(server.url, rows, lengths), args.repeats)}
+        row = {
+            "path": "megarl server, RolloutClient (1 batched /generate), continuous batching",
+            **median_rate(lambda: run_server(server.url, rows, lengths), args.repeats),
+        }
         row["engine"] = _stats(stats, before, args.repeats)
         results.append(row)
     return results
@@ -119,10 +148,12 @@ def measure_mixed(model_dir, prompts, args, median_rate) -> list[dict]:
 def print_mixed_table(rows, args, load_before, load_after) -> None:
     import os
 
-    print(f"\n--mixed: {args.prompts} prompts x n={args.n} rows; lengths: a fraction {args.long_fraction} of "
-          f"{args.long_tokens} new tokens, the rest uniform in [{args.short_min}, {args.short_max}]; at most "
-          f"{args.batch_size} rows at once; 1 torch thread; median of {args.repeats}; load average (1 min) before "
-          f"{load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores")
+    print(
+        f"\n--mixed: {args.prompts} prompts x n={args.n} rows; lengths: a fraction {args.long_fraction} of "
+        f"{args.long_tokens} new tokens, the rest uniform in [{args.short_min}, {args.short_max}]; at most "
+        f"{args.batch_size} rows at once; 1 torch thread; median of {args.repeats}; load average (1 min) before "
+        f"{load_before[0]:.2f}, after {load_after[0]:.2f} on {os.cpu_count()} cores"
+    )
     print_rate_table(rows, speedup=True)
 
 
@@ -137,5 +168,7 @@ def print_rate_table(rows, speedup: bool) -> None:
         rate = r["tokens"] / r["s"]
         runs = ", ".join(f"{s:.2f}" for s in r["runs"])
         value = rate / peers[r["model"]] if speedup else peers[r["model"]] / rate
-        print(f"| {r['model']} ({r['params'] / 1e6:.2f} M) | {r['path']} | {r['tokens']} | {r['s']:.2f} | {runs} | "
-              f"{rate:.0f} | {value:.2f}x | {r.get('engine', '')} |")
+        print(
+            f"| {r['model']} ({r['params'] / 1e6:.2f} M) | {r['path']} | {r['tokens']} | {r['s']:.2f} | {runs} | "
+            f"{rate:.0f} | {value:.2f}x | {r.get('engine', '')} |"
+        )

@@ -111,18 +111,23 @@ def batch_shape(args) -> dict:
     """TRL's batch knobs for megarl's rows per step / per optimizer step / per micro-batch."""
     rows = args.prompts * args.n
     if rows % args.mini_batch or args.mini_batch % args.micro_batch:
-        raise SystemExit(f"_trl_grpo: {rows} rows per step must split into mini-batches of "
-                         f"{args.mini_batch} rows, and those into micro-batches of {args.micro_batch}")
-    return {"per_device_train_batch_size": args.micro_batch,
-            "gradient_accumulation_steps": args.mini_batch // args.micro_batch,
-            "steps_per_generation": rows // args.micro_batch,
-            "optimizer_steps_per_round": rows // args.mini_batch}
+        raise SystemExit(
+            f"_trl_grpo: {rows} rows per step must split into mini-batches of "
+            f"{args.mini_batch} rows, and those into micro-batches of {args.micro_batch}"
+        )
+    return {
+        "per_device_train_batch_size": args.micro_batch,
+        "gradient_accumulation_steps": args.mini_batch // args.micro_batch,
+        "steps_per_generation": rows // args.micro_batch,
+        "optimizer_steps_per_round": rows // args.mini_batch,
+    }
 
 
 def time_stages(trainer, stage_s: dict) -> None:
     """Accumulate a round's seconds in TRL's generation (`_generate`: the sampling loop) and in the
     rest of its batch preparation (`prepare`: `_generate_and_score_completions` less generation:
     tokenising, rewards, advantages and the old log-prob pass); the optimizer steps are the rest."""
+
     def timed(fn, key, minus=None):
         def wrapper(*a, **kw):
             t0, before = time.perf_counter(), stage_s.get(minus, 0.0)
@@ -130,7 +135,9 @@ def time_stages(trainer, stage_s: dict) -> None:
                 return fn(*a, **kw)
             finally:
                 stage_s[key] += time.perf_counter() - t0 - (stage_s.get(minus, 0.0) - before)
+
         return wrapper
+
     trainer._generate = timed(trainer._generate, "gen")
     trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "prepare", "gen")
 
@@ -158,8 +165,10 @@ def main(argv=None) -> None:
 
     def digits_reward(prompts, completions, answer, **_):
         if len(completions) != args.prompts * args.n:
-            raise RuntimeError(f"the reward function got {len(completions)} completions, expected one "
-                               f"generation round of {args.prompts} x {args.n}; TRL's batching differs")
+            raise RuntimeError(
+                f"the reward function got {len(completions)} completions, expected one "
+                f"generation round of {args.prompts} x {args.n}; TRL's batching differs"
+            )
         scores = [digits_score(completion_text(c), a) for c, a in zip(completions, answer)]
         record["rewards"].append(sum(scores) / len(scores))  # once per generation round
         return scores
@@ -170,6 +179,7 @@ def main(argv=None) -> None:
         """Times each generation round: on_step_begin of its first optimizer step (before the
         generation, which TRL runs inside the first micro-batch's training_step) to on_step_end of
         its last. A round's line is written when TRL logs it (on_log follows on_step_end)."""
+
         def __init__(self):
             self.start = self.first_start = self.last_end = self.pending = None
             self.rounds = 0
@@ -185,12 +195,20 @@ def main(argv=None) -> None:
             end, self.rounds = time.time(), self.rounds + 1
             self.last_end = end
             if len(record["rewards"]) != self.rounds:
-                raise RuntimeError(f"round {self.rounds}: the reward function ran {len(record['rewards'])} "
-                                   "times; TRL's batching is not one generation per round")
+                raise RuntimeError(
+                    f"round {self.rounds}: the reward function ran {len(record['rewards'])} "
+                    "times; TRL's batching is not one generation per round"
+                )
             self.flush()
-            self.pending = {"kind": "step", "step": self.rounds, "start": self.start, "end": end,
-                            "step_s": end - self.start, "reward_mean": record["rewards"][-1],
-                            **{f"{k}_s": v for k, v in record["stage_s"].items()}}
+            self.pending = {
+                "kind": "step",
+                "step": self.rounds,
+                "start": self.start,
+                "end": end,
+                "step_s": end - self.start,
+                "reward_mean": record["rewards"][-1],
+                **{f"{k}_s": v for k, v in record["stage_s"].items()},
+            }
             record["stage_s"].update(dict.fromkeys(record["stage_s"], 0.0))  # in place: the timers hold it
 
         def on_log(self, a, state, control, logs=None, **kw):
@@ -210,36 +228,82 @@ def main(argv=None) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     workdir = args.workdir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "trl_workdir")
     config = GRPOConfig(
-        output_dir=workdir, use_cpu=True, seed=args.seed, data_seed=args.seed,
-        max_steps=args.steps * per_round, **shape, num_generations=args.n,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, temperature=1.0, top_p=1.0, top_k=0, max_completion_length=args.max_new_tokens,
-        beta=0.0, epsilon=0.2, epsilon_high=0.2, num_iterations=1, loss_type="dapo",
-        scale_rewards="group", router_aux_loss_coef=0.0, bf16=False, fp16=False,
-        gradient_checkpointing=False, report_to="none", save_strategy="no", eval_strategy="no",
-        logging_steps=per_round, disable_tqdm=True, dataloader_num_workers=0)
+        output_dir=workdir,
+        use_cpu=True,
+        seed=args.seed,
+        data_seed=args.seed,
+        max_steps=args.steps * per_round,
+        **shape,
+        num_generations=args.n,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_completion_length=args.max_new_tokens,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        router_aux_loss_coef=0.0,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=per_round,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     timer = RoundTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=digits_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=digits_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     time_stages(trainer, record["stage_s"])
     trainer.train()
     timer.flush()
     end = time.time()
     summary = {
-        "kind": "summary", "steps": timer.rounds, "process_start": PROCESS_START,
-        "first_step_start": timer.first_start, "last_step_end": timer.last_end,
-        "steps_s": timer.last_end - timer.first_start, "startup_s": timer.first_start - PROCESS_START,
-        "process_s": end - PROCESS_START, "trl_final_logs": record["final_logs"],
-        "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
+        "kind": "summary",
+        "steps": timer.rounds,
+        "process_start": PROCESS_START,
+        "first_step_start": timer.first_start,
+        "last_step_end": timer.last_end,
+        "steps_s": timer.last_end - timer.first_start,
+        "startup_s": timer.first_start - PROCESS_START,
+        "process_s": end - PROCESS_START,
+        "trl_final_logs": record["final_logs"],
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
         "versions": {"torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__},
-        "trl_config": {**shape, "generation_batch_size": config.generation_batch_size,
-                       "num_generations": args.n, "max_steps": config.max_steps, "loss_type": "dapo",
-                       "optim": str(config.optim), "max_completion_length": args.max_new_tokens},
+        "trl_config": {
+            **shape,
+            "generation_batch_size": config.generation_batch_size,
+            "num_generations": args.n,
+            "max_steps": config.max_steps,
+            "loss_type": "dapo",
+            "optim": str(config.optim),
+            "max_completion_length": args.max_new_tokens,
+        },
     }
     out.write(json.dumps(summary) + "\n")
     out.close()
-    print(f"_trl_grpo: {timer.rounds} steps in {summary['steps_s']:.1f} s "
-          f"(start-up {summary['startup_s']:.1f} s, {summary['torch_threads']} torch threads)", flush=True)
+    print(
+        f"_trl_grpo: {timer.rounds} steps in {summary['steps_s']:.1f} s "
+        f"(start-up {summary['startup_s']:.1f} s, {summary['torch_threads']} torch threads)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -47,14 +47,21 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--eos-bias", type=float, default=1.75)
     p.add_argument("--window", type=int, default=4)
-    p.add_argument("--modes", default="sync,one_step_off,fully_async",
-                   help="comma-separated; fully_async@K runs fully_async with trainer.max_staleness=K")
+    p.add_argument(
+        "--modes",
+        default="sync,one_step_off,fully_async",
+        help="comma-separated; fully_async@K runs fully_async with trainer.max_staleness=K",
+    )
     p.add_argument("--pause-mode", default="retract", help="fully_async's trainer.pause_mode")
     p.add_argument("--max-staleness", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run the modes this many times, interleaved (sync, one_step_off, fully_async, "
-                        "sync, ...); each ratio is against the sync run of its own round and the table "
-                        "shows medians, so a machine whose speed drifts over minutes compares like with like")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the modes this many times, interleaved (sync, one_step_off, fully_async, "
+        "sync, ...); each ratio is against the sync run of its own round and the table "
+        "shows medians, so a machine whose speed drifts over minutes compares like with like",
+    )
     p.add_argument("--json", default=None, help="write the results here too")
     return p.parse_args(argv)
 
@@ -84,14 +91,29 @@ def run_mode(label: str, args, workdir: Path) -> dict:
     from megarl.trainer.runtime import start_runtime
 
     mode, _, staleness = label.partition("@")
-    cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", [
-        f"trainer.output_dir={workdir / label}", f"trainer.total_steps={args.steps}", "trainer.val_every=0",
-        "trainer.tensorboard=false", "trainer.export_hf=false", f"trainer.mode={mode}",
-        "cluster.num_actor_ranks=1", "actor.parallel.ep=1", "rollout.tp=1",
-        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_batch_size=256",
-        "actor.ppo_mini_batch_size=128", "actor.micro_batch_size=64",
-        "bridge.check_parity=false", f"trainer.pause_mode={args.pause_mode}",
-        f"trainer.max_staleness={staleness or args.max_staleness}"]))  # the engines' log-probs are of the biased logits (as SGLang's)
+    cfg = validate(
+        load_config(
+            ROOT / "configs/disaggregated.yaml",
+            [
+                f"trainer.output_dir={workdir / label}",
+                f"trainer.total_steps={args.steps}",
+                "trainer.val_every=0",
+                "trainer.tensorboard=false",
+                "trainer.export_hf=false",
+                f"trainer.mode={mode}",
+                "cluster.num_actor_ranks=1",
+                "actor.parallel.ep=1",
+                "rollout.tp=1",
+                f"rollout.max_new_tokens={args.max_new_tokens}",
+                "rollout.max_batch_size=256",
+                "actor.ppo_mini_batch_size=128",
+                "actor.micro_batch_size=64",
+                "bridge.check_parity=false",
+                f"trainer.pause_mode={args.pause_mode}",
+                f"trainer.max_staleness={staleness or args.max_staleness}",
+            ],
+        )
+    )  # the engines' log-probs are of the biased logits (as SGLang's)
     with start_runtime(cfg) as rt:
         from transformers import AutoTokenizer
 
@@ -103,6 +125,7 @@ def run_mode(label: str, args, workdir: Path) -> dict:
         def biased(step, train, round_=0):  # the long tail: a bias towards ending
             spec = plain(step, train, round_)
             return _Biased(**dataclasses.asdict(spec), eos=eos, bias=args.eos_bias) if train else spec
+
         trainer._sampling = biased
         start = time.perf_counter()
         trainer.fit()
@@ -116,26 +139,32 @@ def run_mode(label: str, args, workdir: Path) -> dict:
     rows = cfg.data.train_batch_size * cfg.rollout.n * args.steps
     w = args.window
     steady = (logger.times[-1] - logger.times[1]) / (args.steps - 2)  # steps 3..N: no first-call costs
-    return {"mode": label, "steps": args.steps, "wall_s": elapsed, "samples_per_s": rows / elapsed,
-            "steady_s_per_step": steady,
-            "steady_samples_per_s": cfg.data.train_batch_size * cfg.rollout.n / steady,
-            "reward_first": float(np.mean(rewards[:w])), "reward_last": float(np.mean(rewards[-w:])),
-            "reward_gain_per_min": (np.mean(rewards[-w:]) - np.mean(rewards[:w])) / (elapsed / 60),
-            "length_mean": float(np.mean(lengths)),
-            "max_length_frac": float(np.mean([m["response/clip_ratio"] for m in logger.rows])),
-            "staleness_mean": float(np.mean([m.get("async/staleness_mean", 0.0) for m in logger.rows])),
-            "partial_frac": float(np.mean([m.get("async/partial_frac", 0.0) for m in logger.rows])),
-            "engine_stats": engine_stats,
-            "per_step": [{k: v for k, v in m.items() if k.startswith(("perf/", "async/", "reward/mean"))}
-                         for m in logger.rows]}
+    return {
+        "mode": label,
+        "steps": args.steps,
+        "wall_s": elapsed,
+        "samples_per_s": rows / elapsed,
+        "steady_s_per_step": steady,
+        "steady_samples_per_s": cfg.data.train_batch_size * cfg.rollout.n / steady,
+        "reward_first": float(np.mean(rewards[:w])),
+        "reward_last": float(np.mean(rewards[-w:])),
+        "reward_gain_per_min": (np.mean(rewards[-w:]) - np.mean(rewards[:w])) / (elapsed / 60),
+        "length_mean": float(np.mean(lengths)),
+        "max_length_frac": float(np.mean([m["response/clip_ratio"] for m in logger.rows])),
+        "staleness_mean": float(np.mean([m.get("async/staleness_mean", 0.0) for m in logger.rows])),
+        "partial_frac": float(np.mean([m.get("async/partial_frac", 0.0) for m in logger.rows])),
+        "engine_stats": engine_stats,
+        "per_step": [
+            {k: v for k, v in m.items() if k.startswith(("perf/", "async/", "reward/mean"))} for m in logger.rows
+        ],
+    }
 
 
 def _median_run(runs: list[dict]) -> dict:
     """One mode over the rounds: the median of each number (the per-step detail of every round)."""
     if len(runs) == 1:
         return {**runs[0], "ratios": [runs[0]["ratio_vs_sync"] or float("nan")]}
-    out = {"mode": runs[0]["mode"], "rounds": runs,
-           "ratios": [r["ratio_vs_sync"] or float("nan") for r in runs]}
+    out = {"mode": runs[0]["mode"], "rounds": runs, "ratios": [r["ratio_vs_sync"] or float("nan") for r in runs]}
     for key, value in runs[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = float(np.median([r[key] for r in runs]))
@@ -166,16 +195,22 @@ def main(argv=None) -> list[dict]:
             r["steady_ratio_vs_sync"] = r["steady_samples_per_s"] / base["steady_samples_per_s"] if base else None
     results = [_median_run([runs[i] for runs in rounds]) for i in range(len(rounds[0]))]
     if args.repeats > 1:
-        print(f"medians over {args.repeats} interleaved rounds; ratios within each round: "
-              + "; ".join(f"{r['mode']} {', '.join(f'{x:.2f}' for x in r['ratios'])}" for r in results))
-    print(f"{'mode':<15} {'wall s':>7} {'samples/s':>9} {'x sync':>6} {'steady/s':>8} {'x sync':>6} "
-          f"{'reward first':>12} {'last':>6} {'gain/min':>8} {'len':>5} {'at max':>6} {'stale':>5} {'partial':>7}")
+        print(
+            f"medians over {args.repeats} interleaved rounds; ratios within each round: "
+            + "; ".join(f"{r['mode']} {', '.join(f'{x:.2f}' for x in r['ratios'])}" for r in results)
+        )
+    print(
+        f"{'mode':<15} {'wall s':>7} {'samples/s':>9} {'x sync':>6} {'steady/s':>8} {'x sync':>6} "
+        f"{'reward first':>12} {'last':>6} {'gain/min':>8} {'len':>5} {'at max':>6} {'stale':>5} {'partial':>7}"
+    )
     for r in results:
-        print(f"{r['mode']:<15} {r['wall_s']:7.1f} {r['samples_per_s']:9.1f} "
-              f"{r['ratio_vs_sync'] or float('nan'):6.2f} {r['steady_samples_per_s']:8.1f} "
-              f"{r['steady_ratio_vs_sync'] or float('nan'):6.2f} {r['reward_first']:12.3f} {r['reward_last']:6.3f} "
-              f"{r['reward_gain_per_min']:8.3f} {r['length_mean']:5.1f} {r['max_length_frac']:6.1%} "
-              f"{r['staleness_mean']:5.2f} {r['partial_frac']:7.1%}")
+        print(
+            f"{r['mode']:<15} {r['wall_s']:7.1f} {r['samples_per_s']:9.1f} "
+            f"{r['ratio_vs_sync'] or float('nan'):6.2f} {r['steady_samples_per_s']:8.1f} "
+            f"{r['steady_ratio_vs_sync'] or float('nan'):6.2f} {r['reward_first']:12.3f} {r['reward_last']:6.3f} "
+            f"{r['reward_gain_per_min']:8.3f} {r['length_mean']:5.1f} {r['max_length_frac']:6.1%} "
+            f"{r['staleness_mean']:5.2f} {r['partial_frac']:7.1%}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results

@@ -52,11 +52,20 @@ import torch
 # _bridge_ranks, and the repo root for tests._dist (the rank spawner), in this process and spawned ones
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import _bridge_ranks as ranks  # noqa: E402
+
 from tests._dist import run_ranks  # noqa: E402  (the test suite's gloo-rank spawner, shared)
 
 MB = 1 << 20
-BIG_MODEL = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                 head_dim=64, intermediate_size=1024, moe_intermediate_size=512, num_experts=8)
+BIG_MODEL = dict(
+    hidden_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=1024,
+    moe_intermediate_size=512,
+    num_experts=8,
+)
 TRANSPORTS = ("tensor", "disk", "distributed", "reshard")
 ENGINE_TP = 2
 
@@ -64,8 +73,9 @@ ENGINE_TP = 2
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layouts", default="ep2", help="comma-separated trainer layouts: ep2 (EP=2), pp2 (PP=2)")
-    p.add_argument("--transports", default=",".join(TRANSPORTS),
-                   help="comma-separated subset of " + ",".join(TRANSPORTS))
+    p.add_argument(
+        "--transports", default=",".join(TRANSPORTS), help="comma-separated subset of " + ",".join(TRANSPORTS)
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bucket-mb", type=float, default=64.0, help="bridge.bucket_size_mb (the config default)")
     p.add_argument("--hidden-size", type=int, default=BIG_MODEL["hidden_size"])
@@ -73,11 +83,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=BIG_MODEL["num_experts"])
     p.add_argument("--moe-intermediate-size", type=int, default=BIG_MODEL["moe_intermediate_size"])
     p.add_argument("--atol", type=float, default=1e-4, help="log-prob tolerance of the parity check")
-    p.add_argument("--workdir", default=None, help="checkpoint + disk-transport directory (default: a temp dir "
-                                                   "under /tmp, removed at the end)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="checkpoint + disk-transport directory (default: a temp dir under /tmp, removed at the end)",
+    )
     args = p.parse_args(argv)
-    for flag, value, known in (("--layouts", args.layouts, ranks.LAYOUTS),
-                               ("--transports", args.transports, TRANSPORTS)):
+    for flag, value, known in (
+        ("--layouts", args.layouts, ranks.LAYOUTS),
+        ("--transports", args.transports, TRANSPORTS),
+    ):
         unknown = set(value.split(",")) - set(known)
         if unknown:
             p.error(f"{flag}: unknown {sorted(unknown)}; use a comma-separated subset of {','.join(known)}")
@@ -85,10 +100,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_overrides(args) -> dict:
-    return {**BIG_MODEL, "hidden_size": args.hidden_size, "num_hidden_layers": args.layers,
-            "num_experts": args.experts, "moe_intermediate_size": args.moe_intermediate_size,
-            "intermediate_size": 2 * args.hidden_size, "num_attention_heads": args.hidden_size // 64,
-            "num_key_value_heads": max(1, args.hidden_size // 128)}
+    return {
+        **BIG_MODEL,
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.layers,
+        "num_experts": args.experts,
+        "moe_intermediate_size": args.moe_intermediate_size,
+        "intermediate_size": 2 * args.hidden_size,
+        "num_attention_heads": args.hidden_size // 64,
+        "num_key_value_heads": max(1, args.hidden_size // 128),
+    }
 
 
 def blocks_for(transports: list[str]) -> list[list[str]]:
@@ -111,7 +132,7 @@ def peer_memcpy(weights: dict, dest: dict, bucket_bytes: int) -> float:
         offset = 0
         for name, t in bucket:
             n = t.numel() * t.element_size()
-            dest[name].view(-1).view(torch.uint8).copy_(flat[offset:offset + n])
+            dest[name].view(-1).view(torch.uint8).copy_(flat[offset : offset + n])
             offset += n
     return time.perf_counter() - start
 
@@ -135,22 +156,31 @@ def measure_peers(report: dict, weights: dict, disk_dir: Path, args) -> dict:
     rows = report["rows"]
     if "tensor" in rows:
         dest = {n: torch.empty_like(t) for n, t in weights.items()}
-        peers["tensor"] = ("memcpy (cat + copy_)", _median_of(lambda: peer_memcpy(weights, dest, bucket_bytes),
-                                                              args.repeats), None)
+        peers["tensor"] = (
+            "memcpy (cat + copy_)",
+            _median_of(lambda: peer_memcpy(weights, dest, bucket_bytes), args.repeats),
+            None,
+        )
     if "disk" in rows:
-        peers["disk"] = ("safetensors save+load", _median_of(lambda: peer_safetensors(weights, disk_dir), args.repeats),
-                         None)
+        peers["disk"] = (
+            "safetensors save+load",
+            _median_of(lambda: peer_safetensors(weights, disk_dir), args.repeats),
+            None,
+        )
     if "distributed" in rows:
         buckets = [n for per_rank in report["buckets"]["distributed"] for n in per_rank]
-        seconds = [run_ranks(ranks.broadcast_peer, 1 + ENGINE_TP, buckets, args.repeats, fresh)[0]
-                   for fresh in (False, True)]
+        seconds = [
+            run_ranks(ranks.broadcast_peer, 1 + ENGINE_TP, buckets, args.repeats, fresh)[0] for fresh in (False, True)
+        ]
         peers["distributed"] = (f"gloo broadcast, {len(buckets)} buckets, 1->{ENGINE_TP}", *seconds)
     if "reshard" in rows:
         plan = report["plan"]
         firsts = [sum(plan["engine_sizes"][:e]) for e in range(len(plan["engine_sizes"]))]
         messages = [(src, 2 + firsts[e] + dst, tag, n) for src, e, dst, tag, n in plan["messages"]]
-        seconds = [run_ranks(ranks.p2p_peer, 2 + sum(plan["engine_sizes"]), messages, args.repeats, fresh)[0]
-                   for fresh in (False, True)]
+        seconds = [
+            run_ranks(ranks.p2p_peer, 2 + sum(plan["engine_sizes"]), messages, args.repeats, fresh)[0]
+            for fresh in (False, True)
+        ]
         peers["reshard"] = (f"gloo isend/irecv, {len(messages)} messages, 2->{ENGINE_TP}", *seconds)
     return peers
 
@@ -176,14 +206,18 @@ def table_sync(reports, gb: float, mib: float, repeats: int, atol: float) -> Non
             r = rep["rows"][name]
             med = _median(r["times"])
             worst = max(e for e in r["errors"] + [r["warmup_err"]] if e is not None)
-            print(f"| {LABEL[rep['layout']]} | {name} | {med:.3f} | {_secs(r['times'])} | {gb / med:.2f} | "
-                  f"{r['warmup_s']:.3f} | {worst:.1e}{'' if worst <= atol else ' FAILED'} |")
+            print(
+                f"| {LABEL[rep['layout']]} | {name} | {med:.3f} | {_secs(r['times'])} | {gb / med:.2f} | "
+                f"{r['warmup_s']:.3f} | {worst:.1e}{'' if worst <= atol else ' FAILED'} |"
+            )
 
 
 def table_peers(reports, peers, gb: float) -> list[str]:
     print("\n### 2. Against raw peers on the same bytes (ratio = peer s / transport s)\n")
-    print("| trainer | transport | transport s | peer | peer s | peer GB/s | ratio | peer s, fresh buffers + pack "
-          "copy | ratio, fresh |")
+    print(
+        "| trainer | transport | transport s | peer | peer s | peer GB/s | ratio | peer s, fresh buffers + pack "
+        "copy | ratio, fresh |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     ratios = []
     for rep, layout_peers in zip(reports, peers):
@@ -191,30 +225,38 @@ def table_peers(reports, peers, gb: float) -> list[str]:
             med = _median(rep["rows"][name]["times"])
             ratios.append(f"{LABEL[rep['layout']]} {name} {seconds / med:.2f}")
             fresh_cells = f"{fresh:.3f} | {fresh / med:.2f}" if fresh is not None else "– | –"
-            print(f"| {LABEL[rep['layout']]} | {name} | {med:.3f} | {what} | {seconds:.3f} | {gb / seconds:.2f} | "
-                  f"{seconds / med:.2f} | {fresh_cells} |")
+            print(
+                f"| {LABEL[rep['layout']]} | {name} | {med:.3f} | {what} | {seconds:.3f} | {gb / seconds:.2f} | "
+                f"{seconds / med:.2f} | {fresh_cells} |"
+            )
     return ratios
 
 
 def table_bytes(reports, mib: float) -> None:
     print(f"\n### 3. Bytes per rollout rank and bytes moved (model {mib:.1f} MiB, engine tp={ENGINE_TP})\n")
-    print("| trainer | transport | sent by trainer rank 0 / 1 MiB | received by rollout rank 0 / 1 MiB | "
-          "total moved MiB | x model |")
+    print(
+        "| trainer | transport | sent by trainer rank 0 / 1 MiB | received by rollout rank 0 / 1 MiB | "
+        "total moved MiB | x model |"
+    )
     print("|---|---|---|---|---|---|")
     for rep in reports:
         layout = LABEL[rep["layout"]]
         if "distributed" in rep["buckets"]:
             sent = [sum(b) / MB for b in rep["buckets"]["distributed"]]
             each = sum(sent)  # every engine rank receives every bucket
-            print(f"| {layout} | distributed | {sent[0]:.1f} / {sent[1]:.1f} (each to {ENGINE_TP} ranks) | "
-                  f"{each:.1f} / {each:.1f} | {each * ENGINE_TP:.1f} | {each * ENGINE_TP / mib:.2f} |")
+            print(
+                f"| {layout} | distributed | {sent[0]:.1f} / {sent[1]:.1f} (each to {ENGINE_TP} ranks) | "
+                f"{each:.1f} / {each:.1f} | {each * ENGINE_TP:.1f} | {each * ENGINE_TP / mib:.2f} |"
+            )
         if "plan" in rep:
             plan = rep["plan"]
             sent = [plan["sent"][r] / MB for r in range(2)]
             got = [plan["received"][f"0/{r}"] / MB for r in range(ENGINE_TP)]
             total = plan["payload_total"] / MB
-            print(f"| {layout} | reshard | {sent[0]:.1f} / {sent[1]:.1f} | {got[0]:.1f} / {got[1]:.1f} | "
-                  f"{total:.1f} | {total / mib:.2f} |")
+            print(
+                f"| {layout} | reshard | {sent[0]:.1f} / {sent[1]:.1f} | {got[0]:.1f} / {got[1]:.1f} | "
+                f"{total:.1f} | {total / mib:.2f} |"
+            )
 
 
 def table_senders(reports, gb: float) -> list[str]:
@@ -227,18 +269,24 @@ def table_senders(reports, gb: float) -> list[str]:
         shipped, single = _median(rows["distributed"]["times"]), _median(rows["funnel"]["times"])
         owners = sum(1 for b in rep["buckets"]["distributed"] if b)
         ratios.append(f"{layout} {single / shipped:.2f}")
-        print(f"| {layout} | {owners} (shipped) | {shipped:.3f} | {_secs(rows['distributed']['times'])} | "
-              f"{gb / shipped:.2f} | |")
-        print(f"| {layout} | 1 (rank 0, export_weights) | {single:.3f} | {_secs(rows['funnel']['times'])} | "
-              f"{gb / single:.2f} | {single / shipped:.2f} |")
+        print(
+            f"| {layout} | {owners} (shipped) | {shipped:.3f} | {_secs(rows['distributed']['times'])} | "
+            f"{gb / shipped:.2f} | |"
+        )
+        print(
+            f"| {layout} | 1 (rank 0, export_weights) | {single:.3f} | {_secs(rows['funnel']['times'])} | "
+            f"{gb / single:.2f} | {single / shipped:.2f} |"
+        )
     return ratios
 
 
 def table_phases(reports) -> None:
     print("\n### 5. Where a sync's time goes on trainer rank 0 (medians, seconds)\n")
-    print("export = inside the weight source (gathers, PP broadcasts, HF conversion, piece fetches); "
-          "move = the rest of the data phase (pack, lock, send, the engines' receive and stage), "
-          "less what overlaps with export\n")
+    print(
+        "export = inside the weight source (gathers, PP broadcasts, HF conversion, piece fetches); "
+        "move = the rest of the data phase (pack, lock, send, the engines' receive and stage), "
+        "less what overlaps with export\n"
+    )
     print("| trainer | transport | sync | pause | export | move | commit | continue |")
     print("|---|---|---|---|---|---|---|---|")
     for rep in reports:
@@ -246,8 +294,10 @@ def table_phases(reports) -> None:
             phases = rep["rows"][name]["phases"]
             med = {k: _median(p.get(k, 0.0) for p in phases) for k in ("total", *ranks.PHASES)}
             move = _median(p["total"] - sum(p.get(k, 0.0) for k in ranks.PHASES) for p in phases)
-            print(f"| {LABEL[rep['layout']]} | {name} | {med['total']:.3f} | {med['pause']:.3f} | "
-                  f"{med['export']:.3f} | {move:.3f} | {med['commit']:.3f} | {med['resume']:.3f} |")
+            print(
+                f"| {LABEL[rep['layout']]} | {name} | {med['total']:.3f} | {med['pause']:.3f} | "
+                f"{med['export']:.3f} | {move:.3f} | {med['commit']:.3f} | {med['resume']:.3f} |"
+            )
 
 
 def main(argv=None) -> None:
@@ -266,21 +316,35 @@ def main(argv=None) -> None:
         model_dir = build_tiny_checkpoint(workdir / "model", seed=0, **model_overrides(args))
         weights = load_file(str(model_dir / "model.safetensors"))
         model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        print(f"model: {len(weights)} tensors, {model_bytes / MB:.1f} MiB fp32; engine tp={ENGINE_TP}; "
-              f"trainer layouts {args.layouts}; bucket {args.bucket_mb:g} MiB; {os.cpu_count()} cores")
+        print(
+            f"model: {len(weights)} tensors, {model_bytes / MB:.1f} MiB fp32; engine tp={ENGINE_TP}; "
+            f"trainer layouts {args.layouts}; bucket {args.bucket_mb:g} MiB; {os.cpu_count()} cores"
+        )
         disk_dir = workdir / "sync"
         disk_dir.mkdir(exist_ok=True)
         blocks = blocks_for(args.transports.split(","))
         with RolloutServerProcess(model_dir, torch_threads=1, seed=0, extra_args=("--tp", str(ENGINE_TP))) as server:
             for layout in args.layouts.split(","):
                 t0 = time.perf_counter()
-                report = run_ranks(ranks.trainer_rank, 2, model_dir, server.url, layout, blocks,
-                                         args.repeats, int(args.bucket_mb * MB), disk_dir, args.atol)[0]
+                report = run_ranks(
+                    ranks.trainer_rank,
+                    2,
+                    model_dir,
+                    server.url,
+                    layout,
+                    blocks,
+                    args.repeats,
+                    int(args.bucket_mb * MB),
+                    disk_dir,
+                    args.atol,
+                )[0]
                 t1 = time.perf_counter()
                 peers.append(measure_peers(report, weights, disk_dir, args))
-                print(f"{LABEL[layout]}: trainer run {t1 - t0:.0f} s, peers {time.perf_counter() - t1:.0f} s; "
-                      f"stale engine before the first sync: log-prob error {report['stale_err']:.2e} "
-                      f"(> atol {args.atol:g}, so the check catches a sync that delivered nothing)")
+                print(
+                    f"{LABEL[layout]}: trainer run {t1 - t0:.0f} s, peers {time.perf_counter() - t1:.0f} s; "
+                    f"stale engine before the first sync: log-prob error {report['stale_err']:.2e} "
+                    f"(> atol {args.atol:g}, so the check catches a sync that delivered nothing)"
+                )
                 reports.append(report)
     finally:
         if args.workdir is None:
@@ -292,11 +356,16 @@ def main(argv=None) -> None:
     table_bytes(reports, mib)
     funnel_ratios = table_senders(reports, gb)
     table_phases(reports)
-    syncs = "; ".join(f"{LABEL[r['layout']]} " + ", ".join(
-        f"{n} {_median(r['rows'][n]['times']):.3f} s" for n in TRANSPORTS if n in r["rows"]) for r in reports)
-    print(f"\nsummary: sync {syncs}; peer/transport {', '.join(peer_ratios)}; funnel/shipped "
-          f"{', '.join(funnel_ratios) or '-'}; load average (1 min) {load_before[0]:.2f} -> {load_after[0]:.2f} on "
-          f"{os.cpu_count()} cores; wall {time.perf_counter() - wall:.0f} s")
+    syncs = "; ".join(
+        f"{LABEL[r['layout']]} "
+        + ", ".join(f"{n} {_median(r['rows'][n]['times']):.3f} s" for n in TRANSPORTS if n in r["rows"])
+        for r in reports
+    )
+    print(
+        f"\nsummary: sync {syncs}; peer/transport {', '.join(peer_ratios)}; funnel/shipped "
+        f"{', '.join(funnel_ratios) or '-'}; load average (1 min) {load_before[0]:.2f} -> {load_after[0]:.2f} on "
+        f"{os.cpu_count()} cores; wall {time.perf_counter() - wall:.0f} s"
+    )
     failures = [f for r in reports for f in r["failures"]]
     if failures:
         print("\nPARITY FAILED:\n  " + "\n  ".join(failures))

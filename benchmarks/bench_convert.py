@@ -45,8 +45,12 @@ def main() -> None:
     p.add_argument("--root", default="/tmp/bench_convert")
     p.add_argument("--code", default=ROOT, help="checkout whose checkpoint_convert runs (default: this one)")
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    p.add_argument("--chunk-size", type=float, default=0.125,
-                   help="mcore-to-hf --chunk-size in GiB (default 0.125: about 3 layers of the h1024 models)")
+    p.add_argument(
+        "--chunk-size",
+        type=float,
+        default=0.125,
+        help="mcore-to-hf --chunk-size in GiB (default 0.125: about 3 layers of the h1024 models)",
+    )
     args = p.parse_args()
     from megarl.models.tiny import build_tiny_checkpoint
 
@@ -59,12 +63,17 @@ def main() -> None:
         mcore, back = os.path.join(args.root, f"{name}-mcore"), os.path.join(args.root, f"{name}-back")
         shutil.rmtree(mcore, ignore_errors=True)
         shutil.rmtree(back, ignore_errors=True)
-        baseline = _peak([sys.executable, "-c", "import megarl.engine.megatron.engine, transformers, mbridge"], args.code)
+        baseline = _peak(
+            [sys.executable, "-c", "import megarl.engine.megatron.engine, transformers, mbridge"], args.code
+        )
         t1, m1 = _peak(py + ["hf-to-mcore", "--hf", str(hf), "--out", mcore], args.code)
         t2, m2 = _peak(py + ["mcore-to-hf", "--mcore", mcore, "--out", back, *chunk], args.code)
-        print(f"{name}: safetensors {size / 2**20:.1f} MiB | imports only {baseline[1] / 2**20:.0f} MiB | "
-              f"hf-to-mcore {t1:.1f} s, peak RSS {m1 / 2**20:.0f} MiB | "
-              f"mcore-to-hf {t2:.1f} s, peak RSS {m2 / 2**20:.0f} MiB", flush=True)
+        print(
+            f"{name}: safetensors {size / 2**20:.1f} MiB | imports only {baseline[1] / 2**20:.0f} MiB | "
+            f"hf-to-mcore {t1:.1f} s, peak RSS {m1 / 2**20:.0f} MiB | "
+            f"mcore-to-hf {t2:.1f} s, peak RSS {m2 / 2**20:.0f} MiB",
+            flush=True,
+        )
         shutil.rmtree(mcore, ignore_errors=True)
         shutil.rmtree(back, ignore_errors=True)
 

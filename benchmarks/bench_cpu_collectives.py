@@ -48,7 +48,8 @@ def _cases(n: int, rank: int):
         "reduce_scatter_tensor 256 KB/rank": lambda f: f["reduce_scatter_tensor"](shard, grads),
         "all_gather_into_tensor 256 KB/rank": lambda f: f["all_gather_into_tensor"](params, shard),
         "reduce_scatter_tensor 16 MB -> 8 MB (rounds of the 4 MB slot)": lambda f: f["reduce_scatter_tensor"](
-            big_shard, big_grads),
+            big_shard, big_grads
+        ),
         "all_gather_into_tensor 8 MB -> 16 MB (rounds)": lambda f: f["all_gather_into_tensor"](big_params, big_shard),
         "barrier": lambda f: f["barrier"](),
     }
@@ -56,6 +57,7 @@ def _cases(n: int, rank: int):
 
 def _rank(rank: int, n: int, store: str, iters: int, out: str) -> None:
     import torch.distributed as dist
+
     from megarl.engine.megatron.cpu import collectives as cc
 
     torch.set_num_threads(1)
@@ -91,8 +93,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="bench_cpu_collectives_")
     out = os.path.join(tmp, "out.json")
-    mp.start_processes(_rank, args=(args.ranks, os.path.join(tmp, "store"), args.iters, out),
-                       nprocs=args.ranks, start_method="spawn")
+    mp.start_processes(
+        _rank, args=(args.ranks, os.path.join(tmp, "store"), args.iters, out), nprocs=args.ranks, start_method="spawn"
+    )
     results = json.loads(Path(out).read_text())
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"{args.ranks} ranks, {args.iters} calls x {BLOCKS} blocks per side, load average {' '.join(load)}\n")

@@ -33,9 +33,19 @@ from pathlib import Path
 
 import torch
 
-MODEL = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512,
-             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-             num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
+MODEL = dict(
+    vocab_size=1024,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=4096,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,11 +78,19 @@ def make_rows(lengths: list[int], vocab: int, seed: int = 0):
     for i, n in enumerate(lengths):
         ids[i, :n] = torch.randint(2, vocab, (n,), generator=gen)
         p = int(plen[i])
-        responses[i, :n - p] = ids[i, p:n]
-        mask[i, :n - p] = 1
+        responses[i, : n - p] = ids[i, p:n]
+        mask[i, : n - p] = 1
     adv = torch.randn(len(lengths), 1, generator=gen) * mask
-    return Batch({"input_ids": ids, "prompt_lengths": plen, "responses": responses,
-                  "response_mask": mask, "advantages": adv, "old_log_probs": torch.zeros_like(mask)})
+    return Batch(
+        {
+            "input_ids": ids,
+            "prompt_lengths": plen,
+            "responses": responses,
+            "response_mask": mask,
+            "advantages": adv,
+            "old_log_probs": torch.zeros_like(mask),
+        }
+    )
 
 
 def pg_loss(logp, ent, mb):
@@ -80,15 +98,20 @@ def pg_loss(logp, ent, mb):
     return -(logp * mb["advantages"] * mask).sum(), mask.sum(), {}
 
 
-def make_engine(model_path: str, packed: bool, micro_batch_size: int, train: bool = True,
-                precision: str = "fp32"):
+def make_engine(model_path: str, packed: bool, micro_batch_size: int, train: bool = True, precision: str = "fp32"):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
-    engine = MegatronEngine(EngineSpec(
-        model_path=model_path, parallel=ParallelConfig(), micro_batch_size=micro_batch_size,
-        optim=OptimConfig(lr=1e-5, clip_grad=1.0) if train else None, pack_sequences=packed,
-        precision=precision))
+    engine = MegatronEngine(
+        EngineSpec(
+            model_path=model_path,
+            parallel=ParallelConfig(),
+            micro_batch_size=micro_batch_size,
+            optim=OptimConfig(lr=1e-5, clip_grad=1.0) if train else None,
+            pack_sequences=packed,
+            precision=precision,
+        )
+    )
     engine.initialize()
     return engine
 
@@ -114,8 +137,10 @@ def bench_packing(model_path: str, args) -> list[tuple]:
         seconds = timed(lambda: engine.train_mini_batch(rows, pg_loss, head=head), args.steps)
         out.append(("packed" if packed else "padded", tokens / seconds, seconds))
 
-    print(f"lengths: {len(lengths)} rows, median {statistics.median(lengths):.0f}, max {max(lengths)}, "
-          f"{tokens} real tokens, {len(lengths) * max(lengths)} padded tokens")
+    print(
+        f"lengths: {len(lengths)} rows, median {statistics.median(lengths):.0f}, max {max(lengths)}, "
+        f"{tokens} real tokens, {len(lengths) * max(lengths)} padded tokens"
+    )
     return out
 
 
@@ -130,7 +155,7 @@ def hf_peer(model_path: str, rows, device: str = "cpu", dtype=torch.float32):
     R = responses.shape[1]
 
     def logp():
-        logits = model(ids).logits[:, p - 1:p - 1 + R]
+        logits = model(ids).logits[:, p - 1 : p - 1 + R]
         return torch.log_softmax(logits.float(), -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
 
     def step():
@@ -185,10 +210,13 @@ def main(argv=None) -> int:
     model_path = str(build_tiny_checkpoint(work / "model", seed=0, **MODEL))
     store = dist.FileStore(str(work / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    n_params = sum(t.numel() for t in __import__("safetensors.torch", fromlist=["load_file"])
-                   .load_file(os.path.join(model_path, "model.safetensors")).values())
-    print(f"model: Qwen3-MoE {n_params / 1e6:.1f}M parameters, {args.threads} threads, "
-          f"median of {args.steps} steps")
+    n_params = sum(
+        t.numel()
+        for t in __import__("safetensors.torch", fromlist=["load_file"])
+        .load_file(os.path.join(model_path, "model.safetensors"))
+        .values()
+    )
+    print(f"model: Qwen3-MoE {n_params / 1e6:.1f}M parameters, {args.threads} threads, median of {args.steps} steps")
     parts = args.parts.split(",")
     if "packing" in parts:
         res = bench_packing(model_path, args)

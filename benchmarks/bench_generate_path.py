@@ -79,17 +79,33 @@ def main(argv=None) -> int:
     from megarl.rollout.server.generate_output import output_item
 
     model = args.model or quickstart_model()
-    server = subprocess.Popen([sys.executable, "-m", "megarl.rollout.server", "--model-path", model,
-                               "--port", str(args.port), "--torch-threads", "1",
-                               "--max-batch-size", str(args.rows), "--log-level", "warning"])
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megarl.rollout.server",
+            "--model-path",
+            model,
+            "--port",
+            str(args.port),
+            "--torch-threads",
+            "1",
+            "--max-batch-size",
+            str(args.rows),
+            "--log-level",
+            "warning",
+        ]
+    )
     try:
         client = RolloutClient(f"http://127.0.0.1:{args.port}")
         engine = GenerationEngine(model, max_batch_size=args.rows, seed=0)
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         prompts = [[1, 5 + i % 7, 6 + i % 5, 7, 2][: 3 + i % 3] for i in range(max(1, args.rows // 16))]
         ids = [p for p in prompts for _ in range(16)][: args.rows]
-        params = [{"max_new_tokens": args.new, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
-                   "sampling_seed": 1000 + k} for k in range(len(ids))]
+        params = [
+            {"max_new_tokens": args.new, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "sampling_seed": 1000 + k}
+            for k in range(len(ids))
+        ]
         body = {"input_ids": ids, "sampling_params": params, **_fields(True, False)}
         width = max(map(len, ids))
         hf_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])
@@ -115,8 +131,17 @@ def main(argv=None) -> int:
         def hf_generate() -> float:
             start = time.perf_counter()
             with torch.no_grad():
-                hf.generate(input_ids=hf_ids, attention_mask=hf_mask, do_sample=True, max_new_tokens=args.new,
-                            min_new_tokens=args.new, pad_token_id=0, top_k=0, top_p=1.0, temperature=1.0)
+                hf.generate(
+                    input_ids=hf_ids,
+                    attention_mask=hf_mask,
+                    do_sample=True,
+                    max_new_tokens=args.new,
+                    min_new_tokens=args.new,
+                    pad_token_id=0,
+                    top_k=0,
+                    top_p=1.0,
+                    temperature=1.0,
+                )
             return time.perf_counter() - start
 
         paths = {"client.generate (HTTP)": via_http, "engine alone": engine_alone, "HF generate": hf_generate}
@@ -136,16 +161,20 @@ def main(argv=None) -> int:
             "request json.dumps (client)": lambda: json.dumps(body),
             "request json.loads (server)": lambda: json.loads(raw),
             "parse_generate (server)": lambda: parse_generate(json.loads(raw), engine),
-            "output_item x rows (server)": lambda: [output_item(r, q, call, lambda t: engine.decode([t], False))
-                                                    for r, q in zip(results, call.requests)],
+            "output_item x rows (server)": lambda: [
+                output_item(r, q, call, lambda t: engine.decode([t], False)) for r, q in zip(results, call.requests)
+            ],
             "answer orjson.dumps (server)": lambda: orjson.dumps(items),
             "answer json.dumps, starlette's options (before)": lambda: json.dumps(
-                items, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode(),
+                items, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+            ).encode(),
             "answer orjson.loads (client)": lambda: orjson.loads(answer),
             "answer json.loads (before)": lambda: json.loads(answer),
         }
-        print(f"model {model}, {len(ids)} rows x {args.new} new tokens, request {len(raw) / 1e3:.0f} kB, "
-              f"answer {len(answer) / 1e3:.0f} kB, median of {args.repeats}\n")
+        print(
+            f"model {model}, {len(ids)} rows x {args.new} new tokens, request {len(raw) / 1e3:.0f} kB, "
+            f"answer {len(answer) / 1e3:.0f} kB, median of {args.repeats}\n"
+        )
         print("| path | time |\n|---|---|")
         for name, t in times.items():
             print(f"| {name} | {stats(t)} |")

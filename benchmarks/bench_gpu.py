@@ -55,17 +55,45 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 PEAK = 989e12
-MOE = dict(vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-           num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-           num_experts=32, num_experts_per_tok=8, max_position_embeddings=8192, tie_word_embeddings=False)
-DENSE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
-             tie_word_embeddings=True)
+MOE = dict(
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=32,
+    num_experts_per_tok=8,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+)
+DENSE = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --smoke, to check this script cheaply
-SMOKE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, vocab_size=512)
+SMOKE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    vocab_size=512,
+)
 
 
 def _init_dist() -> None:
@@ -88,10 +116,16 @@ def _engine(path: str, precision: str, train: bool, micro_batch_size: int = 2, l
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
-    engine = MegatronEngine(EngineSpec(
-        model_path=path, parallel=ParallelConfig(sequence_parallel=False), precision=precision,
-        optim=OptimConfig(lr=lr, adam_eps=1e-2, clip_grad=0.0) if train else None,
-        micro_batch_size=micro_batch_size, seed=1))
+    engine = MegatronEngine(
+        EngineSpec(
+            model_path=path,
+            parallel=ParallelConfig(sequence_parallel=False),
+            precision=precision,
+            optim=OptimConfig(lr=lr, adam_eps=1e-2, clip_grad=0.0) if train else None,
+            micro_batch_size=micro_batch_size,
+            seed=1,
+        )
+    )
     engine.initialize()
     return engine
 
@@ -108,8 +142,14 @@ def stage_env() -> dict:
     if DEVICE == "cpu":
         return dict(torch=torch.__version__, gpu=None)
     p = torch.cuda.get_device_properties(0)
-    return dict(torch=torch.__version__, cuda=torch.version.cuda, gpu=p.name, sms=p.multi_processor_count,
-                memory_gib=round(p.total_memory / 2**30, 1), nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return dict(
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        gpu=p.name,
+        sms=p.multi_processor_count,
+        memory_gib=round(p.total_memory / 2**30, 1),
+        nccl=".".join(map(str, torch.cuda.nccl.version())),
+    )
 
 
 def _hf_logprobs(model, device) -> torch.Tensor:
@@ -168,10 +208,14 @@ def stage_parity(state: dict) -> dict:
     out["forward_only_param_devices"] = sorted({str(p.device) for c in ref_engine.model for p in c.parameters()})
     del ref_engine
     on_device = ["cuda:0"] if DEVICE == "cuda" else ["cpu"]
-    out["ok"] = (out["fp32_err_vs_hf_fp64"] < 1e-4 and out["bf16_err_vs_hf_fp64"] < 5e-2
-                 and out["fp32_param_devices"] == on_device == out["forward_only_param_devices"]
-                 and out["bf16_param_dtypes"] == ["torch.bfloat16"]
-                 and out["bf16_grad_norm"] == out["bf16_grad_norm"] and out["bf16_weights_max_change"] > 0)
+    out["ok"] = (
+        out["fp32_err_vs_hf_fp64"] < 1e-4
+        and out["bf16_err_vs_hf_fp64"] < 5e-2
+        and out["fp32_param_devices"] == on_device == out["forward_only_param_devices"]
+        and out["bf16_param_dtypes"] == ["torch.bfloat16"]
+        and out["bf16_grad_norm"] == out["bf16_grad_norm"]
+        and out["bf16_weights_max_change"] > 0
+    )
     return out
 
 
@@ -183,15 +227,22 @@ def _rollout_receiver(path: str, payload: str, expected_path: str, queue) -> Non
         device = "cuda" if torch.cuda.is_available() else "cpu"
         engine = GenerationEngine(path, device=device, dtype="float32")
         try:
-            message = engine.update_weights_from_payloads([payload], load_format="flattened_bucket",
-                                                          weight_version="step-1")
+            message = engine.update_weights_from_payloads(
+                [payload], load_format="flattened_bucket", weight_version="step-1"
+            )
             expected = torch.load(expected_path)
             state = engine.model.state_dict()
             exact = {name: bool(torch.equal(state[name].cpu(), t)) for name, t in expected.items() if name in state}
             missing = sorted(set(expected) - set(state))
-            queue.put(dict(message=message, exact=exact, missing=missing,
-                           devices=sorted({str(t.device) for t in state.values()}),
-                           log_probs=_hf_logprobs(engine.model, device).tolist()))  # no tensor: it
+            queue.put(
+                dict(
+                    message=message,
+                    exact=exact,
+                    missing=missing,
+                    devices=sorted({str(t.device) for t in state.values()}),
+                    log_probs=_hf_logprobs(engine.model, device).tolist(),
+                )
+            )  # no tensor: it
             # would travel as a shared-memory handle that dies with this process
         finally:
             engine.close()
@@ -224,11 +275,18 @@ def stage_rollout_ipc(state: dict) -> dict:
         raise RuntimeError("receiver failed:\n" + result["error"])
     mask = make_rows()["response_mask"].bool()
     diff = float((torch.tensor(result["log_probs"]) - state["fp32_after"].double())[mask].abs().max())
-    return dict(sender_devices=devices, tensors=len(bucket), payload_chars=len(payload),
-                bucket_mib=round(buf.numel() / 2**20, 2), receiver_devices=result["devices"],
-                receiver_message=result["message"], bit_exact=all(result["exact"].values()),
-                not_in_receiver=result["missing"], rollout_vs_trainer_logprob_max_abs=diff,
-                ok=all(result["exact"].values()) and not result["missing"] and diff < 1e-4)
+    return dict(
+        sender_devices=devices,
+        tensors=len(bucket),
+        payload_chars=len(payload),
+        bucket_mib=round(buf.numel() / 2**20, 2),
+        receiver_devices=result["devices"],
+        receiver_message=result["message"],
+        bit_exact=all(result["exact"].values()),
+        not_in_receiver=result["missing"],
+        rollout_vs_trainer_logprob_max_abs=diff,
+        ok=all(result["exact"].values()) and not result["missing"] and diff < 1e-4,
+    )
 
 
 def _flops(cfg, active_matmul: int, rows: int, seq: int) -> float:
@@ -256,8 +314,9 @@ def stage_mfu(state: dict, kind: str, args) -> dict:
 
     _init_dist()
     torch.backends.cuda.matmul.allow_tf32 = True
-    config_cls, model_cls, shape = ((Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE) if kind == "moe"
-                                    else (Qwen3Config, Qwen3ForCausalLM, DENSE))
+    config_cls, model_cls, shape = (
+        (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE) if kind == "moe" else (Qwen3Config, Qwen3ForCausalLM, DENSE)
+    )
     cfg = config_cls(**{**shape, **({k: v for k, v in SMOKE.items() if k in shape} if args.smoke else {})})
     torch.manual_seed(0)
     with torch.device(DEVICE):
@@ -271,8 +330,15 @@ def stage_mfu(state: dict, kind: str, args) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (rows, seq), generator=g)
     adv = torch.randn(rows, 1, generator=g).expand(rows, seq - prompt).contiguous()
-    batch = Batch({"input_ids": ids, "responses": ids[:, prompt:], "response_mask": torch.ones(rows, seq - prompt),
-                   "prompt_lengths": torch.full((rows,), prompt), "advantages": adv})
+    batch = Batch(
+        {
+            "input_ids": ids,
+            "responses": ids[:, prompt:],
+            "response_mask": torch.ones(rows, seq - prompt),
+            "prompt_lengths": torch.full((rows,), prompt),
+            "advantages": adv,
+        }
+    )
     t = time.perf_counter()
     engine = _engine(path, "bf16", train=True, micro_batch_size=rows, lr=1e-6)
     build_s = time.perf_counter() - t
@@ -281,7 +347,7 @@ def stage_mfu(state: dict, kind: str, args) -> dict:
 
     def hf_step():
         logits = hf(gids).logits.float()
-        logp = torch.log_softmax(logits[:, prompt - 1:-1], -1).gather(-1, gids[:, prompt:, None]).squeeze(-1)
+        logp = torch.log_softmax(logits[:, prompt - 1 : -1], -1).gather(-1, gids[:, prompt:, None]).squeeze(-1)
         loss = -(torch.exp(logp - logp.detach()) * gadv).mean()
         loss.backward()
         opt.step()
@@ -290,7 +356,7 @@ def stage_mfu(state: dict, kind: str, args) -> dict:
     def hf_forward():
         with torch.no_grad():
             logits = hf(gids).logits.float()
-            torch.log_softmax(logits[:, prompt - 1:-1], -1).gather(-1, gids[:, prompt:, None])
+            torch.log_softmax(logits[:, prompt - 1 : -1], -1).gather(-1, gids[:, prompt:, None])
 
     def timed(fn):
         _sync()
@@ -300,8 +366,12 @@ def stage_mfu(state: dict, kind: str, args) -> dict:
         return time.perf_counter() - t
 
     grad_norms = []
-    step = {"engine_train": lambda: grad_norms.append(engine.train_mini_batch(batch, _pg_loss)["actor/grad_norm"]),
-            "hf_train": hf_step, "engine_fwd": lambda: engine.compute_log_prob(batch), "hf_fwd": hf_forward}
+    step = {
+        "engine_train": lambda: grad_norms.append(engine.train_mini_batch(batch, _pg_loss)["actor/grad_norm"]),
+        "hf_train": hf_step,
+        "engine_fwd": lambda: engine.compute_log_prob(batch),
+        "hf_fwd": hf_forward,
+    }
     if args.ab_cu:  # the same engine with PackedSeqParams (cu_seqlens) left on the host
         step["cuhost_train"] = _cu_on_host(step["engine_train"])
         step["cuhost_fwd"] = _cu_on_host(step["engine_fwd"])
@@ -314,14 +384,24 @@ def stage_mfu(state: dict, kind: str, args) -> dict:
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     flops = _flops(cfg, active, rows, seq)
     tokens = rows * seq
-    out = dict(params_b=round(total / 1e9, 3), active_matmul_params_b=round(active / 1e9, 3), rows=rows, seq=seq,
-               engine_build_s=round(build_s, 1), grad_norm_finite=all(x == x and abs(x) != float("inf") for x in grad_norms),
-               peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if DEVICE == "cuda" else None,
-               all_times_s={k: [round(x, 4) for x in v] for k, v in times.items()})
+    out = dict(
+        params_b=round(total / 1e9, 3),
+        active_matmul_params_b=round(active / 1e9, 3),
+        rows=rows,
+        seq=seq,
+        engine_build_s=round(build_s, 1),
+        grad_norm_finite=all(x == x and abs(x) != float("inf") for x in grad_norms),
+        peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if DEVICE == "cuda" else None,
+        all_times_s={k: [round(x, 4) for x in v] for k, v in times.items()},
+    )
     for k, s in med.items():
         f = flops if k.endswith("train") else flops / 3
-        out[k] = dict(step_s=round(s, 4), tokens_per_s=round(tokens / s), tflops=round(f / s / 1e12, 1),
-                      mfu=round(f / s / PEAK, 4))
+        out[k] = dict(
+            step_s=round(s, 4),
+            tokens_per_s=round(tokens / s),
+            tflops=round(f / s / 1e12, 1),
+            mfu=round(f / s / PEAK, 4),
+        )
     if args.ab_cu:
         out["cu_on_host_speedup_train"] = round(med["engine_train"] / med["cuhost_train"], 3)
         out["cu_on_host_speedup_fwd"] = round(med["engine_fwd"] / med["cuhost_fwd"], 3)
@@ -372,11 +452,23 @@ def _profile(fn) -> dict:
     top = sorted(events, key=lambda e: -e.device_time_total)[:12]
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
     calls = {e.key: e.count for e in prof.key_averages()}
-    return dict(wall_s=round(wall, 4), kernel_s=round(busy, 4), kernel_launches=sum(e.count for e in events),
-                syncs={k: calls.get(k, 0) for k in ("aten::_local_scalar_dense", "cudaStreamSynchronize",
-                                                     "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::nonzero")},
-                top=[(e.key[:90], e.count, round(e.device_time_total / 1e6, 4)) for e in top],
-                top_host=[(e.key[:90], e.count, round(e.self_cpu_time_total / 1e6, 4)) for e in host])
+    return dict(
+        wall_s=round(wall, 4),
+        kernel_s=round(busy, 4),
+        kernel_launches=sum(e.count for e in events),
+        syncs={
+            k: calls.get(k, 0)
+            for k in (
+                "aten::_local_scalar_dense",
+                "cudaStreamSynchronize",
+                "cudaDeviceSynchronize",
+                "cudaMemcpyAsync",
+                "aten::nonzero",
+            )
+        },
+        top=[(e.key[:90], e.count, round(e.device_time_total / 1e6, 4)) for e in top],
+        top_host=[(e.key[:90], e.count, round(e.self_cpu_time_total / 1e6, 4)) for e in host],
+    )
 
 
 def table(results: dict) -> str:
@@ -388,9 +480,11 @@ def table(results: dict) -> str:
             continue
         for side in ("engine", "hf"):
             tr, fw = r[f"{side}_train"], r[f"{side}_fwd"]
-            lines.append(f"| {kind[4:]} {r['params_b']}B ({r['active_matmul_params_b']}B active), "
-                         f"{r['rows']}x{r['seq']} | {side} | {tr['tokens_per_s']} | {tr['mfu']:.1%} | "
-                         f"{fw['tokens_per_s']} | {fw['mfu']:.1%} |")
+            lines.append(
+                f"| {kind[4:]} {r['params_b']}B ({r['active_matmul_params_b']}B active), "
+                f"{r['rows']}x{r['seq']} | {side} | {tr['tokens_per_s']} | {tr['mfu']:.1%} | "
+                f"{fw['tokens_per_s']} | {fw['mfu']:.1%} |"
+            )
         lines.append(f"| | engine / hf | {r['train_ratio_engine_over_hf']}x | | {r['fwd_ratio_engine_over_hf']}x | |")
     return "\n".join(lines)
 
@@ -412,9 +506,13 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         state = {"tmp": tmp}
-        stages = {"env": stage_env, "parity": lambda: stage_parity(state),
-                  "rollout_ipc": lambda: stage_rollout_ipc(state),
-                  "mfu_moe": lambda: stage_mfu(state, "moe", args), "mfu_dense": lambda: stage_mfu(state, "dense", args)}
+        stages = {
+            "env": stage_env,
+            "parity": lambda: stage_parity(state),
+            "rollout_ipc": lambda: stage_rollout_ipc(state),
+            "mfu_moe": lambda: stage_mfu(state, "moe", args),
+            "mfu_dense": lambda: stage_mfu(state, "dense", args),
+        }
         for name in args.stages.split(","):
             t = time.perf_counter()
             try:

@@ -46,8 +46,9 @@ GIB = 2**30
 def _model(kind: str, tmp: str, smoke: bool) -> tuple[str, dict]:
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config_cls, model_cls, shape = ((Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE) if kind == "moe"
-                                    else (Qwen3Config, Qwen3ForCausalLM, DENSE))
+    config_cls, model_cls, shape = (
+        (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE) if kind == "moe" else (Qwen3Config, Qwen3ForCausalLM, DENSE)
+    )
     cfg = config_cls(**{**shape, **({k: v for k, v in SMOKE.items() if k in shape} if smoke else {})})
     torch.manual_seed(0)
     model = model_cls(cfg).to(torch.bfloat16)
@@ -64,12 +65,26 @@ def _predicted(hf: dict, path: str, recompute: str, rows: int, seq: int) -> dict
     from megarl.perf.memory import train_memory
     from megarl.perf.steptime import CPU_EFFICIENCY, GPU_EFFICIENCY, update_time
 
-    cfg = load_config(os.path.join(ROOT, "configs/quickstart.yaml"), [
-        f"model.path={path}", "actor.precision=bf16", f"actor.recompute={recompute}",
-        f"data.train_batch_size={rows}", "rollout.n=1", f"actor.ppo_mini_batch_size={rows}",
-        f"actor.micro_batch_size={rows}", f"data.max_prompt_length={PROMPT}",
-        f"rollout.max_new_tokens={seq - PROMPT}", "cluster.num_actor_ranks=1", "actor.parallel.ep=1",
-        "actor.parallel.tp=1", "actor.parallel.pp=1", "actor.ppo_epochs=1", "ref.enabled=false"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs/quickstart.yaml"),
+        [
+            f"model.path={path}",
+            "actor.precision=bf16",
+            f"actor.recompute={recompute}",
+            f"data.train_batch_size={rows}",
+            "rollout.n=1",
+            f"actor.ppo_mini_batch_size={rows}",
+            f"actor.micro_batch_size={rows}",
+            f"data.max_prompt_length={PROMPT}",
+            f"rollout.max_new_tokens={seq - PROMPT}",
+            "cluster.num_actor_ranks=1",
+            "actor.parallel.ep=1",
+            "actor.parallel.tp=1",
+            "actor.parallel.pp=1",
+            "actor.ppo_epochs=1",
+            "ref.enabled=false",
+        ],
+    )
     if DEVICE == "cuda":
         _, device = parse_devices("1xH100")
         eff = GPU_EFFICIENCY
@@ -77,11 +92,16 @@ def _predicted(hf: dict, path: str, recompute: str, rows: int, seq: int) -> dict
         device, eff = cpu_device(1), CPU_EFFICIENCY
     mem = train_memory(cfg, hf, device)
     seconds, flops, _ = update_time(cfg, hf, device, mem, float(seq - PROMPT), eff, 1, 1)
-    items = dict(params=mem.params, grads=mem.grads, optimizer=mem.optimizer,
-                 activations=mem.activations, logits=mem.logits)
-    return dict(**{f"{k}_gib": round(v / GIB, 2) for k, v in items.items()},
-                model_gib=round(sum(items.values()) / GIB, 2), reserve_gib=round(mem.reserve / GIB, 2),
-                update_s=round(seconds, 4), train_flops=flops)
+    items = dict(
+        params=mem.params, grads=mem.grads, optimizer=mem.optimizer, activations=mem.activations, logits=mem.logits
+    )
+    return dict(
+        **{f"{k}_gib": round(v / GIB, 2) for k, v in items.items()},
+        model_gib=round(sum(items.values()) / GIB, 2),
+        reserve_gib=round(mem.reserve / GIB, 2),
+        update_s=round(seconds, 4),
+        train_flops=flops,
+    )
 
 
 def measure(kind: str, path: str, hf: dict, recompute: str, args) -> dict:
@@ -92,8 +112,15 @@ def measure(kind: str, path: str, hf: dict, recompute: str, args) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, hf["vocab_size"], (rows, seq), generator=g)
     adv = torch.randn(rows, 1, generator=g).expand(rows, seq - PROMPT).contiguous()
-    batch = Batch({"input_ids": ids, "responses": ids[:, PROMPT:], "response_mask": torch.ones(rows, seq - PROMPT),
-                   "prompt_lengths": torch.full((rows,), PROMPT), "advantages": adv})
+    batch = Batch(
+        {
+            "input_ids": ids,
+            "responses": ids[:, PROMPT:],
+            "response_mask": torch.ones(rows, seq - PROMPT),
+            "prompt_lengths": torch.full((rows,), PROMPT),
+            "advantages": adv,
+        }
+    )
     engine = _recompute_engine(path, recompute, rows)
     engine.train_mini_batch(batch, _pg_loss)  # warm-up: optimizer state, allocator pools
     if DEVICE == "cuda":
@@ -105,8 +132,14 @@ def measure(kind: str, path: str, hf: dict, recompute: str, args) -> dict:
         norms.append(engine.train_mini_batch(batch, _pg_loss)["actor/grad_norm"])
         _sync()
         times.append(time.perf_counter() - t)
-    out = dict(rows=rows, seq=seq, tokens=rows * seq, step_s=sorted(times)[len(times) // 2],
-               all_step_s=[round(x, 4) for x in times], grad_norm=norms[-1])
+    out = dict(
+        rows=rows,
+        seq=seq,
+        tokens=rows * seq,
+        step_s=sorted(times)[len(times) // 2],
+        all_step_s=[round(x, 4) for x in times],
+        grad_norm=norms[-1],
+    )
     if DEVICE == "cuda":
         out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
         out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
@@ -124,17 +157,26 @@ def _recompute_engine(path: str, recompute: str, rows: int):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
-    engine = MegatronEngine(EngineSpec(
-        model_path=path, parallel=ParallelConfig(sequence_parallel=False), precision="bf16",
-        optim=OptimConfig(lr=1e-6, adam_eps=1e-2, clip_grad=0.0), micro_batch_size=rows, seed=1,
-        recompute=recompute))
+    engine = MegatronEngine(
+        EngineSpec(
+            model_path=path,
+            parallel=ParallelConfig(sequence_parallel=False),
+            precision="bf16",
+            optim=OptimConfig(lr=1e-6, adam_eps=1e-2, clip_grad=0.0),
+            micro_batch_size=rows,
+            seed=1,
+            recompute=recompute,
+        )
+    )
     engine.initialize()
     return engine
 
 
 def table(results: dict) -> str:
-    lines = ["| model | recompute | tokens | measured peak allocated GiB (reserved) | predicted GiB (params / grads / optim / acts / logits) | error | step s measured | predicted | MFU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | recompute | tokens | measured peak allocated GiB (reserved) | predicted GiB (params / grads / optim / acts / logits) | error | step s measured | predicted | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, r in results.items():
         if key == "env":
             continue
@@ -146,7 +188,8 @@ def table(results: dict) -> str:
             f"| {key.split('/')[0]} | {key.split('/')[1]} | {r['tokens']} | {r.get('peak_allocated_gib')} "
             f"({r.get('peak_reserved_gib')}) | {p['model_gib']} ({p['params_gib']} / {p['grads_gib']} / "
             f"{p['optimizer_gib']} / {p['activations_gib']} / {p['logits_gib']}) | {r.get('memory_error')} | "
-            f"{r['step_s']:.3f} | {p['update_s']:.3f} ({r['time_error']:+.0%}) | {r['mfu']} |")
+            f"{r['step_s']:.3f} | {p['update_s']:.3f} ({r['time_error']:+.0%}) | {r['mfu']} |"
+        )
     return "\n".join(lines)
 
 

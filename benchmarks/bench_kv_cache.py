@@ -70,7 +70,9 @@ def main(argv=None):
     path = build_tiny_checkpoint(tempfile.mkdtemp(), preset=args.preset)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     prepare_model(model)
-    print(f"{args.preset}, 1 torch thread, median of {args.steps} decode steps, best of {args.repeats} alternating repeats")
+    print(
+        f"{args.preset}, 1 torch thread, median of {args.steps} decode steps, best of {args.repeats} alternating repeats"
+    )
     print("| rows x prompt | rows leave | DynamicCache ms/step | engine cache ms/step | ratio | logits equal |")
     print("|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
@@ -83,8 +85,11 @@ def main(argv=None):
                 theirs.append(t_ref)
                 ours.append(t_ours)
                 equal &= torch.equal(ref, got)
-            print(f"| {rows} x {width}+{args.steps} | {'one per step' if leave else 'no'} | {min(theirs):.2f} | "
-                  f"{min(ours):.2f} | {min(theirs) / min(ours):.2f}x | {equal} |", flush=True)
+            print(
+                f"| {rows} x {width}+{args.steps} | {'one per step' if leave else 'no'} | {min(theirs):.2f} | "
+                f"{min(ours):.2f} | {min(theirs) / min(ours):.2f}x | {equal} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -38,15 +38,33 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import hf_peer, interleaved, make_engine, make_rows, pg_loss  # noqa: E402
 
-_WIDTH = dict(vocab_size=8192, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
-              num_key_value_heads=4, max_position_embeddings=4096)
+_WIDTH = dict(
+    vocab_size=8192,
+    hidden_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
 MODELS = {
     # (tiny preset to build from, overrides, one-line description)
-    "mid": ("tiny-qwen2", dict(_WIDTH, intermediate_size=2048),
-            "dense Qwen2, hidden 1024, 4 layers, 16 heads x 64 (4 KV), intermediate 2048, vocab 8192"),
-    "moe": ("tiny-qwen3-moe", dict(_WIDTH, head_dim=64, intermediate_size=2048, moe_intermediate_size=512,
-                                   num_experts=16, num_experts_per_tok=4),
-            "Qwen3-MoE, hidden 1024, 4 layers, 16 heads x 64 (4 KV), 16 experts top-4 x 512, vocab 8192"),
+    "mid": (
+        "tiny-qwen2",
+        dict(_WIDTH, intermediate_size=2048),
+        "dense Qwen2, hidden 1024, 4 layers, 16 heads x 64 (4 KV), intermediate 2048, vocab 8192",
+    ),
+    "moe": (
+        "tiny-qwen3-moe",
+        dict(
+            _WIDTH,
+            head_dim=64,
+            intermediate_size=2048,
+            moe_intermediate_size=512,
+            num_experts=16,
+            num_experts_per_tok=4,
+        ),
+        "Qwen3-MoE, hidden 1024, 4 layers, 16 heads x 64 (4 KV), 16 experts top-4 x 512, vocab 8192",
+    ),
 }
 
 
@@ -82,9 +100,14 @@ def peak_of(device: str, dtype: str) -> tuple[float, str]:
     entry = peak.cpu_peak_record(dtype)
     parts = ""
     if entry:
-        parts = (f" = max(threaded {entry['threaded_flops'] / 1e9:.0f}, {entry['threads']} x single-thread "
-                 f"{entry['single_thread_flops'] / 1e9:.0f}) GFLOP/s, measured {entry.get('measured_at', '?')}")
-    return flops, f"this CPU's {dtype} GEMM peak at {torch.get_num_threads()} thread(s): {flops / 1e9:.0f} GFLOP/s{parts}"
+        parts = (
+            f" = max(threaded {entry['threaded_flops'] / 1e9:.0f}, {entry['threads']} x single-thread "
+            f"{entry['single_thread_flops'] / 1e9:.0f}) GFLOP/s, measured {entry.get('measured_at', '?')}"
+        )
+    return (
+        flops,
+        f"this CPU's {dtype} GEMM peak at {torch.get_num_threads()} thread(s): {flops / 1e9:.0f} GFLOP/s{parts}",
+    )
 
 
 def synced(fn, device: str):
@@ -95,6 +118,7 @@ def synced(fn, device: str):
     def run():
         fn()
         torch.cuda.synchronize()
+
     return run
 
 
@@ -125,28 +149,34 @@ def main(argv=None) -> int:
     total, active = param_counts(config)
     load0 = os.getloadavg()[0]
     print(f"model: {args.model} ({desc}); {total / 1e6:.1f}M parameters ({active / 1e6:.1f}M active)")
-    print(f"device: {device}, {precision}, {args.threads} torch thread(s); {rows_n} x {args.seq} = {tokens} tokens/step; "
-          f"median of {args.steps} steps after 1 warm-up, alternating")
+    print(
+        f"device: {device}, {precision}, {args.threads} torch thread(s); {rows_n} x {args.seq} = {tokens} tokens/step; "
+        f"median of {args.steps} steps after 1 warm-up, alternating"
+    )
     print(f"peak: {peak_desc}")
     print(f"FLOPs/step (megarl.perf.flops): train {f_train / 1e12:.3f} T, forward {f_fwd / 1e12:.3f} T")
 
     peer_step, peer_forward = hf_peer(model_path, rows, device=device, dtype=dtype)
     engine = make_engine(model_path, packed=True, micro_batch_size=rows_n, precision=precision)
     head = engine.logprob_head(1.0, entropy_grad=False)  # as update_actor runs it without entropy_coeff
-    t_train, t_peer_train = interleaved(synced(lambda: engine.train_mini_batch(rows, pg_loss, head=head), device),
-                                        synced(peer_step, device), args.steps)
+    t_train, t_peer_train = interleaved(
+        synced(lambda: engine.train_mini_batch(rows, pg_loss, head=head), device), synced(peer_step, device), args.steps
+    )
     engine = head = None  # free the training engine (weights, Adam state) before building the next
     ref = make_engine(model_path, packed=True, micro_batch_size=rows_n, train=False, precision=precision)
-    t_fwd, t_peer_fwd = interleaved(synced(lambda: ref.compute_log_prob(rows), device),
-                                    synced(peer_forward, device), args.steps)
+    t_fwd, t_peer_fwd = interleaved(
+        synced(lambda: ref.compute_log_prob(rows), device), synced(peer_forward, device), args.steps
+    )
     load1 = os.getloadavg()[0]
 
     print(f"\nload average (1 min) {load0:.1f} before, {load1:.1f} after; run took {time.perf_counter() - t0:.0f} s\n")
     print("| model | pass | side | s/step | tokens/s | TFLOP/s | MFU |\n|---|---|---|---|---|---|---|")
     for name, flops, ours, theirs in (("train", f_train, t_train, t_peer_train), ("forward", f_fwd, t_fwd, t_peer_fwd)):
         for side, sec in (("megarl", ours), ("HF peer", theirs)):
-            print(f"| {args.model} | {name} | {side} | {sec:.2f} | {tokens / sec:,.0f} | "
-                  f"{flops / sec / 1e12:.3f} | **{mfu(flops, sec, 1, peak):.1%}** |")
+            print(
+                f"| {args.model} | {name} | {side} | {sec:.2f} | {tokens / sec:,.0f} | "
+                f"{flops / sec / 1e12:.3f} | **{mfu(flops, sec, 1, peak):.1%}** |"
+            )
         print(f"| {args.model} | {name} | megarl / peer | | **{theirs / ours:.2f}x** | | |")
     import torch.distributed as dist
 

@@ -34,50 +34,153 @@ sys.path.insert(0, str(ROOT))
 
 # name, base config, overrides, devices, mean prompt, mean response, published {metric: value}
 CALIBRATION = [
-    ("verl DeepSeek-V3 671B, 96 x H20 (dpsk.md; run_deepseek671b_math_megatron_96gb.sh)",
-     "deepseek-v3-671b",
-     ["cluster.num_actor_ranks=96", "actor.parallel.tp=8", "actor.parallel.pp=12", "actor.parallel.ep=8",
-      "actor.parallel.first_stage_layers=null", "actor.parallel.last_stage_layers=6", "actor.recompute=full",
-      "data.train_batch_size=96", "rollout.n=8", "actor.ppo_mini_batch_size=256",
-      "data.max_prompt_length=2048", "rollout.max_new_tokens=9632", "actor.max_tokens_per_micro_batch=11680",
-      "actor.use_kl_loss=true", "rollout.num_servers=3", "rollout.tp=32", "rollout.nnodes=4",
-      "rollout.ep=1", "rollout.dp=1", "rollout.mem_fraction_static=0.6"],
-     "96xH20", None, 1960, {"update MFU": 0.19, "step s": 1700, "generation s": 1050, "memory GiB": 66 / 1.074,
-                            "memory GiB (no optimizer on GPU)": 66 / 1.074}),
-    ("NeMo-RL DeepSeek-V3, 256 x H100 (performance-summary.md v0.6.0; grpo-deepseek-v3-32n8g.yaml)",
-     "deepseek-v3-671b",
-     ["actor.parallel.tp=1", "actor.parallel.sequence_parallel=false", "actor.parallel.pp=16", "actor.parallel.ep=16",
-      "actor.recompute=full", "data.train_batch_size=32", "rollout.n=16", "actor.ppo_mini_batch_size=512",
-      "data.max_prompt_length=512", "rollout.max_new_tokens=1024", "actor.max_tokens_per_micro_batch=1536",
-      "actor.use_kl_loss=true", "rollout.num_servers=8", "rollout.tp=32", "rollout.nnodes=4",
-      "rollout.ep=1", "rollout.dp=1", "rollout.mem_fraction_static=0.6"],
-     "256xH100", 110, 701, {"tokens/s/GPU": 12.1, "step s": 134}),
-    ("verl Qwen3-30B-A3B, 8 x H20 (dpsk.md; run_qwen3moe-30b_megatron_96gb.sh)",
-     "qwen3-30b-a3b",
-     ["actor.parallel.tp=1", "actor.parallel.ep=8", "data.train_batch_size=512", "rollout.n=16",
-      "actor.ppo_mini_batch_size=2048", "data.max_prompt_length=2048", "rollout.max_new_tokens=8192",
-      "actor.max_tokens_per_micro_batch=10240", "rollout.num_servers=2", "rollout.tp=4",
-      "rollout.mem_fraction_static=0.7", "actor.recompute=none"],
-     "8xH20", None, 4096, {"update MFU": 0.40}),
-    ("NeMo-RL Qwen3-30B-A3B, 32 x H100 (performance-summary.md v0.6.0; grpo-qwen3-30ba3b-4n8g.yaml)",
-     "qwen3-30b-a3b",
-     ["cluster.num_actor_ranks=32", "actor.parallel.tp=1", "actor.parallel.ep=8", "data.train_batch_size=64",
-      "rollout.n=32", "actor.ppo_mini_batch_size=512", "data.max_prompt_length=512", "rollout.max_new_tokens=3584",
-      "actor.max_tokens_per_micro_batch=4096", "rollout.num_servers=16", "rollout.tp=2",
-      "rollout.mem_fraction_static=0.6", "actor.recompute=none", "data.num_train=65536"],
-     "32xH100", 110, 3203, {"tokens/s/GPU": 1102, "step s": 192}),
+    (
+        "verl DeepSeek-V3 671B, 96 x H20 (dpsk.md; run_deepseek671b_math_megatron_96gb.sh)",
+        "deepseek-v3-671b",
+        [
+            "cluster.num_actor_ranks=96",
+            "actor.parallel.tp=8",
+            "actor.parallel.pp=12",
+            "actor.parallel.ep=8",
+            "actor.parallel.first_stage_layers=null",
+            "actor.parallel.last_stage_layers=6",
+            "actor.recompute=full",
+            "data.train_batch_size=96",
+            "rollout.n=8",
+            "actor.ppo_mini_batch_size=256",
+            "data.max_prompt_length=2048",
+            "rollout.max_new_tokens=9632",
+            "actor.max_tokens_per_micro_batch=11680",
+            "actor.use_kl_loss=true",
+            "rollout.num_servers=3",
+            "rollout.tp=32",
+            "rollout.nnodes=4",
+            "rollout.ep=1",
+            "rollout.dp=1",
+            "rollout.mem_fraction_static=0.6",
+        ],
+        "96xH20",
+        None,
+        1960,
+        {
+            "update MFU": 0.19,
+            "step s": 1700,
+            "generation s": 1050,
+            "memory GiB": 66 / 1.074,
+            "memory GiB (no optimizer on GPU)": 66 / 1.074,
+        },
+    ),
+    (
+        "NeMo-RL DeepSeek-V3, 256 x H100 (performance-summary.md v0.6.0; grpo-deepseek-v3-32n8g.yaml)",
+        "deepseek-v3-671b",
+        [
+            "actor.parallel.tp=1",
+            "actor.parallel.sequence_parallel=false",
+            "actor.parallel.pp=16",
+            "actor.parallel.ep=16",
+            "actor.recompute=full",
+            "data.train_batch_size=32",
+            "rollout.n=16",
+            "actor.ppo_mini_batch_size=512",
+            "data.max_prompt_length=512",
+            "rollout.max_new_tokens=1024",
+            "actor.max_tokens_per_micro_batch=1536",
+            "actor.use_kl_loss=true",
+            "rollout.num_servers=8",
+            "rollout.tp=32",
+            "rollout.nnodes=4",
+            "rollout.ep=1",
+            "rollout.dp=1",
+            "rollout.mem_fraction_static=0.6",
+        ],
+        "256xH100",
+        110,
+        701,
+        {"tokens/s/GPU": 12.1, "step s": 134},
+    ),
+    (
+        "verl Qwen3-30B-A3B, 8 x H20 (dpsk.md; run_qwen3moe-30b_megatron_96gb.sh)",
+        "qwen3-30b-a3b",
+        [
+            "actor.parallel.tp=1",
+            "actor.parallel.ep=8",
+            "data.train_batch_size=512",
+            "rollout.n=16",
+            "actor.ppo_mini_batch_size=2048",
+            "data.max_prompt_length=2048",
+            "rollout.max_new_tokens=8192",
+            "actor.max_tokens_per_micro_batch=10240",
+            "rollout.num_servers=2",
+            "rollout.tp=4",
+            "rollout.mem_fraction_static=0.7",
+            "actor.recompute=none",
+        ],
+        "8xH20",
+        None,
+        4096,
+        {"update MFU": 0.40},
+    ),
+    (
+        "NeMo-RL Qwen3-30B-A3B, 32 x H100 (performance-summary.md v0.6.0; grpo-qwen3-30ba3b-4n8g.yaml)",
+        "qwen3-30b-a3b",
+        [
+            "cluster.num_actor_ranks=32",
+            "actor.parallel.tp=1",
+            "actor.parallel.ep=8",
+            "data.train_batch_size=64",
+            "rollout.n=32",
+            "actor.ppo_mini_batch_size=512",
+            "data.max_prompt_length=512",
+            "rollout.max_new_tokens=3584",
+            "actor.max_tokens_per_micro_batch=4096",
+            "rollout.num_servers=16",
+            "rollout.tp=2",
+            "rollout.mem_fraction_static=0.6",
+            "actor.recompute=none",
+            "data.num_train=65536",
+        ],
+        "32xH100",
+        110,
+        3203,
+        {"tokens/s/GPU": 1102, "step s": 192},
+    ),
     # weight sync alone, trainer pool -> rollout pool over the network (verl docs/advance/fully_async.md,
     # "without checkpoint-engine", H20, Megatron): the 30B row set Efficiency.tensor_s, the 235B row checks it
-    ("verl Qwen3-30B-A3B weight sync, 16 -> 16 H20 (fully_async.md)", "qwen3-30b-a3b",
-     ["cluster.placement=disaggregated", "cluster.num_rollout_devices=16", "bridge.transport=distributed",
-      "rollout.release_memory=null"],
-     "32xH20", None, 1024, {"weight sync s": 15.76}),
-    ("verl Qwen3-235B-A22B weight sync, 64 -> 64 H20 (fully_async.md)", "qwen3-235b-a22b",
-     ["cluster.num_actor_ranks=64", "actor.parallel.pp=2", "actor.parallel.first_stage_layers=null",
-      "actor.parallel.last_stage_layers=null", "cluster.placement=disaggregated", "cluster.num_rollout_devices=64",
-      "rollout.num_servers=8", "rollout.tp=8", "bridge.transport=distributed", "rollout.release_memory=null",
-      "actor.ppo_mini_batch_size=64"],
-     "128xH20", None, 1024, {"weight sync s": 58.57}),
+    (
+        "verl Qwen3-30B-A3B weight sync, 16 -> 16 H20 (fully_async.md)",
+        "qwen3-30b-a3b",
+        [
+            "cluster.placement=disaggregated",
+            "cluster.num_rollout_devices=16",
+            "bridge.transport=distributed",
+            "rollout.release_memory=null",
+        ],
+        "32xH20",
+        None,
+        1024,
+        {"weight sync s": 15.76},
+    ),
+    (
+        "verl Qwen3-235B-A22B weight sync, 64 -> 64 H20 (fully_async.md)",
+        "qwen3-235b-a22b",
+        [
+            "cluster.num_actor_ranks=64",
+            "actor.parallel.pp=2",
+            "actor.parallel.first_stage_layers=null",
+            "actor.parallel.last_stage_layers=null",
+            "cluster.placement=disaggregated",
+            "cluster.num_rollout_devices=64",
+            "rollout.num_servers=8",
+            "rollout.tp=8",
+            "bridge.transport=distributed",
+            "rollout.release_memory=null",
+            "actor.ppo_mini_batch_size=64",
+        ],
+        "128xH20",
+        None,
+        1024,
+        {"weight sync s": 58.57},
+    ),
 ]
 
 
@@ -97,27 +200,49 @@ def calibration() -> None:
         t = plan.time
         rows = cfg.data.train_batch_size * cfg.rollout.n
         mean_prompt = prompt if prompt is not None else cfg.data.max_prompt_length
-        predicted = {"update MFU": update_mfu(cfg, plan), "step s": t.total, "generation s": t.generation,
-                     "weight sync s": t.weight_sync,
-                     "tokens/s/GPU": rows * (mean_prompt + response) / t.total / count,
-                     "memory GiB": plan.peak("train") / GiB,
-                     # verl runs Adam on the host (optimizer offload fraction 1.0): no optimizer state on
-                     # the GPU while training; megarl has no CPU optimizer, so this is the comparable figure
-                     "memory GiB (no optimizer on GPU)": (plan.peak("train") - plan.train.optimizer) / GiB}
+        predicted = {
+            "update MFU": update_mfu(cfg, plan),
+            "step s": t.total,
+            "generation s": t.generation,
+            "weight sync s": t.weight_sync,
+            "tokens/s/GPU": rows * (mean_prompt + response) / t.total / count,
+            "memory GiB": plan.peak("train") / GiB,
+            # verl runs Adam on the host (optimizer offload fraction 1.0): no optimizer state on
+            # the GPU while training; megarl has no CPU optimizer, so this is the comparable figure
+            "memory GiB (no optimizer on GPU)": (plan.peak("train") - plan.train.optimizer) / GiB,
+        }
         for metric, value in published.items():
             p = predicted[metric]
             print(f"| {name} | {metric} | {value:.3g} | {p:.3g} | {(p - value) / value:+.0%} |")
-        print(f"| | (phases, s) | | gen {t.generation:.0f}, log-prob {t.log_prob:.0f}, update {t.update:.0f}, "
-              f"sync {t.weight_sync:.0f}; train peak {plan.peak('train') / GiB:.0f} GiB"
-              f"{'' if plan.fits else ' (does not fit)'} | |")
+        print(
+            f"| | (phases, s) | | gen {t.generation:.0f}, log-prob {t.log_prob:.0f}, update {t.update:.0f}, "
+            f"sync {t.weight_sync:.0f}; train peak {plan.peak('train') / GiB:.0f} GiB"
+            f"{'' if plan.fits else ' (does not fit)'} | |"
+        )
 
 
 def _run_quickstart(out: Path, steps: int, overrides: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "megarl.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
-           f"trainer.total_steps={steps}", "trainer.val_every=0", "trainer.export_hf=false",
-           f"trainer.output_dir={out}", "trainer.tensorboard=false", *overrides]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        f"trainer.total_steps={steps}",
+        "trainer.val_every=0",
+        "trainer.export_hf=false",
+        f"trainer.output_dir={out}",
+        "trainer.tensorboard=false",
+        *overrides,
+    ]
+    subprocess.run(
+        cmd,
+        check=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     return [json.loads(line) for line in (out / "quickstart" / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -128,32 +253,49 @@ def cpu(steps: int, repeats: int) -> None:
     from megarl.perf.hardware import MiB, cpu_device
     from megarl.perf.plan import make_plan
 
-    layouts = {"tp1 pp1 ep2 (default; its earlier runs set the CPU constants)": [],
-               "pp2 ep1 (out of sample)": ["actor.parallel.pp=2", "actor.parallel.ep=1"]}
-    times = {"generation s": ["perf/gen_s"], "log-probs s": ["perf/old_log_prob_s", "perf/ref_s"],
-             "update s": ["perf/update_s"],
-             "weight sync s (+ release/resume)": ["perf/sync_s", "perf/release_s", "perf/resume_s", "perf/resume_kv_s"],
-             "step s": ["perf/step_s"], "params MiB (largest rank)": ["perf/memory/actor_params_gib"],
-             "grads MiB": ["perf/memory/actor_grads_gib"], "optimizer MiB": ["perf/memory/actor_optimizer_gib"],
-             "rank peak RSS MiB vs the plan's trainer peak": ["perf/memory/actor_peak_gib"]}
+    layouts = {
+        "tp1 pp1 ep2 (default; its earlier runs set the CPU constants)": [],
+        "pp2 ep1 (out of sample)": ["actor.parallel.pp=2", "actor.parallel.ep=1"],
+    }
+    times = {
+        "generation s": ["perf/gen_s"],
+        "log-probs s": ["perf/old_log_prob_s", "perf/ref_s"],
+        "update s": ["perf/update_s"],
+        "weight sync s (+ release/resume)": ["perf/sync_s", "perf/release_s", "perf/resume_s", "perf/resume_kv_s"],
+        "step s": ["perf/step_s"],
+        "params MiB (largest rank)": ["perf/memory/actor_params_gib"],
+        "grads MiB": ["perf/memory/actor_grads_gib"],
+        "optimizer MiB": ["perf/memory/actor_optimizer_gib"],
+        "rank peak RSS MiB vs the plan's trainer peak": ["perf/memory/actor_peak_gib"],
+    }
     runs: dict[str, list[dict]] = {name: [] for name in layouts}
     for _ in range(repeats):  # layouts interleaved, so machine noise hits both alike
         for name, overrides in layouts.items():
             with tempfile.TemporaryDirectory() as tmp:
                 rows = _run_quickstart(Path(tmp), steps, overrides)[2:]
-            runs[name].append({q: statistics.median(sum(r.get(k, 0.0) for k in keys) for r in rows)
-                               * (1024 if "MiB" in q else 1) for q, keys in times.items()})
+            runs[name].append(
+                {
+                    q: statistics.median(sum(r.get(k, 0.0) for k in keys) for r in rows) * (1024 if "MiB" in q else 1)
+                    for q, keys in times.items()
+                }
+            )
     print(f"| layout | quantity | measured (median of {repeats} runs; range) | predicted | error |")
     print("|---|---|---:|---:|---:|")
     for name, overrides in layouts.items():
         cfg = validate(load_config(str(ROOT / "configs" / "quickstart.yaml"), overrides))
         plan = make_plan(cfg, _model_config(cfg), cpu_device(2))
         t = plan.time
-        predicted = {"generation s": t.generation, "log-probs s": t.log_prob, "update s": t.update,
-                     "weight sync s (+ release/resume)": t.weight_sync, "step s": t.total,
-                     "params MiB (largest rank)": plan.train.params / MiB, "grads MiB": plan.train.grads / MiB,
-                     "optimizer MiB": plan.train.optimizer / MiB,
-                     "rank peak RSS MiB vs the plan's trainer peak": plan.train.peak / MiB}
+        predicted = {
+            "generation s": t.generation,
+            "log-probs s": t.log_prob,
+            "update s": t.update,
+            "weight sync s (+ release/resume)": t.weight_sync,
+            "step s": t.total,
+            "params MiB (largest rank)": plan.train.params / MiB,
+            "grads MiB": plan.train.grads / MiB,
+            "optimizer MiB": plan.train.optimizer / MiB,
+            "rank peak RSS MiB vs the plan's trainer peak": plan.train.peak / MiB,
+        }
         for q in times:
             values = [run[q] for run in runs[name]]
             m, p = statistics.median(values), predicted[q]

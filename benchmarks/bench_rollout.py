@@ -55,8 +55,9 @@ import torch
 
 MODELS = {
     "tiny": {},
-    "tiny-x10": dict(hidden_size=128, head_dim=32, intermediate_size=256, moe_intermediate_size=128,
-                     num_hidden_layers=5),
+    "tiny-x10": dict(
+        hidden_size=128, head_dim=32, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=5
+    ),
 }
 
 
@@ -66,8 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--models", default="tiny,tiny-x10", help=f"comma-separated subset of {list(MODELS)}")
-    p.add_argument("--max-batch-size", type=int, default=512,
-                   help="server --max-batch-size (default: the whole prompts*n batch fits in one)")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=512,
+        help="server --max-batch-size (default: the whole prompts*n batch fits in one)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--mesh", action="store_true", help="tp=1 vs tp=2 vs 2 engines behind sglang-router")
@@ -87,14 +92,16 @@ def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     for _ in range(count):
         a, b = rng.randint(0, 10 ** rng.randint(1, 4)), rng.randint(0, 999)
         text = f"what is {a}{rng.choice('+-*')}{b}?" + " please" * rng.randint(0, 2)
-        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                     add_generation_prompt=True, tokenize=True))
+        prompts.append(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+        )
     return [list(map(int, p)) for p in prompts]
 
 
 def sampling(args) -> dict:
-    return {"n": args.n, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens,
-            "ignore_eos": True}
+    return {"n": args.n, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
 
 
 # ---- the three measurements -------------------------------------------------------------------
@@ -125,8 +132,11 @@ def run_engine_in_process(engine, prompts, args) -> tuple[float, int, None]:
     from megarl.rollout.engine.protocol import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True)
-    requests = [GenerationRequest(rid=f"{i}-{j}-{time.monotonic_ns()}", input_ids=p, params=params,
-                                  return_logprob=True) for i, p in enumerate(prompts) for j in range(args.n)]
+    requests = [
+        GenerationRequest(rid=f"{i}-{j}-{time.monotonic_ns()}", input_ids=p, params=params, return_logprob=True)
+        for i, p in enumerate(prompts)
+        for j in range(args.n)
+    ]
     start = time.perf_counter()
     results = [f.result() for f in engine.submit(requests)]
     elapsed = time.perf_counter() - start
@@ -139,9 +149,19 @@ def run_hf_peer(model, prompts, args) -> tuple[float, int, None]:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                         top_k=0, num_return_sequences=args.n, max_new_tokens=args.max_new_tokens,
-                         min_new_tokens=args.max_new_tokens, use_cache=True, pad_token_id=0)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        num_return_sequences=args.n,
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.max_new_tokens,
+        use_cache=True,
+        pad_token_id=0,
+    )
     elapsed = time.perf_counter() - start
     return elapsed, _count_tokens(out[:, width:].tolist(), len(prompts) * args.n), None
 
@@ -158,8 +178,12 @@ def median_rate(fn, repeats: int) -> dict:
     if len(tokens) != 1:
         raise RuntimeError(f"token counts differ between repeats: {sorted(tokens)}")
     in_engine = [e for _, _, e in runs if e is not None]
-    return {"s": statistics.median(s for s, _, _ in runs), "tokens": tokens.pop(), "runs": [s for s, _, _ in runs],
-            "engine_s": statistics.median(in_engine) if in_engine else None}
+    return {
+        "s": statistics.median(s for s, _, _ in runs),
+        "tokens": tokens.pop(),
+        "runs": [s for s, _, _ in runs],
+        "engine_s": statistics.median(in_engine) if in_engine else None,
+    }
 
 
 def engine_stats(url: str) -> dict:
@@ -171,8 +195,11 @@ def measure_hf_peer(model_dir: Path, prompts, args) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     run_hf_peer(model, prompts[:2], warmup_args(args))  # first-call allocations and lazy imports
-    row = {"path": "HF generate (peer)", "params": sum(p.numel() for p in model.parameters()),
-           **median_rate(lambda: run_hf_peer(model, prompts, args), args.repeats)}
+    row = {
+        "path": "HF generate (peer)",
+        "params": sum(p.numel() for p in model.parameters()),
+        **median_rate(lambda: run_hf_peer(model, prompts, args), args.repeats),
+    }
     return row
 
 
@@ -182,8 +209,10 @@ def measure_engine(model_dir: Path, prompts, args) -> dict:
     engine = GenerationEngine(str(model_dir), max_batch_size=args.max_batch_size, seed=0)
     try:
         run_engine_in_process(engine, prompts[:2], warmup_args(args))
-        return {"path": "megarl GenerationEngine in-process (no HTTP)",
-                **median_rate(lambda: run_engine_in_process(engine, prompts, args), args.repeats)}
+        return {
+            "path": "megarl GenerationEngine in-process (no HTTP)",
+            **median_rate(lambda: run_engine_in_process(engine, prompts, args), args.repeats),
+        }
     finally:
         engine.close()
 
@@ -194,8 +223,10 @@ def measure_server(model_dir: Path, prompts, args) -> list[dict]:
     rows = []
     with RolloutServerProcess(model_dir, torch_threads=1, max_batch_size=args.max_batch_size) as server:
         run_one_request(server.url, prompts[:2], warmup_args(args))
-        for path, fn in (("megarl server, RolloutClient", run_client),
-                         ("megarl server, 1 batched request", run_one_request)):
+        for path, fn in (
+            ("megarl server, RolloutClient", run_client),
+            ("megarl server, 1 batched request", run_one_request),
+        ):
             before = engine_stats(server.url)
             row = {"path": path, **median_rate(lambda: fn(server.url, prompts, args), args.repeats)}
             row["engine"] = _stats_delta(before, engine_stats(server.url), args.repeats)
@@ -209,12 +240,11 @@ def measure_mesh(model_dir: Path, prompts, args) -> list[dict]:
     """One tp=1 engine, one tp=2 engine, two tp=1 engines behind sglang-router: per-prompt requests."""
     import contextlib
 
-    from megarl.rollout.fleet.server_process import RolloutServerProcess
     from megarl.rollout.fleet.router import RouterProcess
+    from megarl.rollout.fleet.server_process import RolloutServerProcess
 
     def server(*extra):
-        return RolloutServerProcess(model_dir, torch_threads=1, max_batch_size=args.max_batch_size,
-                                    extra_args=extra)
+        return RolloutServerProcess(model_dir, torch_threads=1, max_batch_size=args.max_batch_size, extra_args=extra)
 
     def per_prompt(url):
         return lambda: run_client(url, prompts, args, batched=False)
@@ -229,7 +259,10 @@ def measure_mesh(model_dir: Path, prompts, args) -> list[dict]:
         router = stack.enter_context(RouterProcess([e.url for e in engines], policy=args.router_policy))
         run_client(router.url, prompts[:2], warmup_args(args), batched=False)
         before = [engine_stats(e.url).get("requests_finished", 0) for e in engines]
-        row = {"path": f"2 engines tp=1 behind sglang-router ({args.router_policy})", **median_rate(per_prompt(router.url), args.repeats)}
+        row = {
+            "path": f"2 engines tp=1 behind sglang-router ({args.router_policy})",
+            **median_rate(per_prompt(router.url), args.repeats),
+        }
         shares = [engine_stats(e.url).get("requests_finished", 0) - b for e, b in zip(engines, before)]
         row["engine"] = f"requests per engine {shares}"
         rows.append(row)
@@ -251,8 +284,11 @@ def bench_model(name: str, model_dir: Path, args) -> list[dict]:
     elif args.mesh:
         rows = [measure_hf_peer(model_dir, prompts, args), *measure_mesh(model_dir, prompts, args)]
     else:
-        rows = [measure_hf_peer(model_dir, prompts, args), measure_engine(model_dir, prompts, args),
-                *measure_server(model_dir, prompts, args)]
+        rows = [
+            measure_hf_peer(model_dir, prompts, args),
+            measure_engine(model_dir, prompts, args),
+            *measure_server(model_dir, prompts, args),
+        ]
     for row in rows:
         row.update(model=name, params=rows[0]["params"])
     return rows
@@ -289,9 +325,11 @@ def main(argv=None) -> None:
 
 
 def print_table(rows, args, load_before, load_after) -> None:
-    print(f"\n{args.prompts} prompts x n={args.n}, {args.max_new_tokens} new tokens each, 1 torch thread, "
-          f"median of {args.repeats}; load average (1 min) before {load_before[0]:.2f}, after "
-          f"{load_after[0]:.2f} on {os.cpu_count()} cores (other users of the cores add noise)")
+    print(
+        f"\n{args.prompts} prompts x n={args.n}, {args.max_new_tokens} new tokens each, 1 torch thread, "
+        f"median of {args.repeats}; load average (1 min) before {load_before[0]:.2f}, after "
+        f"{load_after[0]:.2f} on {os.cpu_count()} cores (other users of the cores add noise)"
+    )
     from _mixed_lengths import print_rate_table
 
     print_rate_table(rows, speedup=False)

@@ -75,24 +75,36 @@ REFERENCE_STEPS = 50  # the reference curve's first validation step (configs/qui
 @dataclass(frozen=True)
 class Variant:
     name: str
-    steps: int                    # default steps per run
-    warmup: int                   # first steps left out of the median s/step
+    steps: int  # default steps per run
+    warmup: int  # first steps left out of the median s/step
     max_new_tokens: int
     model_overrides: dict = field(default_factory=dict)  # HF config changes to tiny-qwen3-moe
-    no_eos: bool = False          # eos outside the vocabulary: every response is max_new_tokens long
-    megarl_args: tuple = ()       # megarl overrides of the variant (before --megarl-arg)
+    no_eos: bool = False  # eos outside the vocabulary: every response is max_new_tokens long
+    megarl_args: tuple = ()  # megarl overrides of the variant (before --megarl-arg)
 
 
 VARIANTS = {
     "quickstart": Variant("quickstart", steps=200, warmup=5, max_new_tokens=2),
-    "compute": Variant("compute", steps=8, warmup=2, max_new_tokens=64, no_eos=True, model_overrides=dict(
-        hidden_size=384, intermediate_size=768, moe_intermediate_size=384, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=64),
+    "compute": Variant(
+        "compute",
+        steps=8,
+        warmup=2,
+        max_new_tokens=64,
+        no_eos=True,
+        model_overrides=dict(
+            hidden_size=384,
+            intermediate_size=768,
+            moe_intermediate_size=384,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=64,
+        ),
         # one engine per device, as verl sizes its rollout (devices / tp): generation is GEMM-bound
         # here and the ranks are idle while it runs, so the second core generates too; the two
         # ranks are plain data parallel (EP=1: 4.4M parameters fit a device many times over), so
         # a skewed router never leaves one rank's experts idle while the other's work
-        megarl_args=("rollout.num_servers=2", "rollout.router=false", "actor.parallel.ep=1")),
+        megarl_args=("rollout.num_servers=2", "rollout.router=false", "actor.parallel.ep=1"),
+    ),
 }
 
 
@@ -144,14 +156,18 @@ def trl_python(arg: str | None) -> str:
     """--trl-python, or .venv-trl built (or checked) by benchmarks/setup_trl_env.sh."""
     if arg:
         if not Path(arg).exists():
-            raise SystemExit(f"bench_vs_trl: --trl-python {arg} does not exist; build the TRL venv with "
-                             "`bash benchmarks/setup_trl_env.sh` (it makes .venv-trl)")
+            raise SystemExit(
+                f"bench_vs_trl: --trl-python {arg} does not exist; build the TRL venv with "
+                "`bash benchmarks/setup_trl_env.sh` (it makes .venv-trl)"
+            )
         return arg
     script = ROOT / "benchmarks" / "setup_trl_env.sh"
     print("bench_vs_trl: checking .venv-trl (bash benchmarks/setup_trl_env.sh; the first time ~2 min)", flush=True)
     if subprocess.run(["bash", str(script)], cwd=ROOT).returncode != 0:
-        raise SystemExit("bench_vs_trl: benchmarks/setup_trl_env.sh failed (output above); fix it, or pass "
-                         "--trl-python PATH to a python with torch 2.13.0 and trl 1.16.0")
+        raise SystemExit(
+            "bench_vs_trl: benchmarks/setup_trl_env.sh failed (output above); fix it, or pass "
+            "--trl-python PATH to a python with torch 2.13.0 and trl 1.16.0"
+        )
     return str(ROOT / ".venv-trl" / "bin" / "python")
 
 
@@ -190,10 +206,19 @@ def run_megarl(variant: Variant, model: Path, steps: int, run_dir: Path, extra: 
     metrics.jsonl."""
     exp = run_dir.name
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run (trainer.resume=auto would continue)
-    cmd = [str(ROOT / ".venv" / "bin" / "megarl"), "train", "configs/quickstart.yaml",
-           f"trainer.output_dir={run_dir.parent}", f"trainer.experiment_name={exp}",
-           f"trainer.total_steps={steps}", "trainer.val_every=0", f"model.path={model}",
-           f"rollout.max_new_tokens={variant.max_new_tokens}", *variant.megarl_args, *extra]
+    cmd = [
+        str(ROOT / ".venv" / "bin" / "megarl"),
+        "train",
+        "configs/quickstart.yaml",
+        f"trainer.output_dir={run_dir.parent}",
+        f"trainer.experiment_name={exp}",
+        f"trainer.total_steps={steps}",
+        "trainer.val_every=0",
+        f"model.path={model}",
+        f"rollout.max_new_tokens={variant.max_new_tokens}",
+        *variant.megarl_args,
+        *extra,
+    ]
     line_times: dict[int, float] = {}
 
     def on_line(text: str, now: float) -> None:
@@ -208,9 +233,18 @@ def run_megarl(variant: Variant, model: Path, steps: int, run_dir: Path, extra: 
     for m in metrics:
         done = line_times.get(m["step"])
         if done is None:
-            raise SystemExit(f"bench_vs_trl: no progress line for megarl step {m['step']} (trainer.log_every must be 1)")
-        rows.append({"start": done - m["perf/step_s"], "end": done, "step_s": m["perf/step_s"],
-                     "reward": m["reward/mean"], **megarl_stages(m)})
+            raise SystemExit(
+                f"bench_vs_trl: no progress line for megarl step {m['step']} (trainer.log_every must be 1)"
+            )
+        rows.append(
+            {
+                "start": done - m["perf/step_s"],
+                "end": done,
+                "step_s": m["perf/step_s"],
+                "reward": m["reward/mean"],
+                **megarl_stages(m),
+            }
+        )
     return {"launch": launch, "exit": end, "steps": rows, "metrics_path": str(run_dir / "metrics.jsonl")}
 
 
@@ -222,8 +256,12 @@ def megarl_stages(m: dict) -> dict:
     """perf/* of one megarl step: generation, the batch's preparation (old/ref log-probs where
     computed, values, reward, advantages), the update, and the rest (weight sync, the loop's own)."""
     prep = sum(m.get(k, 0.0) for k in PREP_KEYS)
-    return {"gen_s": m["perf/gen_s"], "prep_s": prep, "update_s": m["perf/update_s"],
-            "other_s": m["perf/step_s"] - m["perf/gen_s"] - prep - m["perf/update_s"]}
+    return {
+        "gen_s": m["perf/gen_s"],
+        "prep_s": prep,
+        "update_s": m["perf/update_s"],
+        "other_s": m["perf/step_s"] - m["perf/gen_s"] - prep - m["perf/update_s"],
+    }
 
 
 def trl_stages(r: dict) -> dict:
@@ -231,18 +269,45 @@ def trl_stages(r: dict) -> dict:
     old log-prob pass, reward, advantages), and the optimizer steps (the round's remainder)."""
     if "gen_s" not in r:  # written by an older _trl_grpo.py
         return {}
-    return {"gen_s": r["gen_s"], "prep_s": r["prepare_s"], "update_s": r["step_s"] - r["gen_s"] - r["prepare_s"],
-            "other_s": None}
+    return {
+        "gen_s": r["gen_s"],
+        "prep_s": r["prepare_s"],
+        "update_s": r["step_s"] - r["gen_s"] - r["prepare_s"],
+        "other_s": None,
+    }
 
 
 def run_trl(variant: Variant, model: Path, train: Path, steps: int, out: Path, python: str) -> dict:
-    cmd = [python, str(ROOT / "benchmarks" / "_trl_grpo.py"), "--model", str(model), "--train", str(train),
-           "--steps", str(steps), "--out", str(out), "--max-new-tokens", str(variant.max_new_tokens),
-           "--workdir", str(out.with_suffix(".workdir"))]
+    cmd = [
+        python,
+        str(ROOT / "benchmarks" / "_trl_grpo.py"),
+        "--model",
+        str(model),
+        "--train",
+        str(train),
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        str(variant.max_new_tokens),
+        "--workdir",
+        str(out.with_suffix(".workdir")),
+    ]
     launch, end = run_logged(cmd, out.with_suffix(".log"))
     records = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
-    rows = [{"start": r["start"], "end": r["end"], "step_s": r["step_s"], "reward": r["reward_mean"],
-             "trl": r.get("trl", {}), **trl_stages(r)} for r in records if r["kind"] == "step"]
+    rows = [
+        {
+            "start": r["start"],
+            "end": r["end"],
+            "step_s": r["step_s"],
+            "reward": r["reward_mean"],
+            "trl": r.get("trl", {}),
+            **trl_stages(r),
+        }
+        for r in records
+        if r["kind"] == "step"
+    ]
     summary = next(r for r in records if r["kind"] == "summary")
     return {"launch": launch, "exit": end, "steps": rows, "trl_summary": summary}
 
@@ -257,18 +322,31 @@ def summarize(run: dict, warmup: int) -> dict:
     steps = run["steps"]
     first_start = steps[0]["start"]
     rewards = [s["reward"] for s in steps]
-    reach = next((k for k in range(REWARD_WINDOW, len(rewards) + 1)
-                  if sum(rewards[k - REWARD_WINDOW:k]) / REWARD_WINDOW >= REWARD_TARGET), None)
+    reach = next(
+        (
+            k
+            for k in range(REWARD_WINDOW, len(rewards) + 1)
+            if sum(rewards[k - REWARD_WINDOW : k]) / REWARD_WINDOW >= REWARD_TARGET
+        ),
+        None,
+    )
     w = min(REWARD_WINDOW, len(rewards))
-    after_warmup = steps[warmup_of(len(steps), warmup):]
+    after_warmup = steps[warmup_of(len(steps), warmup) :]
     steady = [s["step_s"] for s in after_warmup]
-    return {"whole_s": run["exit"] - run["launch"], "steps_s": steps[-1]["end"] - first_start,
-            "sum_step_s": sum(s["step_s"] for s in steps), "median_step_s": statistics.median(steady),
-            "startup_s": first_start - run["launch"], "reach_step": reach,
-            "reach_s": steps[reach - 1]["end"] - first_start if reach else None,
-            "reward_first": sum(rewards[:w]) / w, "reward_last": sum(rewards[-w:]) / w,
-            "stages": {k: statistics.median(v) if None not in (v := [s.get(k) for s in after_warmup]) else None
-                       for k, _ in STAGES}}
+    return {
+        "whole_s": run["exit"] - run["launch"],
+        "steps_s": steps[-1]["end"] - first_start,
+        "sum_step_s": sum(s["step_s"] for s in steps),
+        "median_step_s": statistics.median(steady),
+        "startup_s": first_start - run["launch"],
+        "reach_step": reach,
+        "reach_s": steps[reach - 1]["end"] - first_start if reach else None,
+        "reward_first": sum(rewards[:w]) / w,
+        "reward_last": sum(rewards[-w:]) / w,
+        "stages": {
+            k: statistics.median(v) if None not in (v := [s.get(k) for s in after_warmup]) else None for k, _ in STAGES
+        },
+    }
 
 
 def check_reference_curve(metrics_path: str, steps: int) -> str:
@@ -276,22 +354,42 @@ def check_reference_curve(metrics_path: str, steps: int) -> str:
     n = min(steps, REFERENCE_STEPS)
     head = Path(metrics_path).with_name("metrics_head.jsonl")
     head.write_text("".join(Path(metrics_path).read_text().splitlines(keepends=True)[:n]))
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_curve.py"), str(head)],
-                         cwd=ROOT, capture_output=True, text=True)
-    return f"steps 1..{n} " + ("equal to the reference curve" if res.returncode == 0 else
-                               f"DEPART from the reference curve: {res.stdout.strip()[-400:]}")
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compare_curve.py"), str(head)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    return f"steps 1..{n} " + (
+        "equal to the reference curve"
+        if res.returncode == 0
+        else f"DEPART from the reference curve: {res.stdout.strip()[-400:]}"
+    )
 
 
 # ------------------------------------------------------------------ report
-STAGES = [("gen_s", "generation"), ("prep_s", "old log-probs, reward, advantages"), ("update_s", "update"),
-          ("other_s", "weight sync, the rest")]
-COLUMNS = [("whole_s", "whole s"), ("steps_s", "steps s"), ("median_step_s", "s/step"),
-           ("startup_s", "start-up s"), ("reach_step", "step to 0.9"), ("reach_s", "time to 0.9 s")]
+STAGES = [
+    ("gen_s", "generation"),
+    ("prep_s", "old log-probs, reward, advantages"),
+    ("update_s", "update"),
+    ("other_s", "weight sync, the rest"),
+]
+COLUMNS = [
+    ("whole_s", "whole s"),
+    ("steps_s", "steps s"),
+    ("median_step_s", "s/step"),
+    ("startup_s", "start-up s"),
+    ("reach_step", "step to 0.9"),
+    ("reach_s", "time to 0.9 s"),
+]
 
 
 def fmt(v) -> str:
-    return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) and v < 1 else
-                                  f"{v:.2f}" if isinstance(v, float) else str(v))
+    return (
+        "-"
+        if v is None
+        else (f"{v:.3f}" if isinstance(v, float) and v < 1 else f"{v:.2f}" if isinstance(v, float) else str(v))
+    )
 
 
 def print_stages(runs: list[dict]) -> None:
@@ -300,8 +398,10 @@ def print_stages(runs: list[dict]) -> None:
     med = {}
     for side in SIDES:
         per_run = [r["summary"].get("stages") or {} for r in runs if r["side"] == side]
-        med[side] = {k: statistics.median(v) if (v := [x[k] for x in per_run if x.get(k) is not None]) else None
-                     for k, _ in STAGES}
+        med[side] = {
+            k: statistics.median(v) if (v := [x[k] for x in per_run if x.get(k) is not None]) else None
+            for k, _ in STAGES
+        }
     print("\n| stage (s/step, median) | megarl | TRL | megarl/TRL |\n|---|---|---|---|")
     for k, label in STAGES:
         a, b = med["megarl"][k], med["trl"][k]
@@ -312,32 +412,48 @@ def print_stages(runs: list[dict]) -> None:
 def report(variant: Variant, runs: list[dict]) -> dict:
     """Print the variant's table; return its medians and ratios."""
     n = len(runs[0]["steps"])
-    print(f"\n### {variant.name}: {len(runs) // 2} pairs, {n} steps, s/step = median after "
-          f"{warmup_of(n, variant.warmup)} warm-up steps\n")
-    print("| pair | side | " + " | ".join(label for _, label in COLUMNS) + " | reward first -> last 10 | load before/after |")
+    print(
+        f"\n### {variant.name}: {len(runs) // 2} pairs, {n} steps, s/step = median after "
+        f"{warmup_of(n, variant.warmup)} warm-up steps\n"
+    )
+    print(
+        "| pair | side | "
+        + " | ".join(label for _, label in COLUMNS)
+        + " | reward first -> last 10 | load before/after |"
+    )
     print("|---" * (len(COLUMNS) + 4) + "|")
     for r in runs:
         s = r["summary"]
-        print(f"| {r['pair']} | {r['side']} | " + " | ".join(fmt(s[k]) for k, _ in COLUMNS)
-              + f" | {s['reward_first']:.3f} -> {s['reward_last']:.3f} | {r['load_before']:.2f} / {r['load_after']:.2f} |")
+        print(
+            f"| {r['pair']} | {r['side']} | "
+            + " | ".join(fmt(s[k]) for k, _ in COLUMNS)
+            + f" | {s['reward_first']:.3f} -> {s['reward_last']:.3f} | {r['load_before']:.2f} / {r['load_after']:.2f} |"
+        )
     medians, ratios = {}, {}
     for side in SIDES:
         mine = [r["summary"] for r in runs if r["side"] == side]
-        medians[side] = {k: (statistics.median(v) if len(v := [m[k] for m in mine if m[k] is not None]) == len(mine)
-                             else None) for k, _ in COLUMNS}
+        medians[side] = {
+            k: (statistics.median(v) if len(v := [m[k] for m in mine if m[k] is not None]) == len(mine) else None)
+            for k, _ in COLUMNS
+        }
     for k, _ in COLUMNS:
         a, b = medians["megarl"][k], medians["trl"][k]
         ratios[k] = a / b if a is not None and b else None
     print("| median | megarl | " + " | ".join(fmt(medians["megarl"][k]) for k, _ in COLUMNS) + " | | |")
     print("| median | TRL | " + " | ".join(fmt(medians["trl"][k]) for k, _ in COLUMNS) + " | | |")
-    print("| ratio | megarl/TRL | " + " | ".join("-" if ratios[k] is None else f"{ratios[k]:.2f}x"
-                                                 for k, _ in COLUMNS) + " | | |")
+    print(
+        "| ratio | megarl/TRL | "
+        + " | ".join("-" if ratios[k] is None else f"{ratios[k]:.2f}x" for k, _ in COLUMNS)
+        + " | | |"
+    )
     print_stages(runs)
     print(f"\nreward curves ({REWARD_WINDOW}-step means of reward/mean, every {REWARD_WINDOW} steps):")
     for r in runs:
         rewards = [s["reward"] for s in r["steps"]]
-        means = [sum(rewards[i:i + REWARD_WINDOW]) / len(rewards[i:i + REWARD_WINDOW])
-                 for i in range(0, len(rewards), REWARD_WINDOW)]
+        means = [
+            sum(rewards[i : i + REWARD_WINDOW]) / len(rewards[i : i + REWARD_WINDOW])
+            for i in range(0, len(rewards), REWARD_WINDOW)
+        ]
         print(f"  pair {r['pair']} {r['side']:6}: " + " ".join(f"{m:.2f}" for m in means))
         if "curve_check" in r:
             print(f"  pair {r['pair']} megarl: {r['curve_check']}")
@@ -362,8 +478,10 @@ def main(argv=None) -> None:
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or not names or args.pairs < 1:
-        raise SystemExit(f"bench_vs_trl: --variants must name some of {sorted(VARIANTS)} (got {unknown or names}) "
-                         f"and --pairs must be >= 1")
+        raise SystemExit(
+            f"bench_vs_trl: --variants must name some of {sorted(VARIANTS)} (got {unknown or names}) "
+            f"and --pairs must be >= 1"
+        )
     check_reward_equal()
     python = trl_python(args.trl_python)
     work = Path(args.workdir).resolve()
@@ -377,7 +495,7 @@ def main(argv=None) -> None:
         model = build_model(variant, work / "inputs" / f"model-{name}")
         runs = []
         for pair in range(1, args.pairs + 1):
-            for side in (SIDES if pair % 2 else SIDES[::-1]):
+            for side in SIDES if pair % 2 else SIDES[::-1]:
                 tag = f"{name}-{stamp}-p{pair}-{side}"
                 print(f"bench_vs_trl: {tag} ({steps} steps) ...", flush=True)
                 before = load_avg()
@@ -390,12 +508,20 @@ def main(argv=None) -> None:
                 if side == "megarl" and name == "quickstart" and not args.megarl_arg:
                     run["curve_check"] = check_reference_curve(run["metrics_path"], steps)
                 s = run["summary"]
-                print(f"bench_vs_trl: {tag}: whole {s['whole_s']:.1f} s, steps {s['steps_s']:.1f} s, "
-                      f"{s['median_step_s']:.3f} s/step, reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}",
-                      flush=True)
+                print(
+                    f"bench_vs_trl: {tag}: whole {s['whole_s']:.1f} s, steps {s['steps_s']:.1f} s, "
+                    f"{s['median_step_s']:.3f} s/step, reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}",
+                    flush=True,
+                )
                 runs.append(run)
-        result["variants"][name] = {"steps": steps, "warmup": variant.warmup, "model": str(model),
-                                    "max_new_tokens": variant.max_new_tokens, "runs": runs, **report(variant, runs)}
+        result["variants"][name] = {
+            "steps": steps,
+            "warmup": variant.warmup,
+            "model": str(model),
+            "max_new_tokens": variant.max_new_tokens,
+            "runs": runs,
+            **report(variant, runs),
+        }
     result["machine"]["load_end"] = load_avg()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

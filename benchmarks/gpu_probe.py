@@ -41,8 +41,14 @@ sys.path.insert(0, ROOT)
 
 def stage_env() -> dict:
     p = torch.cuda.get_device_properties(0)
-    return dict(torch=torch.__version__, cuda=torch.version.cuda, gpu=p.name, sms=p.multi_processor_count,
-                memory_gib=round(p.total_memory / 2**30, 1), nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return dict(
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        gpu=p.name,
+        sms=p.multi_processor_count,
+        memory_gib=round(p.total_memory / 2**30, 1),
+        nccl=".".join(map(str, torch.cuda.nccl.version())),
+    )
 
 
 def _ipc_receiver(payload: str, expected_path: str, queue) -> None:
@@ -64,9 +70,11 @@ def stage_ipc(tmp: str) -> dict:
     from megarl.wire.weights_codec import pack_flattened_bucket, serialize
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    bucket = [("a.weight", torch.randn(64, 32, device="cuda", generator=g)),
-              ("b.bias", torch.randn(7, device="cuda", generator=g).to(torch.bfloat16)),
-              ("c.weight", torch.randn(3, 5, 11, device="cuda", generator=g).half())]
+    bucket = [
+        ("a.weight", torch.randn(64, 32, device="cuda", generator=g)),
+        ("b.bias", torch.randn(7, device="cuda", generator=g).to(torch.bfloat16)),
+        ("c.weight", torch.randn(3, 5, 11, device="cuda", generator=g).half()),
+    ]
     flat, metadata = pack_flattened_bucket(bucket)
     payload = serialize({"flattened_tensor": flat, "metadata": metadata})
     expected_path = os.path.join(tmp, "expected.pt")
@@ -127,18 +135,31 @@ def stage_engine(tmp: str) -> dict:
     out["grad_norm"] = float(metrics["actor/grad_norm"])
     after = engine.compute_log_prob(rows)["log_probs"]
     out["logprob_moved_by"] = float((after.double().cpu() - before.double().cpu())[mask].abs().max())
-    out["ok"] = (out["logprob_max_abs_err_vs_hf_fp64"] < 1e-4 and out["grad_norm"] == out["grad_norm"]
-                 and out["logprob_moved_by"] > 1e-6)
+    out["ok"] = (
+        out["logprob_max_abs_err_vs_hf_fp64"] < 1e-4
+        and out["grad_norm"] == out["grad_norm"]
+        and out["logprob_moved_by"] > 1e-6
+    )
     return out
 
 
 def stage_hf_speed(args) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                         num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=4,
-                         head_dim=128, num_experts=64, num_experts_per_tok=8, max_position_embeddings=8192,
-                         torch_dtype="bfloat16")
+    cfg = Qwen3MoeConfig(
+        vocab_size=32768,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=args.layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=64,
+        num_experts_per_tok=8,
+        max_position_embeddings=8192,
+        torch_dtype="bfloat16",
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).to("cuda", torch.bfloat16)
@@ -165,10 +186,17 @@ def stage_hf_speed(args) -> dict:
     tokens = args.rows * args.seq
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * args.seq * tokens / 2
     flops = 6 * active * tokens + attn
-    return dict(params_b=round(total / 1e9, 3), active_params_b=round(active / 1e9, 3), rows=args.rows,
-                seq=args.seq, step_s=round(step, 4), tokens_per_s=round(tokens / step),
-                model_tflops=round(flops / step / 1e12, 1), mfu_vs_989=round(flops / step / 989e12, 3),
-                peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
+    return dict(
+        params_b=round(total / 1e9, 3),
+        active_params_b=round(active / 1e9, 3),
+        rows=args.rows,
+        seq=args.seq,
+        step_s=round(step, 4),
+        tokens_per_s=round(tokens / step),
+        model_tflops=round(flops / step / 1e12, 1),
+        mfu_vs_989=round(flops / step / 989e12, 3),
+        peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
+    )
 
 
 def stage_engine_speed(tmp: str, args) -> dict:
@@ -185,10 +213,20 @@ def stage_engine_speed(tmp: str, args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     h = args.speed_hidden
-    cfg = Qwen3MoeConfig(vocab_size=32768, hidden_size=h, intermediate_size=3 * h, moe_intermediate_size=h * 3 // 8,
-                         num_hidden_layers=args.speed_layers, num_attention_heads=h // 64, num_key_value_heads=4,
-                         head_dim=64 if h <= 1024 else 128, num_experts=args.speed_experts,
-                         num_experts_per_tok=args.speed_topk, max_position_embeddings=8192, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=32768,
+        hidden_size=h,
+        intermediate_size=3 * h,
+        moe_intermediate_size=h * 3 // 8,
+        num_hidden_layers=args.speed_layers,
+        num_attention_heads=h // 64,
+        num_key_value_heads=4,
+        head_dim=64 if h <= 1024 else 128,
+        num_experts=args.speed_experts,
+        num_experts_per_tok=args.speed_topk,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
     if h > 1024:
         cfg.num_attention_heads = h // 128 * 2
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
@@ -202,11 +240,24 @@ def stage_engine_speed(tmp: str, args) -> dict:
     active = total - expert + expert * cfg.num_experts_per_tok // cfg.num_experts
     rows, seq, prompt = args.speed_rows, args.speed_seq, 16
     ids = torch.randint(0, cfg.vocab_size, (rows, seq))
-    batch = Batch({"input_ids": ids, "responses": ids[:, prompt:], "response_mask": torch.ones(rows, seq - prompt),
-                   "prompt_lengths": torch.full((rows,), prompt), "advantages": torch.randn(rows, 1).expand(rows, seq - prompt).contiguous()})
-    engine = MegatronEngine(EngineSpec(model_path=path, parallel=ParallelConfig(sequence_parallel=False),
-                                       optim=OptimConfig(lr=1e-6, clip_grad=1.0), micro_batch_size=rows,
-                                       precision=args.precision))
+    batch = Batch(
+        {
+            "input_ids": ids,
+            "responses": ids[:, prompt:],
+            "response_mask": torch.ones(rows, seq - prompt),
+            "prompt_lengths": torch.full((rows,), prompt),
+            "advantages": torch.randn(rows, 1).expand(rows, seq - prompt).contiguous(),
+        }
+    )
+    engine = MegatronEngine(
+        EngineSpec(
+            model_path=path,
+            parallel=ParallelConfig(sequence_parallel=False),
+            optim=OptimConfig(lr=1e-6, clip_grad=1.0),
+            micro_batch_size=rows,
+            precision=args.precision,
+        )
+    )
     engine.initialize()
 
     def loss_fn(logp, ent, mb):
@@ -220,7 +271,7 @@ def stage_engine_speed(tmp: str, args) -> dict:
 
     def hf_step():
         logits = hf(gids).logits.float()
-        logp = torch.log_softmax(logits[:, prompt - 1:-1], -1).gather(-1, gids[:, prompt:, None]).squeeze(-1)
+        logp = torch.log_softmax(logits[:, prompt - 1 : -1], -1).gather(-1, gids[:, prompt:, None]).squeeze(-1)
         loss = -(torch.exp(logp - logp.detach()) * adv).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
@@ -248,11 +299,22 @@ def stage_engine_speed(tmp: str, args) -> dict:
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq * tokens / 2
     flops = 6 * active * tokens + attn
     params = [(n, p) for chunk in engine.model for n, p in chunk.named_parameters()]
-    out = dict(precision=args.precision, hidden=h, layers=cfg.num_hidden_layers, experts=cfg.num_experts,
-               topk=cfg.num_experts_per_tok, engine_fp32_params=[n for n, p in params if p.dtype == torch.float32][:6],
-               params_b=round(total / 1e9, 3), active_params_b=round(active / 1e9, 3), rows=rows, seq=seq,
-               engine_train_s=round(med(e_t), 4), hf_train_s=round(med(h_t), 4),
-               engine_fwd_s=round(med(ef_t), 4), hf_fwd_s=round(med(hf_t), 4))
+    out = dict(
+        precision=args.precision,
+        hidden=h,
+        layers=cfg.num_hidden_layers,
+        experts=cfg.num_experts,
+        topk=cfg.num_experts_per_tok,
+        engine_fp32_params=[n for n, p in params if p.dtype == torch.float32][:6],
+        params_b=round(total / 1e9, 3),
+        active_params_b=round(active / 1e9, 3),
+        rows=rows,
+        seq=seq,
+        engine_train_s=round(med(e_t), 4),
+        hf_train_s=round(med(h_t), 4),
+        engine_fwd_s=round(med(ef_t), 4),
+        hf_fwd_s=round(med(hf_t), 4),
+    )
     out["train_ratio_engine_over_hf_tokens_per_s"] = round(med(h_t) / med(e_t), 3)
     out["fwd_ratio_engine_over_hf_tokens_per_s"] = round(med(hf_t) / med(ef_t), 3)
     out["engine_train_tflops"] = round(flops / med(e_t) / 1e12, 1)
@@ -284,9 +346,13 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.stages.split(","):
-            fn = {"env": stage_env, "ipc": lambda: stage_ipc(tmp), "engine": lambda: stage_engine(tmp),
-                  "hf_speed": lambda: stage_hf_speed(args),
-                  "engine_speed": lambda: stage_engine_speed(tmp, args)}[name]
+            fn = {
+                "env": stage_env,
+                "ipc": lambda: stage_ipc(tmp),
+                "engine": lambda: stage_engine(tmp),
+                "hf_speed": lambda: stage_hf_speed(args),
+                "engine_speed": lambda: stage_engine_speed(tmp, args),
+            }[name]
             t = time.perf_counter()
             try:
                 results[name] = {"ok": True, **fn()}

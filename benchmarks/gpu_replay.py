@@ -60,8 +60,7 @@ def run(device: str) -> dict:
     from megarl.rollout.engine.generation import GenerationEngine
     from megarl.rollout.server.generate_input import parse_generate
     from megarl.rollout.server.generate_output import output_item
-    from tests.test_routing_replay import (PROMPTS, hf_forced_log_probs, served_batch,
-                                           server_and_trainer_checkpoints)
+    from tests.test_routing_replay import PROMPTS, hf_forced_log_probs, served_batch, server_and_trainer_checkpoints
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29547")
@@ -74,8 +73,12 @@ def run(device: str) -> dict:
 
     engine = GenerationEngine(paths[0], device=device, max_batch_size=16, seed=0)
     try:
-        body = {"input_ids": PROMPTS, "return_logprob": True, "return_routed_experts": True,
-                "sampling_params": {"n": 2, "max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3}}
+        body = {
+            "input_ids": PROMPTS,
+            "return_logprob": True,
+            "return_routed_experts": True,
+            "sampling_params": {"n": 2, "max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3},
+        }
         call = parse_generate(body, engine)
         results = [f.result(timeout=120) for f in engine.submit(call.requests)]
         items = [output_item(r, q, call, str) for r, q in zip(results, call.requests)]
@@ -85,10 +88,17 @@ def run(device: str) -> dict:
     mask, rollout = batch["response_mask"], batch["rollout_log_probs"]
 
     def megatron(path, replay, train=False, recompute="none"):
-        e = MegatronEngine(EngineSpec(
-            model_path=path, parallel=ParallelConfig(), micro_batch_size=3, seed=1,
-            optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0) if train else None,
-            routing_replay=replay, recompute=recompute))
+        e = MegatronEngine(
+            EngineSpec(
+                model_path=path,
+                parallel=ParallelConfig(),
+                micro_batch_size=3,
+                seed=1,
+                optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0) if train else None,
+                routing_replay=replay,
+                recompute=recompute,
+            )
+        )
         e.initialize()
         return e
 
@@ -101,26 +111,33 @@ def run(device: str) -> dict:
     for replay in (False, True):
         lp = megatron(paths[1], replay).compute_log_prob(batch if replay else without)["log_probs"]
         name = "replayed" if replay else "free"
-        out[name] = {"vs_hf_forced_float64_max": diff(lp, reference),
-                     "vs_server_max": diff(lp, rollout),
-                     "vs_server_mean": float(((lp - rollout).abs() * mask).sum() / mask.sum()),
-                     "k3_kl_server_trainer": float(masked_mean(kl_penalty(rollout, lp, "k3"), mask))}
+        out[name] = {
+            "vs_hf_forced_float64_max": diff(lp, reference),
+            "vs_server_max": diff(lp, rollout),
+            "vs_server_mean": float(((lp - rollout).abs() * mask).sum() / mask.sum()),
+            "k3_kl_server_trainer": float(masked_mean(kl_penalty(rollout, lp, "k3"), mask)),
+        }
     same = megatron(paths[0], True).compute_log_prob(batch)["log_probs"]
     out["same_weights_replayed_vs_server_max"] = diff(same, rollout)
     batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None].expand_as(mask).contiguous()
     for recompute in ("none", "full"):
         e = megatron(paths[1], True, train=True, recompute=recompute)
-        gates = lambda: {k: v.detach().float().cpu().clone() for k, v in e.export_weights() if k.endswith("mlp.gate.weight")}  # noqa: E731
+        gates = lambda: {
+            k: v.detach().float().cpu().clone() for k, v in e.export_weights() if k.endswith("mlp.gate.weight")
+        }
         before = gates()
 
         def loss_fn(logp, ent, mb):
             loss, _ = policy_loss(logp, logp.detach(), mb["advantages"], mb["response_mask"], global_denominator=1.0)
             return loss, mb["response_mask"].sum(), {}
+
         metrics = e.train_mini_batch(batch, loss_fn)
         after = gates()
-        out[f"train_{recompute}"] = {"grad_norm": float(metrics["actor/grad_norm"]),
-                                     "router_moved_max": max(float((after[k] - before[k]).abs().max()) for k in before),
-                                     "params_on": str(next(iter(e.bare_chunks()[0].parameters())).device)}
+        out[f"train_{recompute}"] = {
+            "grad_norm": float(metrics["actor/grad_norm"]),
+            "router_moved_max": max(float((after[k] - before[k]).abs().max()) for k in before),
+            "params_on": str(next(iter(e.bare_chunks()[0].parameters())).device),
+        }
     g0, g1 = out["train_none"]["grad_norm"], out["train_full"]["grad_norm"]
     out["recompute_grad_norm_rel_diff"] = abs(g0 - g1) / max(abs(g0), 1e-12)
     return out

@@ -59,12 +59,17 @@ PROCESS_KINDS = [
 # pattern is matched against the innermost frames only (RAY_INNERMOST): a rank's every stack
 # starts in Ray's worker loop, which would otherwise claim all the rank's own code.
 CATEGORIES = [
-    ("collective (gloo, shared memory)",
-     re.compile(r"distributed_c10d\.py|megarl/engine/megatron/cpu_collectives\.py")),
+    (
+        "collective (gloo, shared memory)",
+        re.compile(r"distributed_c10d\.py|megarl/engine/megatron/cpu_collectives\.py"),
+    ),
     ("autograd backward", re.compile(r"_engine_run_backward|run_backward")),
     ("optimizer step", re.compile(r"\bmegatron/core/optimizer/")),
     ("model forward", re.compile(r"\btorch/nn/modules/module\.py")),
-    ("HTTP / JSON", re.compile(r"\b(fastapi|starlette|uvicorn|httpx|httpcore|h11|anyio)/|\bjson/(encoder|decoder)\.py")),
+    (
+        "HTTP / JSON",
+        re.compile(r"\b(fastapi|starlette|uvicorn|httpx|httpcore|h11|anyio)/|\bjson/(encoder|decoder)\.py"),
+    ),
     ("Ray RPC, serialisation, idle loop", re.compile(r"\bray/|pickle|serializ")),
     ("torch ops elsewhere", re.compile(r"\btorch/")),
     ("megarl (batches, packing, loss, bridge)", re.compile(r"\bmegarl/")),
@@ -150,9 +155,17 @@ def categorise(raw: Path) -> collections.Counter:
 def run(args) -> dict:
     exp = f"profile_step_{os.getpid()}"
     metrics = REPO / "outputs" / exp / "metrics.jsonl"
-    cmd = [str(Path(sys.executable).with_name("megarl")), "train", args.config,
-           f"trainer.experiment_name={exp}", f"trainer.total_steps={args.steps}",
-           "trainer.tensorboard=false", "trainer.val_every=0", "trainer.export_hf=false", *args.overrides]
+    cmd = [
+        str(Path(sys.executable).with_name("megarl")),
+        "train",
+        args.config,
+        f"trainer.experiment_name={exp}",
+        f"trainer.total_steps={args.steps}",
+        "trainer.tensorboard=false",
+        "trainer.val_every=0",
+        "trainer.export_hf=false",
+        *args.overrides,
+    ]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     spy_dir = Path(tempfile.mkdtemp(prefix="profile_step_"))
@@ -170,9 +183,30 @@ def run(args) -> dict:
             for pid, kind in pids.items():
                 if kind in ("driver", "megatron rank", "rollout engine"):
                     out = spy_dir / f"{kind.replace(' ', '_')}_{pid}.txt"
-                    spies.append((pid, kind, out, subprocess.Popen(
-                        [str(PY_SPY), "record", "-p", str(pid), "-r", str(args.rate), "--nonblocking",
-                         "--format", "raw", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+                    spies.append(
+                        (
+                            pid,
+                            kind,
+                            out,
+                            subprocess.Popen(
+                                [
+                                    str(PY_SPY),
+                                    "record",
+                                    "-p",
+                                    str(pid),
+                                    "-r",
+                                    str(args.rate),
+                                    "--nonblocking",
+                                    "--format",
+                                    "raw",
+                                    "-o",
+                                    str(out),
+                                ],
+                                stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL,
+                            ),
+                        )
+                    )
         while _steps_done(metrics) < args.steps - 1 and proc.poll() is None:
             time.sleep(0.2)
         end_step, wall = _steps_done(metrics), time.perf_counter() - t0
@@ -189,7 +223,7 @@ def run(args) -> dict:
     steps = end_step - start_step
     rows = [json.loads(line) for line in metrics.open()][start_step:end_step]
     stage_keys = sorted({k for r in rows for k in r if k.startswith("perf/") and k.endswith("_s")})
-    stages = {k[len("perf/"):-2]: statistics.median(r.get(k, 0.0) for r in rows) for k in stage_keys}
+    stages = {k[len("perf/") : -2]: statistics.median(r.get(k, 0.0) for r in rows) for k in stage_keys}
     cpu: dict[str, float] = collections.defaultdict(float)
     for pid, kind in pids.items():
         if cpu0.get(pid) is not None and cpu1.get(pid) is not None:
@@ -200,15 +234,26 @@ def run(args) -> dict:
             counts = categorise(out)
             total = sum(counts.values()) or 1
             spied[f"{kind} {pid}"] = {k: v / total for k, v in counts.most_common()}
-    return {"command": " ".join(cmd), "steps_measured": steps, "wall_per_step_s": wall / steps,
-            "stages_s": stages, "cpu_s_per_step": dict(cpu), "py_spy_shares": spied,
-            "loadavg": Path("/proc/loadavg").read_text().split()[:3], "log": log.name}
+    return {
+        "command": " ".join(cmd),
+        "steps_measured": steps,
+        "wall_per_step_s": wall / steps,
+        "stages_s": stages,
+        "cpu_s_per_step": dict(cpu),
+        "py_spy_shares": spied,
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+        "log": log.name,
+    }
 
 
 def report(res: dict) -> str:
-    lines = [f"{res['steps_measured']} steps measured, {res['wall_per_step_s']:.3f} s/step wall "
-             f"(load average {' '.join(res['loadavg'])})", "",
-             "| stage | median s |", "|---|---|"]
+    lines = [
+        f"{res['steps_measured']} steps measured, {res['wall_per_step_s']:.3f} s/step wall "
+        f"(load average {' '.join(res['loadavg'])})",
+        "",
+        "| stage | median s |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v:.3f} |" for k, v in res["stages_s"].items()]
     lines += ["", "| process | CPU s per step |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in sorted(res["cpu_s_per_step"].items(), key=lambda kv: -kv[1])]

@@ -25,18 +25,17 @@ import tempfile
 
 import torch
 
-from checkpoint_convert import ConvertError
-from checkpoint_convert import hf_files
+from checkpoint_convert import ConvertError, hf_files
 from checkpoint_convert.held import HeldBytes
-from megarl.engine.megatron.hf_export import copy_side_files
 from checkpoint_convert.lazy_save import LazyTorchDistSave
 from checkpoint_convert.meta_model import MetaModel
 from checkpoint_convert.partial_load import load_sharded_tensors
 from checkpoint_convert.safetensors_out import ShardedSafetensorsWriter
+from megarl.engine.megatron.hf_export import copy_side_files
 
 HF_SUBDIR = "hf"  # config and tokenizer files kept next to a converted checkpoint's shards
-DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
-DEFAULT_CHUNK_BYTES = 1024 ** 3  # Megatron parameters loaded at once by mcore-to-hf
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+DEFAULT_CHUNK_BYTES = 1024**3  # Megatron parameters loaded at once by mcore-to-hf
 
 
 @contextlib.contextmanager
@@ -96,15 +95,22 @@ def hf_to_mcore(hf: str, out: str, overwrite: bool = False) -> dict:
         read = {n for p in meta.params for n in meta.bridge._weight_name_mapping_mcore_to_hf(p.global_name)}
         unread = sorted(set(hf_files.tensor_shapes(hf)) - read - set(dropped) - {"lm_head.weight"})
         if unread:  # mbridge maps no Megatron parameter to them: converting would lose them
-            raise ConvertError(f"{hf}: tensors {hf_files._names(unread)} have no Megatron parameter "
-                               "(mbridge does not map them); refusing to drop them")
-        source = dict(kind="huggingface", path=hf, model_type=config.model_type,
-                      dtype=str(getattr(config, "torch_dtype", None) or "float32").replace("torch.", ""),
-                      dropped_tensors=dropped)
+            raise ConvertError(
+                f"{hf}: tensors {hf_files._names(unread)} have no Megatron parameter "
+                "(mbridge does not map them); refusing to drop them"
+            )
+        source = dict(
+            kind="huggingface",
+            path=hf,
+            model_type=config.model_type,
+            dtype=str(getattr(config, "torch_dtype", None) or "float32").replace("torch.", ""),
+            dropped_tensors=dropped,
+        )
         strategy = LazyTorchDistSave(_HFParameters(meta, hf, held))
         with _unwrapped_convert_errors():
-            marker = checkpoint.save(meta.engine, stage, rng=False, sharded_strategy=strategy,
-                                     extra=dict(contents="model", source=source))
+            marker = checkpoint.save(
+                meta.engine, stage, rng=False, sharded_strategy=strategy, extra=dict(contents="model", source=source)
+            )
         copy_side_files(hf, os.path.join(stage, HF_SUBDIR))
     return dict(marker, path=os.path.abspath(out), peak_held_bytes=held.peak, model_bytes=meta.nbytes)
 
@@ -126,7 +132,9 @@ class _HFParameters:
             self._param, self._full = None, None  # free the previous parameter before reading the next
             self._full, self._param = self._build(param), param
         view = sharded.data
-        return torch.as_strided(self._full, view.shape, view.stride(), view.storage_offset() - param.tensor.storage_offset())
+        return torch.as_strided(
+            self._full, view.shape, view.stride(), view.storage_offset() - param.tensor.storage_offset()
+        )
 
     def _build(self, param) -> torch.Tensor:
         from megarl.engine.megatron.weights import _checkpoint_names
@@ -136,8 +144,10 @@ class _HFParameters:
         full = bridge._weight_to_mcore_format(param.global_name, [self.held.track(self.ckpt.get(n)) for n in names])
         full = self.held.track(full.to(param.tensor.dtype).contiguous())
         if full.shape != param.tensor.shape:
-            raise ConvertError(f"Megatron parameter '{param.global_name}' (from {names}): the checkpoint gives "
-                               f"{tuple(full.shape)}, the model built from config.json has {tuple(param.tensor.shape)}")
+            raise ConvertError(
+                f"Megatron parameter '{param.global_name}' (from {names}): the checkpoint gives "
+                f"{tuple(full.shape)}, the model built from config.json has {tuple(param.tensor.shape)}"
+            )
         return full
 
 
@@ -171,13 +181,21 @@ def resolve_hf_config(mcore: str, hf_config: str | None) -> str:
     model_path = checkpoint.read_metadata(mcore).get("model_path")
     if model_path and os.path.isfile(os.path.join(model_path, "config.json")):
         return model_path
-    raise ConvertError(f"{mcore}: no Hugging Face config stored with the checkpoint and its model_path "
-                       f"({model_path}) has no config.json; pass --hf-config PATH")
+    raise ConvertError(
+        f"{mcore}: no Hugging Face config stored with the checkpoint and its model_path "
+        f"({model_path}) has no config.json; pass --hf-config PATH"
+    )
 
 
-def mcore_to_hf(mcore: str, out: str, hf_config: str | None = None, overwrite: bool = False,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: str | None = None,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+def mcore_to_hf(
+    mcore: str,
+    out: str,
+    hf_config: str | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: str | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> dict:
     """Convert a megarl torch_dist checkpoint (converted or saved by the trainer, any layout) into a
     sharded Hugging Face safetensors folder at `out`: chunks of at most `chunk_bytes` of Megatron
     parameters are loaded (only their keys; optimizer and RNG entries are never read), converted
@@ -196,8 +214,11 @@ def mcore_to_hf(mcore: str, out: str, hf_config: str | None = None, overwrite: b
     with staged(out, overwrite) as stage, one_rank():
         meta = MetaModel(config_dir)
         bridge = meta.bridge
-        layout = [(n, tuple(t.shape)) for p in meta.params  # mbridge's conversion on meta: names, shapes
-                  for n, t in zip(*bridge._weight_to_hf_format(p.global_name, p.tensor))]
+        layout = [
+            (n, tuple(t.shape))
+            for p in meta.params  # mbridge's conversion on meta: names, shapes
+            for n, t in zip(*bridge._weight_to_hf_format(p.global_name, p.tensor))
+        ]
         hf_files.check_exported({n for n, _ in layout}, config)  # before any weight is read
         os.makedirs(stage)
         writer = ShardedSafetensorsWriter(stage, layout, out_dtype, max_shard_bytes)
@@ -206,8 +227,13 @@ def mcore_to_hf(mcore: str, out: str, hf_config: str | None = None, overwrite: b
             _convert_chunk(mcore, template, chunk, bridge, writer, held)
         names = writer.finish()
         copy_side_files(config_dir, stage)
-    return dict(path=os.path.abspath(out), tensors=len(names), config=config_dir, peak_held_bytes=held.peak,
-                model_bytes=meta.nbytes)
+    return dict(
+        path=os.path.abspath(out),
+        tensors=len(names),
+        config=config_dir,
+        peak_held_bytes=held.peak,
+        model_bytes=meta.nbytes,
+    )
 
 
 def _convert_chunk(mcore: str, template: dict, chunk: list, bridge, writer, held: HeldBytes) -> None:
@@ -230,7 +256,9 @@ def _load_chunk(mcore: str, template: dict, chunk: list, held: HeldBytes) -> dic
     parts = {}
     for name, t in tensors.items():
         if template[name].data.shape != t.shape:  # TP = 1: every entry covers its whole parameter
-            raise AssertionError(f"{name}: sharded entry {tuple(template[name].data.shape)}, parameter {tuple(t.shape)}")
+            raise AssertionError(
+                f"{name}: sharded entry {tuple(template[name].data.shape)}, parameter {tuple(t.shape)}"
+            )
         parts[name] = replace(template[name], data=t)
     apply_factories(parts)
     with _unwrapped_convert_errors():

@@ -30,13 +30,15 @@ def load_config(path: str):
     try:
         config = AutoConfig.from_pretrained(config_dir)
     except (ValueError, KeyError, OSError) as e:
-        raise ConvertError(f"{config_dir}/config.json cannot be read by transformers: "
-                           f"{str(e).splitlines()[0]}") from None
+        raise ConvertError(
+            f"{config_dir}/config.json cannot be read by transformers: {str(e).splitlines()[0]}"
+        ) from None
     if config.model_type not in _MODEL_REGISTRY:
         raise ConvertError(
             f"unsupported architecture: model_type '{config.model_type}' "
             f"({', '.join(getattr(config, 'architectures', None) or [])}) is not known to mbridge; "
-            f"supported: {', '.join(sorted(_MODEL_REGISTRY))}")
+            f"supported: {', '.join(sorted(_MODEL_REGISTRY))}"
+        )
     return config
 
 
@@ -92,12 +94,16 @@ def check_tensors(path: str, config) -> list[str]:
     if missing:
         raise ConvertError(f"{path}: missing tensors {_names(missing)} (the config's model needs them)")
     if extra:
-        raise ConvertError(f"{path}: unexpected tensors {_names(extra)} (not part of a "
-                           f"{type(config).__name__} model; refusing to drop them silently)")
+        raise ConvertError(
+            f"{path}: unexpected tensors {_names(extra)} (not part of a "
+            f"{type(config).__name__} model; refusing to drop them silently)"
+        )
     for name, shape in wanted.items():
         if found[name] != shape:
-            raise ConvertError(f"{path}: shape mismatch for tensor '{name}': {found[name]} in the "
-                               f"checkpoint, {shape} expected from config.json")
+            raise ConvertError(
+                f"{path}: shape mismatch for tensor '{name}': {found[name]} in the "
+                f"checkpoint, {shape} expected from config.json"
+            )
     return dropped
 
 
@@ -106,8 +112,10 @@ def check_exported(names: set[str], config) -> None:
     wanted = set(expected_shapes(config))
     missing, extra = sorted(wanted - names), sorted(names - wanted - {"lm_head.weight"})
     if missing or extra:
-        raise ConvertError(f"the Megatron checkpoint does not match config.json: missing tensors "
-                           f"{_names(missing)}, unexpected tensors {_names(extra)}")
+        raise ConvertError(
+            f"the Megatron checkpoint does not match config.json: missing tensors "
+            f"{_names(missing)}, unexpected tensors {_names(extra)}"
+        )
 
 
 def _names(names: list[str], shown: int = 5) -> str:

@@ -10,8 +10,7 @@ import os
 
 import torch
 
-from checkpoint_convert import ConvertError
-from checkpoint_convert import hf_files
+from checkpoint_convert import ConvertError, hf_files
 
 
 def inspect(path: str) -> dict:
@@ -22,8 +21,7 @@ def inspect(path: str) -> dict:
         return _torch_dist(path)
     if os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(os.path.join(path, hf_files.INDEX)):
         return _huggingface(path)
-    raise ConvertError(f"{path}: neither a torch_dist checkpoint (.metadata) nor a Hugging Face "
-                       "safetensors folder")
+    raise ConvertError(f"{path}: neither a torch_dist checkpoint (.metadata) nor a Hugging Face safetensors folder")
 
 
 def _torch_dist(path: str) -> dict:
@@ -37,10 +35,17 @@ def _torch_dist(path: str) -> dict:
         meta, complete = {"problem": str(e)}, False
     tensors = {}
     for key, t in dist_checkpointing.load_tensors_metadata(path).items():
-        tensors[key] = dict(shape=list(t.global_shape), dtype=str(t.dtype).replace("torch.", ""),
-                            bytes=_numel(t.global_shape) * torch.empty((), dtype=t.dtype).element_size())
-    return dict(format="megarl torch_dist" if os.path.isfile(os.path.join(path, MARKER)) else "torch_dist",
-                complete=complete, metadata=meta, **_totals(tensors))
+        tensors[key] = dict(
+            shape=list(t.global_shape),
+            dtype=str(t.dtype).replace("torch.", ""),
+            bytes=_numel(t.global_shape) * torch.empty((), dtype=t.dtype).element_size(),
+        )
+    return dict(
+        format="megarl torch_dist" if os.path.isfile(os.path.join(path, MARKER)) else "torch_dist",
+        complete=complete,
+        metadata=meta,
+        **_totals(tensors),
+    )
 
 
 def _huggingface(path: str) -> dict:
@@ -48,18 +53,29 @@ def _huggingface(path: str) -> dict:
 
     shapes = hf_files.tensor_shapes(path)
     index = os.path.join(path, hf_files.INDEX)
-    weight_map = json.load(open(index))["weight_map"] if os.path.isfile(index) else {k: "model.safetensors" for k in shapes}
+    weight_map = (
+        json.load(open(index))["weight_map"] if os.path.isfile(index) else {k: "model.safetensors" for k in shapes}
+    )
     tensors = {}
     for name in sorted(shapes):
         with safe_open(os.path.join(path, weight_map[name]), "pt") as f:
             dtype = f.get_slice(name).get_dtype()
-        itemsize = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}.get(dtype, 0)
+        itemsize = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}.get(
+            dtype, 0
+        )
         tensors[name] = dict(shape=list(shapes[name]), dtype=dtype, bytes=_numel(shapes[name]) * itemsize)
     config = os.path.join(path, "config.json")
     meta = json.load(open(config)) if os.path.isfile(config) else {}
-    return dict(format="huggingface safetensors", complete=True,
-                metadata=dict(model_type=meta.get("model_type"), architectures=meta.get("architectures"),
-                              files=len(set(weight_map.values()))), **_totals(tensors))
+    return dict(
+        format="huggingface safetensors",
+        complete=True,
+        metadata=dict(
+            model_type=meta.get("model_type"),
+            architectures=meta.get("architectures"),
+            files=len(set(weight_map.values())),
+        ),
+        **_totals(tensors),
+    )
 
 
 def _numel(shape) -> int:
@@ -80,8 +96,18 @@ def render(report: dict) -> str:
     """The report as text: a header, one line per tensor, totals."""
     lines = [f"format: {report['format']}" + ("" if report["complete"] else " (INCOMPLETE)")]
     meta = report["metadata"]
-    for key in ("problem", "layout", "optimizer", "contents", "rng", "model_path", "source",
-                "model_type", "architectures", "files"):
+    for key in (
+        "problem",
+        "layout",
+        "optimizer",
+        "contents",
+        "rng",
+        "model_path",
+        "source",
+        "model_type",
+        "architectures",
+        "files",
+    ):
         if key in meta:
             lines.append(f"{key}: {json.dumps(meta[key], sort_keys=True)}")
     width = max((len(k) for k in report["tensors"]), default=0)

@@ -12,13 +12,16 @@ as the engine's own checkpoints (one `__0_0.distcp` instead of one per writer th
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, TorchDistSaveShardedStrategy,
-                                                               _replace_state_dict_keys_with_sharded_keys,
-                                                               mcore_to_pyt_state_dict)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
 from torch.distributed.checkpoint.planner import WriteItemType
 
 # ShardedTensor (its `data` a meta tensor) -> a real tensor shaped like its `data`
@@ -37,8 +40,12 @@ class LazyTorchDistSave(TorchDistSaveShardedStrategy):
         from torch.distributed.checkpoint import save as dcp_save
 
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-        sources = {(sh.key, tuple(sh.global_offset)): sh for shards in flat.values() for sh in shards
-                   if isinstance(sh, ShardedTensor)}
+        sources = {
+            (sh.key, tuple(sh.global_offset)): sh
+            for shards in flat.values()
+            for sh in shards
+            if isinstance(sh, ShardedTensor)
+        }
         planner = _LazyPlanner(sources, self.produce, flatten_state_dict=False, flatten_sharded_tensors=False)
         writer = FileSystemWriter(str(checkpoint_dir), thread_count=1, single_file_per_rank=True)
         dcp_save(mcore_to_pyt_state_dict(flat, False), storage_writer=writer, planner=planner)
@@ -46,8 +53,9 @@ class LazyTorchDistSave(TorchDistSaveShardedStrategy):
     def async_save(self, *args, **kwargs):
         # Deliberately refused, not a placeholder: the lazy planner must produce each tensor while
         # the writer runs, which an async save (staging everything first) would defeat.
-        raise NotImplementedError("LazyTorchDistSave writes synchronously (dist_checkpointing.save "
-                                  "with async_sharded_save=False)")
+        raise NotImplementedError(
+            "LazyTorchDistSave writes synchronously (dist_checkpointing.save with async_sharded_save=False)"
+        )
 
 
 class _LazyPlanner(MCoreSavePlanner):
@@ -61,7 +69,9 @@ class _LazyPlanner(MCoreSavePlanner):
         sh = self.sources[(write_item.index.fqn, tuple(write_item.index.offset))]
         tensor = self.produce(sh)
         if tuple(tensor.shape) != tuple(sh.data.shape) or tensor.dtype != sh.dtype:
-            raise AssertionError(f"{sh.key}: produced {tuple(tensor.shape)} {tensor.dtype}, the checkpoint "
-                                 f"expects {tuple(sh.data.shape)} {sh.dtype}")
+            raise AssertionError(
+                f"{sh.key}: produced {tuple(tensor.shape)} {tensor.dtype}, the checkpoint "
+                f"expects {tuple(sh.data.shape)} {sh.dtype}"
+            )
         # the torch ShardedTensor carries megatron's prepended (layer / expert) axes as size-1 dims
         return tensor.reshape(write_item.tensor_data.chunk.sizes)

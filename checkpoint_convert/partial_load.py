@@ -45,11 +45,15 @@ class _BoxesPlanner(DefaultLoadPlanner):
         for (key, offsets), (sh, box) in self.targets.items():
             md = saved.get(key)
             if not isinstance(md, TensorStorageMetadata):
-                raise ConvertError(f"{self.path}: tensor '{key}' is not in the checkpoint (does config.json "
-                                   "describe the model that was saved?)")
+                raise ConvertError(
+                    f"{self.path}: tensor '{key}' is not in the checkpoint (does config.json "
+                    "describe the model that was saved?)"
+                )
             if tuple(md.size) != tuple(sh.global_shape):
-                raise ConvertError(f"{self.path}: shape mismatch for tensor '{key}': {tuple(md.size)} in the "
-                                   f"checkpoint, {tuple(sh.global_shape)} expected from config.json")
+                raise ConvertError(
+                    f"{self.path}: shape mismatch for tensor '{key}': {tuple(md.size)} in the "
+                    f"checkpoint, {tuple(sh.global_shape)} expected from config.json"
+                )
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=box.shape)
             found = create_read_items_for_chunk_list(key, md, [chunk])
             if sum(i.lengths.numel() for i in found) != box.numel():

@@ -29,8 +29,7 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 
 class ShardedSafetensorsWriter:
-    def __init__(self, out: str, layout: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
-                 max_shard_bytes: int):
+    def __init__(self, out: str, layout: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, max_shard_bytes: int):
         """`layout`: (name, shape) of every tensor in the order they will be written."""
         seen = set()
         for name, _ in layout:
@@ -56,8 +55,9 @@ class ShardedSafetensorsWriter:
             raise ConvertError(f"the export produced tensor '{name}' that was not planned")
         shard, want, shape = self._queue[self._next]
         if name != want or tuple(tensor.shape) != shape:
-            raise ConvertError(f"the export produced tensor '{name}' {tuple(tensor.shape)} where "
-                               f"'{want}' {shape} was planned")
+            raise ConvertError(
+                f"the export produced tensor '{name}' {tuple(tensor.shape)} where '{want}' {shape} was planned"
+            )
         if self._open != shard:
             self._start(shard)
         data = tensor.detach().to(self.dtype).contiguous().reshape(-1).view(torch.uint8)

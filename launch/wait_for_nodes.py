@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     while time.monotonic() < deadline:
         dead = [pid for pid in args.watch if not _alive(pid)]
         if dead:
-            print(f"wait_for_nodes: the node launcher(s) {dead} exited before their node joined; "
-                  "see the job's output above", file=sys.stderr)
+            print(
+                f"wait_for_nodes: the node launcher(s) {dead} exited before their node joined; "
+                "see the job's output above",
+                file=sys.stderr,
+            )
             return 1
         try:
             if not ray.is_initialized():
@@ -59,9 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         except (ConnectionError, RuntimeError, ValueError) as err:  # head not up yet
             error = str(err).splitlines()[0] if str(err) else type(err).__name__
         time.sleep(1.0)
-    print(f"wait_for_nodes: {alive} of {args.nodes} Ray nodes alive at {args.address} after "
-          f"{args.timeout:.0f}s ({error}); raise MEGARL_NODE_TIMEOUT or check the nodes' ray logs",
-          file=sys.stderr)
+    print(
+        f"wait_for_nodes: {alive} of {args.nodes} Ray nodes alive at {args.address} after "
+        f"{args.timeout:.0f}s ({error}); raise MEGARL_NODE_TIMEOUT or check the nodes' ray logs",
+        file=sys.stderr,
+    )
     return 1
 
 

@@ -23,31 +23,48 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "run RL training"),
-                       ("show-config", "print the validated, resolved config as YAML"),
-                       ("plan", "predict memory per device and step time; refuse a layout that cannot fit")):
+    for name, text in (
+        ("train", "run RL training"),
+        ("show-config", "print the validated, resolved config as YAML"),
+        ("plan", "predict memory per device and step time; refuse a layout that cannot fit"),
+    ):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/quickstart.yaml)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=3e-4")
         p.add_argument("--config", dest="config_flag", help="YAML config file (alternative)")
         if name == "plan":
-            p.add_argument("--devices", help="COUNTxTYPE, e.g. 256xH100 (default: the config's pools on "
-                           "cluster.device_type, or on this machine)")
-            p.add_argument("--response-len", type=float, default=None,
-                           help="mean response tokens for the time prediction (default: rollout.max_new_tokens)")
+            p.add_argument(
+                "--devices",
+                help="COUNTxTYPE, e.g. 256xH100 (default: the config's pools on "
+                "cluster.device_type, or on this machine)",
+            )
+            p.add_argument(
+                "--response-len",
+                type=float,
+                default=None,
+                help="mean response tokens for the time prediction (default: rollout.max_new_tokens)",
+            )
         if name == "train":
-            p.add_argument("--debug", action="store_true",
-                           help="print a failure's full traceback here too (it always goes to RUN_DIR/train.log)")
-    e = sub.add_parser("export", help="write a run's policy checkpoint as a Hugging Face folder",
-                       description="write a run's policy checkpoint as a Hugging Face folder "
-                                   "(safetensors + config + tokenizer)")
+            p.add_argument(
+                "--debug",
+                action="store_true",
+                help="print a failure's full traceback here too (it always goes to RUN_DIR/train.log)",
+            )
+    e = sub.add_parser(
+        "export",
+        help="write a run's policy checkpoint as a Hugging Face folder",
+        description="write a run's policy checkpoint as a Hugging Face folder (safetensors + config + tokenizer)",
+    )
     e.add_argument("run_dir", help="the run dir (trainer.output_dir/trainer.experiment_name)")
     e.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
     e.add_argument("--out", help="target folder (default: RUN_DIR/hf_step_NNNNNN)")
     e.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    c = sub.add_parser("compare-runs", help="do two runs' metrics.jsonl agree step for step?",
-                       description="compare two runs' metrics.jsonl step for step (wall-clock keys perf/* "
-                                   "and *_s left out); exit 0 when every other value is identical")
+    c = sub.add_parser(
+        "compare-runs",
+        help="do two runs' metrics.jsonl agree step for step?",
+        description="compare two runs' metrics.jsonl step for step (wall-clock keys perf/* "
+        "and *_s left out); exit 0 when every other value is identical",
+    )
     c.add_argument("run_a", help="a run dir or its metrics.jsonl")
     c.add_argument("run_b", help="a run dir or its metrics.jsonl")
     return parser
@@ -102,9 +119,11 @@ def _missing_weights(cfg) -> str | None:
     for key, path in (("model.path", cfg.model.path), ("critic.model.path", cfg.critic.model.path)):
         if path is None or any(next(Path(path).glob(p), None) for p in _WEIGHT_FILES):
             continue
-        return (f"{key}={path!r} holds a config.json but no weights (*.safetensors); it is enough for "
-                f"show-config, but training needs the checkpoint: download it (huggingface-cli download "
-                f"ORG/MODEL --local-dir DIR) and set {key}=DIR")
+        return (
+            f"{key}={path!r} holds a config.json but no weights (*.safetensors); it is enough for "
+            f"show-config, but training needs the checkpoint: download it (huggingface-cli download "
+            f"ORG/MODEL --local-dir DIR) and set {key}=DIR"
+        )
     return None
 
 
@@ -137,10 +156,12 @@ def plan(cfg, devices: str | None, response_len: float | None) -> int:
             print(f"megarl: plan: {err}", file=sys.stderr)
             return 2
         if count != need:
-            print(f"megarl: plan: --devices {devices} but the config's pools use {need} devices "
-                  f"(cluster.num_actor_ranks{' + cluster.num_rollout_devices' if need != cfg.cluster.num_actor_ranks else ''}); "
-                  f"set cluster.num_actor_ranks (and the layout) for {count} devices, or --devices {need}x...",
-                  file=sys.stderr)
+            print(
+                f"megarl: plan: --devices {devices} but the config's pools use {need} devices "
+                f"(cluster.num_actor_ranks{' + cluster.num_rollout_devices' if need != cfg.cluster.num_actor_ranks else ''}); "
+                f"set cluster.num_actor_ranks (and the layout) for {count} devices, or --devices {need}x...",
+                file=sys.stderr,
+            )
             return 2
     else:
         device, why = run_device(cfg)
@@ -194,13 +215,19 @@ def export(run_dir: str, step: int | None, out: str | None, overwrite: bool) -> 
 
     found = checkpoints.complete_checkpoints(Path(run_dir))
     if not found:
-        print(f"megarl: export: {run_dir} holds no complete checkpoint (runs save them with "
-              "trainer.save_every > 0); the end-of-run export is RUN_DIR/hf", file=sys.stderr)
+        print(
+            f"megarl: export: {run_dir} holds no complete checkpoint (runs save them with "
+            "trainer.save_every > 0); the end-of-run export is RUN_DIR/hf",
+            file=sys.stderr,
+        )
         return 2
     chosen = dict(found).get(step) if step is not None else found[-1][1]
     if chosen is None:
-        print(f"megarl: export: no complete checkpoint of step {step} in {run_dir}; there are steps "
-              f"{[s for s, _ in found]}", file=sys.stderr)
+        print(
+            f"megarl: export: no complete checkpoint of step {step} in {run_dir}; there are steps "
+            f"{[s for s, _ in found]}",
+            file=sys.stderr,
+        )
         return 2
     state = checkpoints.read_run_checkpoint(chosen)
     target = out or str(Path(run_dir) / f"hf_{chosen.name}")
@@ -230,10 +257,15 @@ def _report_failure(err: BaseException, run_dir, debug: bool) -> int:
     what = f"run failed: {type(err).__name__}: {what}" if what else f"run failed: {type(err).__name__}"
     what = getattr(err, "summary", None) or what  # a rank's death or error names the rank (WorkerError)
     last = checkpoints.latest_checkpoint(run_dir)
-    resume = (f"last checkpoint {last}; continue from it with trainer.resume=auto" if last is not None
-              else "no checkpoint was saved (trainer.save_every keeps progress)")
-    print(f"megarl: {what} | {resume} | traceback in {log}"
-          + ("" if debug else " (or rerun with --debug)"), file=sys.stderr)
+    resume = (
+        f"last checkpoint {last}; continue from it with trainer.resume=auto"
+        if last is not None
+        else "no checkpoint was saved (trainer.save_every keeps progress)"
+    )
+    print(
+        f"megarl: {what} | {resume} | traceback in {log}" + ("" if debug else " (or rerun with --debug)"),
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -277,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megarl: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("megarl: interrupted; every process this run started has been stopped",
-              file=sys.stderr)
+        print("megarl: interrupted; every process this run started has been stopped", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001  (any failure: one line here, the traceback in the log)
         return _report_failure(err, run_dir_of(cfg), args.debug)

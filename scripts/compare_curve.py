@@ -22,8 +22,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_REFERENCE = ROOT / "benchmarks" / "reference_curves" / "quickstart.jsonl"
 # What learning looks like: reward, the policy's drift and entropy, the gradient, the loss.
-KEYS = ["reward/mean", "actor/ppo_kl", "actor/kl", "actor/entropy", "rollout/entropy", "actor/grad_norm",
-        "actor/pg_loss", "response/length_mean"]
+KEYS = [
+    "reward/mean",
+    "actor/ppo_kl",
+    "actor/kl",
+    "actor/entropy",
+    "rollout/entropy",
+    "actor/grad_norm",
+    "actor/pg_loss",
+    "response/length_mean",
+]
 
 
 def read_curve(path: Path) -> dict[int, dict[str, float]]:
@@ -57,8 +65,9 @@ def compare(run: dict, ref: dict, keys: list[str], atol: float, rtol: float) -> 
             if not diff <= worst.get(key, (0.0, 0))[0]:  # also records NaN
                 worst[key] = (diff, step)
             if not diff <= atol + rtol * abs(expected):
-                departures.append(f"{key}: first departs at step {step}: {got:.6g} vs reference "
-                                  f"{expected:.6g} (|diff| {diff:.3g})")
+                departures.append(
+                    f"{key}: first departs at step {step}: {got:.6g} vs reference {expected:.6g} (|diff| {diff:.3g})"
+                )
                 break
     return departures, worst
 
@@ -75,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.update:
         args.reference.parent.mkdir(parents=True, exist_ok=True)
         curve = read_curve(args.run)  # timings are the machine's, not learning: left out
-        args.reference.write_text("".join(
-            json.dumps({"step": step, **{k: v for k, v in row.items() if not k.startswith("perf/")}}) + "\n"
-            for step, row in sorted(curve.items())))
+        args.reference.write_text(
+            "".join(
+                json.dumps({"step": step, **{k: v for k, v in row.items() if not k.startswith("perf/")}}) + "\n"
+                for step, row in sorted(curve.items())
+            )
+        )
         print(f"compare_curve: {args.reference} now holds {len(read_curve(args.reference))} steps of {args.run}")
         return 0
     run, ref = read_curve(args.run), read_curve(args.reference)
@@ -90,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, (diff, step) in sorted(worst.items()):
         print(f"  {key:24s} max |diff| {diff:.3g} (step {step})")
     if departures:
-        print("DEPARTS (atol {}, rtol {}):\n  ".format(args.atol, args.rtol) + "\n  ".join(departures))
+        print(f"DEPARTS (atol {args.atol}, rtol {args.rtol}):\n  " + "\n  ".join(departures))
         return 1
     print(f"matches the reference within atol {args.atol}, rtol {args.rtol}")
     return 0

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_module
 import shutil
 import socket
 import tempfile
-import queue as queue_module
 import time
 import traceback
 
@@ -50,8 +50,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600, may_die: tuple[i
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="megarl_ranks_")
     store_path = os.path.join(store_dir, "store")
-    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue))
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []
@@ -68,7 +67,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 600, may_die: tuple[i
                     else:
                         errors.append(f"rank {r}: exited with code {procs[r].exitcode} before reporting")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {timeout} s")
+                    raise TimeoutError(f"ranks did not finish within {timeout} s") from None
                 continue
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)

@@ -19,8 +19,14 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "MEGARL_TEST_RUN_ID"
 
-SMALL_RUN = ["trainer.total_steps=1000", "data.num_train=64", "rollout.n=4",
-             "actor.ppo_mini_batch_size=64", "trainer.val_every=0", "trainer.tensorboard=false"]
+SMALL_RUN = [
+    "trainer.total_steps=1000",
+    "data.num_train=64",
+    "rollout.n=4",
+    "actor.ppo_mini_batch_size=64",
+    "trainer.val_every=0",
+    "trainer.tensorboard=false",
+]
 
 
 def _marked(run_id: str, also: list[psutil.Process] = ()) -> list[psutil.Process]:
@@ -52,8 +58,15 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 def _start(args: list[str], run_id: str, **kw) -> subprocess.Popen:
     env = {**os.environ, MARKER: run_id, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "megarl.cli", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def _wait_until_none_left(run_id: str, within_s: float, also: list[psutil.Process] = ()) -> float:

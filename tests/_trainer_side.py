@@ -35,9 +35,17 @@ class TrainerGroup:
     def form(self, pool: concurrent.futures.Executor, extra_senders=()) -> dict:
         """Engines join over HTTP while the sender ranks (except those in `extra_senders`, which join
         on their own, e.g. from another process) join here. Returns the engines' answers."""
-        inits = {key: pool.submit(client.init_weights_update_group, "127.0.0.1", self.store.port,
-                                  self.offsets[key], self.world_size, self.name)
-                 for key, (client, _) in self.engines.items()}
+        inits = {
+            key: pool.submit(
+                client.init_weights_update_group,
+                "127.0.0.1",
+                self.store.port,
+                self.offsets[key],
+                self.world_size,
+                self.name,
+            )
+            for key, (client, _) in self.engines.items()
+        }
         joins = [pool.submit(self._join, rank) for rank in range(self.n_senders) if rank not in extra_senders]
         self.senders = [f.result() for f in joins]
         return {key: f.result() for key, f in inits.items()}
@@ -45,8 +53,9 @@ class TrainerGroup:
     def _join(self, rank: int):
         if rank == 0:
             return new_update_group(self.store, self.name, 0, self.world_size, timeout_s=TRAINER_TIMEOUT_S)
-        return join_update_group("127.0.0.1", self.store.port, rank, self.world_size, self.name,
-                                 timeout_s=TRAINER_TIMEOUT_S)
+        return join_update_group(
+            "127.0.0.1", self.store.port, rank, self.world_size, self.name, timeout_s=TRAINER_TIMEOUT_S
+        )
 
     def close(self) -> None:
         for group in self.senders:
@@ -55,8 +64,11 @@ class TrainerGroup:
 
 
 def distributed_request(named: list[tuple[str, torch.Tensor]]) -> tuple[list, list, list]:
-    return ([n for n, _ in named], [str(t.dtype).removeprefix("torch.") for _, t in named],
-            [list(t.shape) for _, t in named])
+    return (
+        [n for n, _ in named],
+        [str(t.dtype).removeprefix("torch.") for _, t in named],
+        [list(t.shape) for _, t in named],
+    )
 
 
 def broadcast_full(group, named: list[tuple[str, torch.Tensor]], load_format: str | None) -> None:
@@ -69,8 +81,14 @@ def broadcast_full(group, named: list[tuple[str, torch.Tensor]], load_format: st
     group.broadcast(flat, src=0).wait()
 
 
-def plan_reshard(layouts: dict, offsets: dict, new: dict[str, torch.Tensor], n_senders: int = 2,
-                 messages_per_pair: int = 3, wide: tuple[str, ...] = ()) -> tuple[dict, dict]:
+def plan_reshard(
+    layouts: dict,
+    offsets: dict,
+    new: dict[str, torch.Tensor],
+    n_senders: int = 2,
+    messages_per_pair: int = 3,
+    wide: tuple[str, ...] = (),
+) -> tuple[dict, dict]:
     """Every engine rank's local shard of each tensor in `new`, cut in two boxes along dim 0, the
     halves sent by different senders, packed into `messages_per_pair` messages per (sender, engine
     rank). The first message of each pair starts with a 2-byte gap, so its float entries sit at
@@ -85,8 +103,11 @@ def plan_reshard(layouts: dict, offsets: dict, new: dict[str, torch.Tensor], n_s
             pieces = {s: [] for s in range(n_senders)}
             for name, full in new.items():
                 spec = info["params"][name]
-                local = full if spec["dim"] is None else full.narrow(spec["dim"], spec["range"][0],
-                                                                     spec["range"][1] - spec["range"][0])
+                local = (
+                    full
+                    if spec["dim"] is None
+                    else full.narrow(spec["dim"], spec["range"][0], spec["range"][1] - spec["range"][0])
+                )
                 rows = local.shape[0]
                 for s, (a, b) in enumerate([(0, rows // 2), (rows // 2, rows)]):
                     box = [[a, b]] + [[0, d] for d in local.shape[1:]]
@@ -106,8 +127,9 @@ def _pack(pieces, gap: int) -> tuple[torch.Tensor, list[dict]]:
     chunks, entries, offset = [torch.zeros(gap, dtype=torch.uint8)], [], gap
     for name, box, values, dtype in pieces:
         raw = values.to(dtype or values.dtype).contiguous().reshape(-1).view(torch.uint8)
-        entries.append({"name": name, "dtype": str(dtype or values.dtype).removeprefix("torch."), "box": box,
-                        "offset": offset})
+        entries.append(
+            {"name": name, "dtype": str(dtype or values.dtype).removeprefix("torch."), "box": box, "offset": offset}
+        )
         chunks.append(raw)
         offset += raw.numel()
     return torch.cat(chunks), entries

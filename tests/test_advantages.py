@@ -7,8 +7,13 @@ import typing
 import pytest
 import torch
 
-from megarl.algo.advantages import (ESTIMATORS, compute_advantages, masked_whiten,
-                                    register_estimator, token_level_rewards)
+from megarl.algo.advantages import (
+    ESTIMATORS,
+    compute_advantages,
+    masked_whiten,
+    register_estimator,
+    token_level_rewards,
+)
 from megarl.config.schema import AdvEstimator
 
 torch.set_num_threads(1)
@@ -56,8 +61,18 @@ def test_every_estimator_keeps_the_contract(name, dtype):
     baseline = torch.randn(7, generator=g).to(dtype)
     groups = [0, 0, 1, 1, 1, 2, 3]  # groups of 2 and 3, two of 1
     for r in (rewards, rewards[:, None] * mask):  # per-row scores and token-level rewards
-        adv, ret = compute_advantages(name, r, mask, groups, values=values, baseline_scores=baseline,
-                                      gamma=0.9, lam=0.8, norm_by_std=True, eps=1e-6)
+        adv, ret = compute_advantages(
+            name,
+            r,
+            mask,
+            groups,
+            values=values,
+            baseline_scores=baseline,
+            gamma=0.9,
+            lam=0.8,
+            norm_by_std=True,
+            eps=1e-6,
+        )
         for out in (adv, ret):
             assert out.shape == mask.shape and out.dtype == dtype
             assert torch.isfinite(out).all()
@@ -65,8 +80,9 @@ def test_every_estimator_keeps_the_contract(name, dtype):
         assert adv[mask == 1].abs().sum() > 0  # the estimator looked at the scores
     # a batch of empty responses: zeros, no NaN
     empty = torch.zeros(3, 4, dtype=torch.long)
-    adv, ret = compute_advantages(name, rewards[:3], empty, [0, 0, 1], values=values[:3, :4],
-                                  baseline_scores=baseline[:3])
+    adv, ret = compute_advantages(
+        name, rewards[:3], empty, [0, 0, 1], values=values[:3, :4], baseline_scores=baseline[:3]
+    )
     assert (adv == 0).all() and (ret == 0).all()
 
 
@@ -155,8 +171,7 @@ def test_gae_hand_computed():
     # row 1: 1 token, reward 0, value 0.2 (values past the response are ignored): A = -0.2, return 0
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     values = torch.tensor([[0.5, 0.25, 0.5], [0.2, 9.0, 9.0]], dtype=F64)
-    adv, ret = compute_advantages("gae", torch.tensor([1.0, 0.0], dtype=F64), mask, values=values,
-                                  gamma=0.9, lam=0.5)
+    adv, ret = compute_advantages("gae", torch.tensor([1.0, 0.0], dtype=F64), mask, values=values, gamma=0.9, lam=0.5)
     assert torch.allclose(ret, torch.tensor([[0.41625, 0.675, 1.0], [0.0, 0.0, 0.0]], dtype=F64), atol=1e-12)
     raw = [-0.08375, 0.425, 0.5, -0.2]
     mean = sum(raw) / 4

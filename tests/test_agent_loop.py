@@ -52,12 +52,14 @@ def prompt_ids(question: str) -> list[int]:
 # ---- a scripted model --------------------------------------------------------------------------
 def script(question: str, turn: int) -> list[int]:
     """What the 'model' answers on turn `turn` (0-based) of a conversation opened by `question`."""
-    if question.startswith("always"):   # calls the tool every turn (max_turns ends it)
+    if question.startswith("always"):  # calls the tool every turn (max_turns ends it)
         return encode(CALL)
-    if question.startswith("errors"):   # a bad call per turn (one call ends a turn), then an answer
-        bad = ['<tool_call>{"name": "python", "arguments": {"code": 1}}</tool_call>',
-               '<tool_call>{"name": "shell", "arguments": {}}</tool_call>',
-               '<tool_call>{"name": python}</tool_call>']
+    if question.startswith("errors"):  # a bad call per turn (one call ends a turn), then an answer
+        bad = [
+            '<tool_call>{"name": "python", "arguments": {"code": 1}}</tool_call>',
+            '<tool_call>{"name": "shell", "arguments": {}}</tool_call>',
+            '<tool_call>{"name": python}</tool_call>',
+        ]
         return encode(bad[turn]) if turn < len(bad) else encode("7") + [EOS]
     if turn == 0:
         return encode(CALL)
@@ -77,17 +79,26 @@ def scripted_app(seen: list) -> FastAPI:
         seen.append(body)
         items = []
         for ids, params in zip(body["input_ids"], [body["sampling_params"]] * len(body["input_ids"])):
-            question = TOK.decode(ids[1:ids.index(assistant)])
+            question = TOK.decode(ids[1 : ids.index(assistant)])
             out = script(question, ids.count(response_open))
             stops = set(params.get("stop_token_ids") or [])
             cut = next((k + 1 for k, t in enumerate(out) if t in stops), len(out))
             out, finish = out[:cut], {"type": "stop"}
             if len(out) > params["max_new_tokens"]:
-                out, finish = out[:params["max_new_tokens"]], {"type": "length", "length": params["max_new_tokens"]}
-            items.append({"text": TOK.decode(out, skip_special_tokens=True), "output_ids": out,
-                          "meta_info": {"output_token_logprobs": [[FAKE_LOGPROB, t, None] for t in out],
-                                        "finish_reason": finish, "weight_version": "default"}})
+                out, finish = out[: params["max_new_tokens"]], {"type": "length", "length": params["max_new_tokens"]}
+            items.append(
+                {
+                    "text": TOK.decode(out, skip_special_tokens=True),
+                    "output_ids": out,
+                    "meta_info": {
+                        "output_token_logprobs": [[FAKE_LOGPROB, t, None] for t in out],
+                        "finish_reason": finish,
+                        "weight_version": "default",
+                    },
+                }
+            )
         return items
+
     return app
 
 
@@ -174,8 +185,10 @@ def test_max_turns_and_the_response_budget_end_a_trajectory(scripted):
 
 
 def test_parser_edge_cases():
-    calls = parse_tool_calls('a<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"1\\"}"}</tool_call>'
-                             '<tool_call>[1]</tool_call> tail <tool_call>{"name"')
+    calls = parse_tool_calls(
+        'a<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"1\\"}"}</tool_call>'
+        '<tool_call>[1]</tool_call> tail <tool_call>{"name"'
+    )
     assert calls[0] == ToolCall("python", {"code": "1"})  # arguments as a JSON string are accepted
     assert calls[1].error.startswith("error: a tool call is a JSON object")
     assert calls[2].error == "error: <tool_call> without </tool_call>" and len(calls) == 3
@@ -187,8 +200,8 @@ def test_parser_edge_cases():
 
 def test_tool_response_format_with_a_qwen_template():
     """Qwen2.5's tool rendering: the model's <|im_end|> is not repeated, the rest is glue."""
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<|im_start|>", "<|im_end|>", "<tool_response>", "</tool_response>"]
     vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
@@ -203,13 +216,14 @@ def test_tool_response_format_with_a_qwen_template():
         "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
         "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
         "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
     fmt = ToolResponseFormat(tok)
     expected = "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert fmt.text(["42"]) == expected
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    ids = fmt.ids(["42"], turn_ids=[5, 6, im_end])          # the model ended its turn itself
-    assert tok.decode(ids) == expected[len("<|im_end|>"):]
+    ids = fmt.ids(["42"], turn_ids=[5, 6, im_end])  # the model ended its turn itself
+    assert tok.decode(ids) == expected[len("<|im_end|>") :]
     assert tok.decode(fmt.ids(["42"], turn_ids=[5, 6])) == expected  # stopped at </tool_call>: closed here
 
 
@@ -218,15 +232,25 @@ def test_manager_rows_metrics_and_sticky_engines(scripted):
     for s in scripted:
         s.seen.clear()
     questions = ["what is 23*58?", "errors please"]
-    prompts = Batch(non_tensors={"raw_prompt_ids": [prompt_ids(q) for q in questions],
-                                 "data_source": ["megarl/arith"] * 2, "ground_truth": ["1334", "7"],
-                                 "extra_info": [{}, {}], "uid": ["a", "b"]})
-    manager = RolloutManager([s.url for s in scripted], max_retries=0,
-                             agent=AgentRollout(ToolAgentLoop(TOK, agent_cfg(max_turns=4), 1024)))
+    prompts = Batch(
+        non_tensors={
+            "raw_prompt_ids": [prompt_ids(q) for q in questions],
+            "data_source": ["megarl/arith"] * 2,
+            "ground_truth": ["1334", "7"],
+            "extra_info": [{}, {}],
+            "uid": ["a", "b"],
+        }
+    )
+    manager = RolloutManager(
+        [s.url for s in scripted], max_retries=0, agent=AgentRollout(ToolAgentLoop(TOK, agent_cfg(max_turns=4), 1024))
+    )
     delivered = []
     try:
-        rows = manager.generate(prompts, SamplingSpec(n=2, max_new_tokens=1024),
-                                on_rows=lambda idx, outs: delivered.append((idx, [o.text for o in outs[0]])))
+        rows = manager.generate(
+            prompts,
+            SamplingSpec(n=2, max_new_tokens=1024),
+            on_rows=lambda idx, outs: delivered.append((idx, [o.text for o in outs[0]])),
+        )
     finally:
         manager.close()
     assert len(rows) == 4 and list(rows["uid"]) == ["a", "a", "b", "b"]
@@ -236,7 +260,7 @@ def test_manager_rows_metrics_and_sticky_engines(scripted):
     for i in range(4):
         n_prompt = int(rows["prompt_lengths"][i])
         k = int((rows["responses"][i] != 0).sum())  # no pad id (0) inside these responses
-        assert torch.equal(rows["input_ids"][i, n_prompt:n_prompt + k], rows["responses"][i, :k])
+        assert torch.equal(rows["input_ids"][i, n_prompt : n_prompt + k], rows["responses"][i, :k])
         assert bool((mask[i, :k] == 0).any()) and bool((mask[i, k:] == 0).all())
     assert list(rows["response_text"]) == ["<|user|>1334"] * 2 + ["7"] * 2
     assert list(rows["finish_reason"]) == ["stop"] * 4 and rows["num_turns"].tolist() == [2, 2, 4, 4]
@@ -247,7 +271,7 @@ def test_manager_rows_metrics_and_sticky_engines(scripted):
     # sticky: engine k got every turn of prompt k's trajectories and nothing else
     for k, server in enumerate(scripted):
         assert len(server.seen) == 2 * (2, 4)[k]  # 2 trajectories x their turns
-        assert all(g["input_ids"][0][:len(prompt_ids(questions[k]))] == prompt_ids(questions[k]) for g in server.seen)
+        assert all(g["input_ids"][0][: len(prompt_ids(questions[k]))] == prompt_ids(questions[k]) for g in server.seen)
 
 
 # ---- the trainer's pieces skip tool tokens ------------------------------------------------------
@@ -258,8 +282,14 @@ def test_lengths_parity_and_advantages_skip_masked_tool_tokens():
 
     mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
     assert row_lengths(torch.zeros(2, 9, dtype=torch.long), torch.tensor([3, 3]), mask).tolist() == [8, 6]
-    rows = Batch({"response_mask": mask, "prompt_lengths": torch.tensor([3, 3]),
-                  "old_log_probs": torch.where(mask > 0, -1.0, -9.0), "rollout_log_probs": -mask})
+    rows = Batch(
+        {
+            "response_mask": mask,
+            "prompt_lengths": torch.tensor([3, 3]),
+            "old_log_probs": torch.where(mask > 0, -1.0, -9.0),
+            "rollout_log_probs": -mask,
+        }
+    )
     bridge = SimpleNamespace(check_parity=True, parity_atol=1e-3, parity_rows_off=0.0)
     assert check_parity(rows, 1, bridge, 1, lambda: [])["rollout/logprob_diff_max"] == 0.0
     adv, _ = compute_advantages("grpo", torch.tensor([1.0, 0.0]), mask, ["g", "g"])
@@ -288,10 +318,25 @@ def test_real_engine_log_probs_match_hf_over_the_final_record(tools_model, tmp_p
         client = RolloutClient(server.url, max_retries=0)
 
         async def run_all():
-            return await asyncio.gather(*[loop.run(AgentSample(
-                i, prompt_ids(q), EngineHandle(client, {"temperature": 1.0, "logit_bias": {str(t): b for t, b in bias.items()}},
-                                               i, None, seed=(0,))))
-                for i, q in enumerate(["what is 2+2?", "compute 17*3", "hello", "x", "a", "bc"])])
+            return await asyncio.gather(
+                *[
+                    loop.run(
+                        AgentSample(
+                            i,
+                            prompt_ids(q),
+                            EngineHandle(
+                                client,
+                                {"temperature": 1.0, "logit_bias": {str(t): b for t, b in bias.items()}},
+                                i,
+                                None,
+                                seed=(0,),
+                            ),
+                        )
+                    )
+                    for i, q in enumerate(["what is 2+2?", "compute 17*3", "hello", "x", "a", "bc"])
+                ]
+            )
+
         try:
             outs = asyncio.run(run_all())
         finally:
@@ -301,10 +346,10 @@ def test_real_engine_log_probs_match_hf_over_the_final_record(tools_model, tmp_p
     for out in outs:
         ids = torch.tensor([out.prompt_ids + out.response_ids])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(out.prompt_ids) - 1:-1]
+            logits = model(ids).logits[0, len(out.prompt_ids) - 1 : -1]
         for t, b in bias.items():  # the engine reports log-probs of the processed (biased) logits
             logits[:, t] += b
-        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(out.prompt_ids):, None])[:, 0]
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(out.prompt_ids) :, None])[:, 0]
         mask = torch.tensor(out.response_mask, dtype=torch.bool)
         got = torch.tensor(out.response_logprobs)
         assert torch.allclose(got[mask], ref[mask], atol=1e-4), (got[mask] - ref[mask]).abs().max()

@@ -6,8 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.algo import (agg_loss, entropy_from_logits, entropy_loss, group_normalized_scores,
-                         grpo_advantages, kl_loss, kl_penalty, masked_mean, policy_loss)
+from megarl.algo import (
+    agg_loss,
+    entropy_from_logits,
+    entropy_loss,
+    group_normalized_scores,
+    grpo_advantages,
+    kl_loss,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+)
 
 torch.set_num_threads(1)
 TOL = dict(rel=1e-5, abs=1e-6)
@@ -29,8 +38,7 @@ def test_grpo_advantages_hand_computed():
 
 
 def test_grpo_without_std_is_mean_centering():
-    adv = group_normalized_scores(torch.tensor([1.0, 0.0, 0.5, 1.0]), ["a", "a", "b", "a"],
-                                  norm_by_std=False)
+    adv = group_normalized_scores(torch.tensor([1.0, 0.0, 0.5, 1.0]), ["a", "a", "b", "a"], norm_by_std=False)
     # 1 - 2/3, 0 - 2/3, alone, 1 - 2/3
     assert adv.tolist() == pytest.approx([1 / 3, -2 / 3, 0.0, 1 / 3], **TOL)
 
@@ -66,11 +74,14 @@ VALUES = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
 MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("token-mean", (1 + 2 + 3) / 3),              # 2.0
-    ("seq-mean-token-sum", ((1 + 2) + 3) / 2),    # 3.0
-    ("seq-mean-token-mean", (1.5 + 3) / 2),       # 2.25
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", (1 + 2 + 3) / 3),  # 2.0
+        ("seq-mean-token-sum", ((1 + 2) + 3) / 2),  # 3.0
+        ("seq-mean-token-mean", (1.5 + 3) / 2),  # 2.25
+    ],
+)
 def test_agg_loss_modes(mode, expected):
     assert agg_loss(VALUES, MASK, mode).item() == pytest.approx(expected, **TOL)
 
@@ -98,11 +109,14 @@ def _policy_inputs(dtype=torch.float32):
     return log_prob, old, adv
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("token-mean", (-1.2 - 0.5 + 1.5) / 3),              # -0.066667
-    ("seq-mean-token-sum", ((-1.2 - 0.5) + 1.5) / 2),    # -0.1
-    ("seq-mean-token-mean", ((-1.2 - 0.5) / 2 + 1.5) / 2),  # 0.325
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", (-1.2 - 0.5 + 1.5) / 3),  # -0.066667
+        ("seq-mean-token-sum", ((-1.2 - 0.5) + 1.5) / 2),  # -0.1
+        ("seq-mean-token-mean", ((-1.2 - 0.5) / 2 + 1.5) / 2),  # 0.325
+    ],
+)
 def test_policy_loss_hand_computed(mode, expected):
     log_prob, old, adv = _policy_inputs()
     loss, metrics = policy_loss(log_prob, old, adv, MASK, 0.2, 0.2, mode)
@@ -149,8 +163,7 @@ def test_policy_loss_gradient_matches_finite_differences():
     adv = torch.randn(3, 5, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.float64)
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        assert torch.autograd.gradcheck(
-            lambda lp: policy_loss(lp, old, adv, mask, 0.2, 0.2, mode)[0], (log_prob,))
+        assert torch.autograd.gradcheck(lambda lp: policy_loss(lp, old, adv, mask, 0.2, 0.2, mode)[0], (log_prob,))
 
 
 def test_policy_loss_shape_mismatch():
@@ -159,8 +172,7 @@ def test_policy_loss_shape_mismatch():
 
 
 def test_policy_loss_huge_ratio_stays_finite():
-    loss, _ = policy_loss(torch.tensor([[100.0]]), torch.tensor([[0.0]]), torch.tensor([[-1.0]]),
-                          torch.ones(1, 1))
+    loss, _ = policy_loss(torch.tensor([[100.0]]), torch.tensor([[0.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1))
     assert math.isfinite(loss.item()) and loss.item() == pytest.approx(math.exp(20), rel=1e-4)
 
 
@@ -168,12 +180,15 @@ def test_policy_loss_huge_ratio_stays_finite():
 LP, REF = math.log(0.5), math.log(0.25)  # log p - log q = ln 2 = 0.693147
 
 
-@pytest.mark.parametrize("kind, expected", [
-    ("k1", 0.693147),                      # ln 2
-    ("k2", 0.5 * 0.693147 ** 2),           # 0.240227
-    ("k3", 0.5 + 0.693147 - 1),            # q/p - ln(q/p) - 1 = 0.5 + ln 2 - 1 = 0.193147
-    ("low_var_kl", 0.5 + 0.693147 - 1),
-])
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("k1", 0.693147),  # ln 2
+        ("k2", 0.5 * 0.693147**2),  # 0.240227
+        ("k3", 0.5 + 0.693147 - 1),  # q/p - ln(q/p) - 1 = 0.5 + ln 2 - 1 = 0.193147
+        ("low_var_kl", 0.5 + 0.693147 - 1),
+    ],
+)
 def test_kl_penalty_hand_computed(kind, expected):
     value = kl_penalty(torch.tensor([LP]), torch.tensor([REF]), kind)
     assert value.item() == pytest.approx(expected, **TOL)
@@ -223,5 +238,4 @@ def test_entropy_loss_uses_the_mask():
     logits = torch.log(torch.tensor([[[0.5, 0.5], [0.7, 0.3]], [[0.5, 0.5], [0.5, 0.5]]]))
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     # token-mean over (ln 2, 0.610864, ln 2) = 0.665719
-    assert entropy_loss(logits, mask, "token-mean").item() == pytest.approx(
-        (2 * 0.693147 + 0.610864) / 3, **TOL)
+    assert entropy_loss(logits, mask, "token-mean").item() == pytest.approx((2 * 0.693147 + 0.610864) / 3, **TOL)

@@ -39,8 +39,7 @@ def arch_paths(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("archs")
     paths = {name: str(build_tiny_checkpoint(root / name, seed=0, preset=name)) for name in DENSE + [DSV3]}
-    paths[DSV3_DENSE] = str(build_tiny_checkpoint(root / DSV3_DENSE, seed=0, preset=DSV3,
-                                                  first_k_dense_replace=3))
+    paths[DSV3_DENSE] = str(build_tiny_checkpoint(root / DSV3_DENSE, seed=0, preset=DSV3, first_k_dense_replace=3))
     return paths
 
 
@@ -50,23 +49,31 @@ def _engine(path, tp=1, ep=1, train=False, sequence_parallel=None, cp=1):
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
     sp = tp > 1 if sequence_parallel is None else sequence_parallel
-    engine = MegatronEngine(EngineSpec(
-        model_path=path, parallel=ParallelConfig(tp=tp, ep=ep, cp=cp, sequence_parallel=sp),
-        # the distributed optimizer leaves a rank only its shard of the reduced gradient in
-        # main_grad; the plain one all-reduces it whole, which _hf_gradients reads
-        optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0, use_distributed_optimizer=False)
-        if train else None,
-        micro_batch_size=2, seed=1))
+    engine = MegatronEngine(
+        EngineSpec(
+            model_path=path,
+            parallel=ParallelConfig(tp=tp, ep=ep, cp=cp, sequence_parallel=sp),
+            # the distributed optimizer leaves a rank only its shard of the reduced gradient in
+            # main_grad; the plain one all-reduces it whole, which _hf_gradients reads
+            optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0, use_distributed_optimizer=False)
+            if train
+            else None,
+            micro_batch_size=2,
+            seed=1,
+        )
+    )
     engine.initialize()
     return engine
 
 
 def _forward(path, **layout):
     engine = _engine(path, **layout)
-    return {"log_probs": engine.compute_log_prob(make_rows())["log_probs"],
-            "weights": dict(engine.export_weights()),
-            # what the reshard bridge plans from: the HF boxes this rank's shards produce
-            "pieces": [(p.name, p.box, p.fetch().clone()) for p in engine.local_pieces()]}
+    return {
+        "log_probs": engine.compute_log_prob(make_rows())["log_probs"],
+        "weights": dict(engine.export_weights()),
+        # what the reshard bridge plans from: the HF boxes this rank's shards produce
+        "pieces": [(p.name, p.box, p.fetch().clone()) for p in engine.local_pieces()],
+    }
 
 
 def _hf_gradients(engine) -> dict:
@@ -189,8 +196,12 @@ def test_weight_round_trip_is_exact(results, arch_paths, layout, name):
 @pytest.mark.parametrize("layout,name", [("tp2", n) for n in DENSE + [DSV3]] + [("ep2", DSV3)])
 def test_reshard_pieces_rebuild_the_model(per_rank, layout, name):
     """shards.local_hf_pieces (mbridge's layouts through index tensors) for MLA and the rest."""
-    _check_pieces_rebuild_the_model([{"full": per_rank[0][f"{layout}/{name}"]["weights"],
-                                      "pieces": r[f"{layout}/{name}"]["pieces"]} for r in per_rank])
+    _check_pieces_rebuild_the_model(
+        [
+            {"full": per_rank[0][f"{layout}/{name}"]["weights"], "pieces": r[f"{layout}/{name}"]["pieces"]}
+            for r in per_rank
+        ]
+    )
 
 
 @pytest.mark.parametrize("layout", ["tp2", "ep2", "cp2"])
@@ -221,9 +232,12 @@ def test_group_limited_routing_matches_hugging_face(results, arch_paths):
 def test_tp2_mla_gradients_equal_tp1(results):
     """SILENT failure 6: the rope key's gradient summed over TP (mla.py), with SP and without."""
     key = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
-    ref, fixed, stock = results["tp1/train"]["grads"], results["tp2/train"]["grads"], \
-        results["tp2/stock_mla_train"]["grads"]
-    rope_rows = ref[key][TINY_DEEPSEEK_V3["kv_lora_rank"]:]  # the latent's rows, then the rope's
+    ref, fixed, stock = (
+        results["tp1/train"]["grads"],
+        results["tp2/train"]["grads"],
+        results["tp2/stock_mla_train"]["grads"],
+    )
+    rope_rows = ref[key][TINY_DEEPSEEK_V3["kv_lora_rank"] :]  # the latent's rows, then the rope's
     assert rope_rows.abs().max() > 1e-3
     torch.testing.assert_close(fixed[key], ref[key], atol=1e-5, rtol=0)
     assert (stock[key] - ref[key]).abs().max() > 1e-3  # Megatron's local-spec path alone is wrong
@@ -244,9 +258,8 @@ def test_schema_presets_are_the_built_presets():
     import typing
 
     from megarl.config.schema import ModelConfig
-    from megarl.models.tiny import PRESETS
-
     from megarl.models import smollm2
+    from megarl.models.tiny import PRESETS
 
     # every preset the schema offers is built in code, or materialised from a package (SmolLM2)
     assert set(typing.get_args(typing.get_type_hints(ModelConfig)["preset"])) == set(PRESETS) | {smollm2.PRESET}

@@ -33,11 +33,25 @@ def async_runs(tmp_path_factory):
     from megarl.trainer.runtime import start_runtime
 
     out = tmp_path_factory.mktemp("async")
-    cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", [
-        f"trainer.output_dir={out}", "trainer.total_steps=4", "trainer.val_every=0", "data.num_train=64",
-        "rollout.tp=1", "rollout.n=4", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size=16",
-        "trainer.tensorboard=false", "trainer.export_hf=false", "trainer.save_every=2",
-        "trainer.mode=one_step_off"]))
+    cfg = validate(
+        load_config(
+            ROOT / "configs/disaggregated.yaml",
+            [
+                f"trainer.output_dir={out}",
+                "trainer.total_steps=4",
+                "trainer.val_every=0",
+                "data.num_train=64",
+                "rollout.tp=1",
+                "rollout.n=4",
+                "actor.ppo_mini_batch_size=32",
+                "actor.micro_batch_size=16",
+                "trainer.tensorboard=false",
+                "trainer.export_hf=false",
+                "trainer.save_every=2",
+                "trainer.mode=one_step_off",
+            ],
+        )
+    )
     with start_runtime(cfg) as rt:
         one = MetricsLogger(None, 4, stream=io.StringIO(), jsonl_path=out / "one.jsonl")
         OneStepOffTrainer(rt, one).fit()
@@ -88,10 +102,12 @@ def test_async_modes_refuse_what_they_cannot_run():
     base = ROOT / "configs/disaggregated.yaml"
     with pytest.raises(ConfigError, match="trainer.mode"):
         validate(load_config(ROOT / "configs/quickstart.yaml", ["trainer.mode=one_step_off"]))
-    for override, key in [("trainer.deterministic=true", "trainer.deterministic"),
-                          ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable"),
-                          ("trainer.max_staleness=-1", "trainer.max_staleness"),
-                          ("rollout.agent_loop=tool", "rollout.agent_loop")]:
+    for override, key in [
+        ("trainer.deterministic=true", "trainer.deterministic"),
+        ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable"),
+        ("trainer.max_staleness=-1", "trainer.max_staleness"),
+        ("rollout.agent_loop=tool", "rollout.agent_loop"),
+    ]:
         with pytest.raises(ConfigError, match=key):
             validate(load_config(base, ["trainer.mode=fully_async", override]))
     validate(load_config(base, ["trainer.mode=one_step_off", "trainer.deterministic=true"]))
@@ -115,9 +131,16 @@ class _ScriptedClient:
         event = self.release.setdefault(key, threading.Event())
         while not event.is_set():
             await asyncio.sleep(0.001)
-        return [GenerateOutput(output_ids=[5, 6], text="x", finish_reason={"type": "stop"},
-                               meta_info={"weight_version": self.version}, output_logprobs=[-1.0, -2.0])
-                for _ in range(params["n"])]
+        return [
+            GenerateOutput(
+                output_ids=[5, 6],
+                text="x",
+                finish_reason={"type": "stop"},
+                meta_info={"weight_version": self.version},
+                output_logprobs=[-1.0, -2.0],
+            )
+            for _ in range(params["n"])
+        ]
 
     def close(self):
         pass
@@ -135,10 +158,24 @@ class _Prompts:
 def _producer(client, max_staleness, steps=None):
     from megarl.trainer.async_rollout import RolloutProducer
 
-    fleet = SimpleNamespace(router_url="http://r", live_urls=lambda: ["http://r"], engine_urls=[], api_key=None,
-                            abort_all_requests=lambda: None)
-    return RolloutProducer(SimpleNamespace(fleet=fleet), _Prompts(), 0, SamplingSpec(n=2), groups_per_step=2,
-                           max_staleness=max_staleness, version=0, steps=steps, make_client=lambda url: client)
+    fleet = SimpleNamespace(
+        router_url="http://r",
+        live_urls=lambda: ["http://r"],
+        engine_urls=[],
+        api_key=None,
+        abort_all_requests=lambda: None,
+    )
+    return RolloutProducer(
+        SimpleNamespace(fleet=fleet),
+        _Prompts(),
+        0,
+        SamplingSpec(n=2),
+        groups_per_step=2,
+        max_staleness=max_staleness,
+        version=0,
+        steps=steps,
+        make_client=lambda url: client,
+    )
 
 
 def _wait(cond, what):

@@ -17,8 +17,14 @@ from megarl.rollout.engine.attn_mask import ENGINE_SDPA, forward_step, model_att
 
 
 def _hf_step(model, ids, mask, positions, cache, keep_all):
-    return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                 use_cache=True, logits_to_keep=0 if keep_all else 1)
+    return model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=0 if keep_all else 1,
+    )
 
 
 def _run(step, model):
@@ -31,8 +37,8 @@ def _run(step, model):
     ids = torch.zeros(3, width, dtype=torch.long)
     mask = torch.zeros(3, width, dtype=torch.long)
     for r, n in enumerate(lengths):
-        ids[r, width - n:] = torch.randint(5, vocab, (n,), generator=g)
-        mask[r, width - n:] = 1
+        ids[r, width - n :] = torch.randint(5, vocab, (n,), generator=g)
+        mask[r, width - n :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     outs = [step(model, ids, mask, positions, cache, True).logits]
@@ -80,5 +86,6 @@ def test_mask_layout_and_passthrough():
     assert model_attention_mask(sdpa, torch.ones(2, 4, dtype=torch.long), 1, torch.float32).dim() == 2
     sliding = SimpleNamespace(_attn_implementation="sdpa", layer_types=["full_attention", "sliding_attention"])
     assert model_attention_mask(sliding, mask, 2, torch.float32) is mask
-    assert model_attention_mask(SimpleNamespace(_attn_implementation="flash_attention_2"), mask, 2,
-                                torch.float32) is mask
+    assert (
+        model_attention_mask(SimpleNamespace(_attn_implementation="flash_attention_2"), mask, 2, torch.float32) is mask
+    )

@@ -121,24 +121,29 @@ def test_concat_errors_and_meta():
     assert len(c) == 5 and c.meta == {"temperature": 1.0, "extra": 1}
     with pytest.raises(BatchError, match="batch 1 has columns"):
         Batch.concat([a, a.select("ids")])
-    wide = Batch({"ids": torch.zeros(2, 4, dtype=torch.long), "score": torch.zeros(2)},
-                 {"uid": ["a", "b"], "prompt_ids": [[1], [2]]})
+    wide = Batch(
+        {"ids": torch.zeros(2, 4, dtype=torch.long), "score": torch.zeros(2)},
+        {"uid": ["a", "b"], "prompt_ids": [[1], [2]]},
+    )
     with pytest.raises(BatchError, match=r"'ids' has different per-row shapes \[\(3,\), \(4,\)\]"):
         Batch.concat([a, wide])
     with pytest.raises(BatchError, match="at least one"):
         Batch.concat([])
 
 
-@pytest.mark.parametrize("index, rows", [
-    (2, [2]),
-    (-1, [4]),
-    (slice(1, 4, 2), [1, 3]),
-    ([4, 0, 0], [4, 0, 0]),
-    (torch.tensor([3, 1]), [3, 1]),
-    (np.array([0, 2]), [0, 2]),
-    (torch.tensor([True, False, False, True, True]), [0, 3, 4]),
-    ([False] * 5, []),
-])
+@pytest.mark.parametrize(
+    "index, rows",
+    [
+        (2, [2]),
+        (-1, [4]),
+        (slice(1, 4, 2), [1, 3]),
+        ([4, 0, 0], [4, 0, 0]),
+        (torch.tensor([3, 1]), [3, 1]),
+        (np.array([0, 2]), [0, 2]),
+        (torch.tensor([True, False, False, True, True]), [0, 3, 4]),
+        ([False] * 5, []),
+    ],
+)
 def test_row_indexing(index, rows):
     b = make()
     sub = b[index]
@@ -178,8 +183,7 @@ def test_to_device_keeps_non_tensors():
 
 def test_pickle_roundtrip_and_size_close_to_raw_bytes():
     n, width = 4096, 256
-    big = Batch({"x": torch.randn(n, width), "m": torch.ones(n, width, dtype=torch.bool)},
-                meta={"step": 1})
+    big = Batch({"x": torch.randn(n, width), "m": torch.ones(n, width, dtype=torch.bool)}, meta={"step": 1})
     raw = n * width * 4 + n * width * 1
     blob = pickle.dumps(big)
     # storage pickling costs a few hundred bytes of headers; a list round trip would cost
@@ -205,9 +209,14 @@ def test_pickled_columns_name_no_torch_storage_loader():
     """Columns numpy holds travel as ndarrays: a torch storage's pickle would name the sender's
     `torch.storage._load_from_bytes`, which megatron-core replaces with its own, so the driver
     would import megatron-core to read an actor's answer (see batch._to_wire)."""
-    cols = {"f32": torch.randn(3, 4), "f64": torch.randn(3, 2, dtype=torch.float64),
-            "i64": torch.arange(6).view(3, 2), "b": torch.tensor([True, False, True]),
-            "u8": torch.tensor([1, 2, 255], dtype=torch.uint8), "bf16": torch.randn(3, 2).bfloat16()}
+    cols = {
+        "f32": torch.randn(3, 4),
+        "f64": torch.randn(3, 2, dtype=torch.float64),
+        "i64": torch.arange(6).view(3, 2),
+        "b": torch.tensor([True, False, True]),
+        "u8": torch.tensor([1, 2, 255], dtype=torch.uint8),
+        "bf16": torch.randn(3, 2).bfloat16(),
+    }
     b = Batch(cols)
     plain = Batch({k: v for k, v in cols.items() if k != "bf16"})
     assert b"_load_from_bytes" not in pickle.dumps(plain) and b"torch.storage" not in pickle.dumps(plain)

@@ -69,9 +69,16 @@ def server_response_logprobs(url: str) -> torch.Tensor:
     rows = make_rows()
     out = torch.zeros_like(rows["response_mask"])
     for i, (prompt, response) in enumerate(SEQ_ROWS):
-        body = httpx.post(f"{url}/generate", json={
-            "input_ids": prompt + response, "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}, timeout=60).json()
+        body = httpx.post(
+            f"{url}/generate",
+            json={
+                "input_ids": prompt + response,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            },
+            timeout=60,
+        ).json()
         triples = body["meta_info"]["input_token_logprobs"]
         for j in range(len(response)):
             out[i, j] = triples[len(prompt) + j][0]
@@ -105,12 +112,12 @@ def _sync_rounds(rank, model_path, urls, layout, rounds, tmp_dir):
         _step(engine, rows)
         stats = transports[name].sync(engine, f"v{version}", urls)
         trainer = engine.compute_log_prob(rows)  # only the last pipeline stage has them
-        record = {"transport": name, "stats": stats,
-                  "trainer": None if trainer is None else trainer["log_probs"]}
+        record = {"transport": name, "stats": stats, "trainer": None if trainer is None else trainer["log_probs"]}
         if rank == 0:
             record["engines"] = [server_response_logprobs(u) for u in urls]
-            record["versions"] = [httpx.get(f"{u}/get_weight_version", timeout=10).json()["weight_version"]
-                                  for u in urls]
+            record["versions"] = [
+                httpx.get(f"{u}/get_weight_version", timeout=10).json()["weight_version"] for u in urls
+            ]
         out.append(record)
     for transport in transports.values():
         transport.close()
@@ -123,8 +130,10 @@ def engines(tiny_model_path, tmp_path_factory):
     from megarl.rollout.fleet.server_process import RolloutServerProcess
 
     disk = ("--weight-dirs", str(tmp_path_factory.getbasetemp()))  # the disk transport writes under tmp_path
-    servers = [RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0, extra_args=disk),
-               RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0, extra_args=("--tp", "2", *disk))]
+    servers = [
+        RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0, extra_args=disk),
+        RolloutServerProcess(tiny_model_path, torch_threads=1, seed=0, extra_args=("--tp", "2", *disk)),
+    ]
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for future in [pool.submit(s.start) for s in servers]:
@@ -135,11 +144,15 @@ def engines(tiny_model_path, tmp_path_factory):
             server.stop()
 
 
-@pytest.mark.parametrize("layout,rounds", [
-    (dict(tp=2, ep=1, pp=1), ["tensor", "disk", "distributed", "reshard"]),
-    (dict(tp=1, ep=2, pp=1), ["tensor", "distributed", "distributed", "reshard", "reshard"]),
-    (dict(tp=1, ep=1, pp=2), ["tensor", "distributed", "reshard", "tensor-whole"]),
-], ids=["trainer-tp2", "trainer-ep2", "trainer-pp2"])
+@pytest.mark.parametrize(
+    "layout,rounds",
+    [
+        (dict(tp=2, ep=1, pp=1), ["tensor", "disk", "distributed", "reshard"]),
+        (dict(tp=1, ep=2, pp=1), ["tensor", "distributed", "distributed", "reshard", "reshard"]),
+        (dict(tp=1, ep=1, pp=2), ["tensor", "distributed", "reshard", "tensor-whole"]),
+    ],
+    ids=["trainer-tp2", "trainer-ep2", "trainer-pp2"],
+)
 def test_engines_match_trainer_after_every_sync(engines, tiny_model_path, tmp_path, layout, rounds):
     mask = make_rows()["response_mask"].bool()
     before = [server_response_logprobs(u) for u in engines]
@@ -182,8 +195,11 @@ def test_reshard_moves_exactly_the_bytes_each_rollout_rank_owns(engines, tiny_mo
     results = run_ranks(_sync_rounds, 2, tiny_model_path, engines, dict(tp=1, ep=2, pp=1), ["reshard"], None)
     stats = results[0][1]["stats"]
     layouts = [httpx.get(f"{u}/get_parallelism_config", timeout=10).json() for u in engines]
-    owned = [sum(prod(p["local_shape"]) * 4 for p in rank["params"].values())
-             for layout in layouts for rank in layout["ranks"]]
+    owned = [
+        sum(prod(p["local_shape"]) * 4 for p in rank["params"].values())
+        for layout in layouts
+        for rank in layout["ranks"]
+    ]
     full = sum(prod(p["global_shape"]) * 4 for p in layouts[0]["ranks"][0]["params"].values())
     assert stats["bridge/bytes"] == sum(owned)
     assert stats["bridge/bytes_per_rollout_rank_max"] == max(owned) == full  # the tp=1 engine holds it all
@@ -218,6 +234,7 @@ def _die_mid_sync(rank, model_path, urls, transport, tmp_dir):
                 if len(calls) == 2:  # holding the bucket lock, the engines waiting on its broadcast
                     os._exit(1)
                 return calls[-1]
+
             bridge._post_bucket = post_then_die
         else:
             original = bridge._group.send
@@ -225,14 +242,19 @@ def _die_mid_sync(rank, model_path, urls, transport, tmp_dir):
             def send_then_die(tensor, dst, tag):
                 original(tensor, dst, tag).wait()
                 os._exit(1)
+
             bridge._group.send = send_then_die
     try:
         bridge.sync(engine, "v2", urls)
         error = None
     except WeightSyncError as exc:
         error = str(exc)
-    return {"error": error, "v1": v1, "after": [server_response_logprobs(u) for u in urls],
-            "versions": [httpx.get(f"{u}/get_weight_version", timeout=10).json()["weight_version"] for u in urls]}
+    return {
+        "error": error,
+        "v1": v1,
+        "after": [server_response_logprobs(u) for u in urls],
+        "versions": [httpx.get(f"{u}/get_weight_version", timeout=10).json()["weight_version"] for u in urls],
+    }
 
 
 @pytest.mark.parametrize("transport", ["distributed", "reshard"])
@@ -265,8 +287,9 @@ def _resync_on_the_same_url(rank, model_path, transport, port, tmp_dir):
     url = f"http://127.0.0.1:{port}"
     server = RolloutServerProcess(model_path, port=port, torch_threads=1, seed=0) if rank == 0 else None
     engine, rows = _engine(model_path, train=True, tp=1, ep=2), make_rows()
-    bridge = make_transport(BridgeSpec(transport, (url,), BUCKET, timeout_s=30), rank, dist.get_world_size(),
-                            "127.0.0.1")
+    bridge = make_transport(
+        BridgeSpec(transport, (url,), BUCKET, timeout_s=30), rank, dist.get_world_size(), "127.0.0.1"
+    )
     try:
         if rank == 0:
             server.start()
@@ -283,9 +306,12 @@ def _resync_on_the_same_url(rank, model_path, transport, port, tmp_dir):
         _step(engine, rows)
         bridge.sync(engine, "v2", [url])
         trainer = engine.compute_log_prob(rows)
-        return {"resynced": resynced, "trainer": None if trainer is None else trainer["log_probs"],
-                "engine": server_response_logprobs(url) if rank == 0 else None,
-                "version": httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"]}
+        return {
+            "resynced": resynced,
+            "trainer": None if trainer is None else trainer["log_probs"],
+            "engine": server_response_logprobs(url) if rank == 0 else None,
+            "version": httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"],
+        }
     finally:
         bridge.close()
         if server is not None:

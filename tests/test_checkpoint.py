@@ -35,9 +35,13 @@ def _spec(model_path, tp=1, ep=1, pp=1):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec
 
-    return EngineSpec(model_path=str(model_path),
-                      parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, sequence_parallel=tp > 1),
-                      optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0), micro_batch_size=2, seed=1)
+    return EngineSpec(
+        model_path=str(model_path),
+        parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, sequence_parallel=tp > 1),
+        optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0),
+        micro_batch_size=2,
+        seed=1,
+    )
 
 
 def _engine(model_path, **layout):
@@ -59,8 +63,9 @@ def _actor(model_path, rank, port, **layout):
     from megarl.engine.megatron.actor import ActorLossSpec, MegatronActor
 
     dist.destroy_process_group()
-    actor = MegatronActor(_spec(model_path, **layout), ActorLossSpec(), rank=rank, world_size=2,
-                          master_addr="127.0.0.1", master_port=port)
+    actor = MegatronActor(
+        _spec(model_path, **layout), ActorLossSpec(), rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port
+    )
     actor.init_distributed()
     return actor
 
@@ -138,8 +143,9 @@ def _load_on_rank(rank, model_path, root, port):
     engine = actor.actor
     fresh_draws = _draw_rngs()
     info = actor.load_checkpoint(os.path.join(root, "tp2"))
-    out["tp2"] = dict(info=info, fresh_draws=fresh_draws, draws=_draw_rngs(), adam=_adam_state(engine),
-                      log_probs=_log_probs(engine))
+    out["tp2"] = dict(
+        info=info, fresh_draws=fresh_draws, draws=_draw_rngs(), adam=_adam_state(engine), log_probs=_log_probs(engine)
+    )
     _step(engine)
     out["tp2"]["weights"] = _weights(engine)
 
@@ -148,8 +154,7 @@ def _load_on_rank(rank, model_path, root, port):
     _step(control)
     out["weights_only"] = dict(info=info, weights=_weights(control))
 
-    for name, ckpt, layout in (("tp2_to_tp1", "tp2", {}), ("tp2_to_pp2", "tp2", {"pp": 2}),
-                               ("ep2_to_ep1", "ep2", {})):
+    for name, ckpt, layout in (("tp2_to_tp1", "tp2", {}), ("tp2_to_pp2", "tp2", {"pp": 2}), ("ep2_to_ep1", "ep2", {})):
         engine = _engine(model_path, **layout)
         info = engine.load_checkpoint(os.path.join(root, ckpt))
         out[name] = dict(info=info, log_probs=_log_probs(engine))
@@ -220,8 +225,7 @@ def _same(a, b) -> bool:
 def test_same_layout_continuation_equals_uninterrupted_training(runs):
     for saved, loaded in zip(runs["saved"], runs["loaded"]):
         _assert_weights_close(loaded["tp2"]["weights"], saved["continued"], 1e-6, "tp2 -> tp2")
-        torch.testing.assert_close(loaded["tp2"]["log_probs"], runs["reference"]["log_probs"],
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(loaded["tp2"]["log_probs"], runs["reference"]["log_probs"], atol=1e-6, rtol=0)
 
 
 def test_weights_only_load_changes_the_next_step(runs):

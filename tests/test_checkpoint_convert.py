@@ -30,9 +30,15 @@ from tests._dist import run_ranks
 from tests.test_megatron_engine import make_rows
 
 PRESETS = ("tiny-qwen3-moe", "tiny-qwen3", "tiny-deepseek-v3")
-LAYOUTS = [("tiny-qwen3-moe", dict(tp=2)), ("tiny-qwen3-moe", dict(pp=2)), ("tiny-qwen3-moe", dict(ep=2)),
-           ("tiny-qwen3", dict(tp=2)), ("tiny-qwen3", dict(pp=2)),
-           ("tiny-deepseek-v3", dict(tp=2)), ("tiny-deepseek-v3", dict(ep=2))]
+LAYOUTS = [
+    ("tiny-qwen3-moe", dict(tp=2)),
+    ("tiny-qwen3-moe", dict(pp=2)),
+    ("tiny-qwen3-moe", dict(ep=2)),
+    ("tiny-qwen3", dict(tp=2)),
+    ("tiny-qwen3", dict(pp=2)),
+    ("tiny-deepseek-v3", dict(tp=2)),
+    ("tiny-deepseek-v3", dict(ep=2)),
+]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,7 +46,9 @@ def _hf_tensors(path) -> dict:
     from safetensors.torch import load_file
 
     index = os.path.join(path, "model.safetensors.index.json")
-    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    files = (
+        sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    )
     out = {}
     for f in files:
         out.update(load_file(os.path.join(path, f)))
@@ -65,7 +73,9 @@ def root(tmp_path_factory):
         build_tiny_checkpoint(root / preset, seed=3, preset=preset)
     moe = root / "tiny-qwen3-moe"
     _corrupt(moe, root / "missing", lambda t: t.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
-    _corrupt(moe, root / "reshaped", lambda t: t.update({"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 32)}))
+    _corrupt(
+        moe, root / "reshaped", lambda t: t.update({"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 32)})
+    )
     shutil.copytree(moe, root / "unknown-arch")
     cfg = json.load(open(moe / "config.json"))
     cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
@@ -112,8 +122,13 @@ def _layouts_on_rank(rank, root):
     def engine(preset, optim=None, **layout):
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        spec = EngineSpec(model_path=f"{root}/{preset}", load_hf=False, micro_batch_size=2, optim=optim,
-                          parallel=ParallelConfig(sequence_parallel=layout.get("tp", 1) > 1, **layout))
+        spec = EngineSpec(
+            model_path=f"{root}/{preset}",
+            load_hf=False,
+            micro_batch_size=2,
+            optim=optim,
+            parallel=ParallelConfig(sequence_parallel=layout.get("tp", 1) > 1, **layout),
+        )
         e = MegatronEngine(spec)
         e.initialize()
         return e
@@ -151,8 +166,14 @@ def layouts(root, converted):
 
 def _cli(*args):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "checkpoint_convert", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "checkpoint_convert", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -185,12 +206,15 @@ def test_control_random_weights_differ(converted, layouts):
     assert (layouts["before_load"] - converted["reference"]["tiny-qwen3-moe"]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("missing", "missing tensors 'model.layers.1.mlp.experts.2.up_proj.weight'"),
-    ("reshaped", "shape mismatch for tensor 'model.layers.0.self_attn.o_proj.weight': (64, 32)"),
-    ("unknown-arch", "unsupported architecture: model_type 'gpt2'"),
-    ("occupied", "exists; choose a new directory or pass --overwrite"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("missing", "missing tensors 'model.layers.1.mlp.experts.2.up_proj.weight'"),
+        ("reshaped", "shape mismatch for tensor 'model.layers.0.self_attn.o_proj.weight': (64, 32)"),
+        ("unknown-arch", "unsupported architecture: model_type 'gpt2'"),
+        ("occupied", "exists; choose a new directory or pass --overwrite"),
+    ],
+)
 def test_refusals(root, converted, case, needle):
     message = converted["refusals"][case]
     assert message is not None and needle in message and "\n" not in message, message
@@ -214,5 +238,6 @@ def test_cli_converts_trainer_checkpoint_and_inspects(root, layouts):
     assert report["metadata"]["optimizer"] == "fully_reshardable"
     model = inspect(str(root / "mcore-tiny-qwen3-moe"))
     assert model["metadata"]["optimizer"] is None and model["total_bytes"] == sum(
-        t.numel() * t.element_size() for t in src.values())
+        t.numel() * t.element_size() for t in src.values()
+    )
     assert model["tensors"]["decoder.layers.mlp.experts.experts.linear_fc1.weight"]["shape"] == [2, 4, 128, 64]

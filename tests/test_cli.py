@@ -18,15 +18,18 @@ import pytest
 from tests._procs import SMALL_RUN, _assert_nothing_left, _marked, _start, _tree, _wait_for_line
 
 
-@pytest.mark.parametrize("override,key", [
-    ("actor.parallel.tp=3", "actor.parallel"),
-    ("actor.optim.lr=-1", "actor.optim.lr"),
-    ("rollout.top_p=2", "rollout.top_p"),
-    ("actor.parallel.ep=3", "actor.parallel.ep"),
-    ("trainer.no_such_key=1", "trainer.no_such_key"),
-    ("rollout.backend=sglang", "rollout.backend"),
-    ("trainer.mode=fully_async", "trainer.mode"),  # the quickstart is colocated
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("actor.parallel.tp=3", "actor.parallel"),
+        ("actor.optim.lr=-1", "actor.optim.lr"),
+        ("rollout.top_p=2", "rollout.top_p"),
+        ("actor.parallel.ep=3", "actor.parallel.ep"),
+        ("trainer.no_such_key=1", "trainer.no_such_key"),
+        ("rollout.backend=sglang", "rollout.backend"),
+        ("trainer.mode=fully_async", "trainer.mode"),  # the quickstart is colocated
+    ],
+)
 def test_bad_config_exits_2_with_one_line_naming_the_key(override, key):
     run_id = uuid.uuid4().hex
     start = time.time()
@@ -46,8 +49,9 @@ def test_dataset_row_missing_a_field_is_reported_with_row_and_field(tmp_path):
     del rows[17]["reward_model"]["ground_truth"]
     path = write_rows(rows, tmp_path / "bad.parquet")
     run_id = uuid.uuid4().hex
-    proc = _start(["train", "configs/quickstart.yaml", f"data.train_files={path}",
-                   f"trainer.output_dir={tmp_path}/out"], run_id)
+    proc = _start(
+        ["train", "configs/quickstart.yaml", f"data.train_files={path}", f"trainer.output_dir={tmp_path}/out"], run_id
+    )
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2, out
     assert "row 17" in out and "ground_truth" in out, out
@@ -56,8 +60,11 @@ def test_dataset_row_missing_a_field_is_reported_with_row_and_field(tmp_path):
 
 def test_ctrl_c_mid_run_stops_every_process(tmp_path):
     run_id = uuid.uuid4().hex
-    proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}",
-                   *SMALL_RUN], run_id, start_new_session=True)
+    proc = _start(
+        ["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}", *SMALL_RUN],
+        run_id,
+        start_new_session=True,
+    )
     _wait_for_line(proc, "step 2/", timeout_s=240)
     assert len(_marked(run_id)) > 3  # Ray, the server and Megatron ranks are really up
     tree = _tree(proc.pid)  # also Ray's agents, whose environment the marker cannot be read from
@@ -80,10 +87,19 @@ def test_error_mid_run_stops_every_process_and_reports_it(tmp_path):
         "    STATE.write_text(json.dumps(n + 1))\n"
         "    if n >= 16 * 4:\n"
         "        raise RuntimeError('flaky reward failed on purpose')\n"
-        "    return 0.0\n")
+        "    return 0.0\n"
+    )
     run_id = uuid.uuid4().hex
-    proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}/out",
-                   f"reward.custom_function={module}:score", *SMALL_RUN], run_id)
+    proc = _start(
+        [
+            "train",
+            "configs/quickstart.yaml",
+            f"trainer.output_dir={tmp_path}/out",
+            f"reward.custom_function={module}:score",
+            *SMALL_RUN,
+        ],
+        run_id,
+    )
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-3000:]
     # one line for people: what failed, what to do, where the traceback went (not the terminal)

@@ -35,9 +35,19 @@ def test_quickstart_yaml_is_valid():
 def test_overrides_are_typed(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"actor": {"optim": {"lr": 0.1}}, "rollout": {"n": 4}}))
-    cfg = load_config(path, ["actor.optim.lr=3e-4", "rollout.top_k=-1", "ref.enabled=true",
-                             "model.path=null", "cluster.address=auto", "trainer.experiment_name=2024",
-                             "actor.parallel.sequence_parallel=false", "bridge.bucket_size_mb=16"])
+    cfg = load_config(
+        path,
+        [
+            "actor.optim.lr=3e-4",
+            "rollout.top_k=-1",
+            "ref.enabled=true",
+            "model.path=null",
+            "cluster.address=auto",
+            "trainer.experiment_name=2024",
+            "actor.parallel.sequence_parallel=false",
+            "bridge.bucket_size_mb=16",
+        ],
+    )
     assert cfg.actor.optim.lr == pytest.approx(3e-4)  # PyYAML reads 3e-4 as a string
     assert isinstance(cfg.actor.optim.lr, float)
     assert cfg.rollout.n == 4  # from the file
@@ -64,21 +74,24 @@ def test_dump_roundtrip(tmp_path):
     assert to_dict(cfg)["actor"]["parallel"]["ep"] == cfg.actor.parallel.ep
 
 
-@pytest.mark.parametrize("override, key, fragment", [
-    ("actor.optim.lrr=1", "actor.optim.lrr", "did you mean actor.optim.lr"),
-    ("actor.lr=1", "actor.lr", "actor.optim.lr"),
-    ("bogus.x=1", "bogus", "not a config key"),
-    ("rollout.n=two", "rollout.n", "is not a valid int"),
-    ("rollout.n=2.5", "rollout.n", "is not a valid int"),
-    ("actor.loss_agg_mode=mean", "actor.loss_agg_mode", "must be one of"),
-    ("rollout.backend=vllm", "rollout.backend", "'embedded' | 'sglang'"),
-    ("actor.use_kl_loss=1", "actor.use_kl_loss", "is not a valid bool"),
-    ("actor.optim.lr=fast", "actor.optim.lr", "is not a valid float"),
-    ("actor.parallel=3", "actor.parallel", "is a section"),
-    ("actor.optim.lr.x=3", "actor.optim.lr", "is a value, not a section"),
-    ("rollout.n", "rollout.n", "section.key=value"),
-    ("actor.parallel.sequence_parallel=maybe", "actor.parallel.sequence_parallel", "bool | null"),
-])
+@pytest.mark.parametrize(
+    "override, key, fragment",
+    [
+        ("actor.optim.lrr=1", "actor.optim.lrr", "did you mean actor.optim.lr"),
+        ("actor.lr=1", "actor.lr", "actor.optim.lr"),
+        ("bogus.x=1", "bogus", "not a config key"),
+        ("rollout.n=two", "rollout.n", "is not a valid int"),
+        ("rollout.n=2.5", "rollout.n", "is not a valid int"),
+        ("actor.loss_agg_mode=mean", "actor.loss_agg_mode", "must be one of"),
+        ("rollout.backend=vllm", "rollout.backend", "'embedded' | 'sglang'"),
+        ("actor.use_kl_loss=1", "actor.use_kl_loss", "is not a valid bool"),
+        ("actor.optim.lr=fast", "actor.optim.lr", "is not a valid float"),
+        ("actor.parallel=3", "actor.parallel", "is a section"),
+        ("actor.optim.lr.x=3", "actor.optim.lr", "is a value, not a section"),
+        ("rollout.n", "rollout.n", "section.key=value"),
+        ("actor.parallel.sequence_parallel=maybe", "actor.parallel.sequence_parallel", "bool | null"),
+    ],
+)
 def test_bad_overrides_name_the_key(override, key, fragment):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
@@ -90,8 +103,11 @@ def test_bad_overrides_name_the_key(override, key, fragment):
 def test_unknown_key_in_file_is_named_with_full_path(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("actor:\n  parallel:\n    tpp: 2\n")
-    with pytest.raises(ConfigError, match=r"actor\.parallel\.tpp is not a config key; did you "
-                                          r"mean actor\.parallel\.tp"):
+    with pytest.raises(
+        ConfigError,
+        match=r"actor\.parallel\.tpp is not a config key; did you "
+        r"mean actor\.parallel\.tp",
+    ):
         load_config(path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
@@ -99,31 +115,49 @@ def test_unknown_key_in_file_is_named_with_full_path(tmp_path):
 
 BAD_CONFIGS = [
     # (overrides, expected key, fragment of the message)
-    (["actor.parallel.tp=3", "cluster.num_actor_ranks=6"], "actor.parallel.tp",
-     "actor.parallel.tp=3 does not divide model.num_attention_heads=4; choose a divisor"),
-    (["actor.parallel.tp=4", "cluster.num_actor_ranks=4"], "actor.parallel.tp",
-     "does not divide model.num_key_value_heads=2"),
-    (["actor.parallel.tp=3"], "actor.parallel",
-     "tp*pp*cp=3*1*1=3 does not divide cluster.num_actor_ranks=2"),
+    (
+        ["actor.parallel.tp=3", "cluster.num_actor_ranks=6"],
+        "actor.parallel.tp",
+        "actor.parallel.tp=3 does not divide model.num_attention_heads=4; choose a divisor",
+    ),
+    (
+        ["actor.parallel.tp=4", "cluster.num_actor_ranks=4"],
+        "actor.parallel.tp",
+        "does not divide model.num_key_value_heads=2",
+    ),
+    (["actor.parallel.tp=3"], "actor.parallel", "tp*pp*cp=3*1*1=3 does not divide cluster.num_actor_ranks=2"),
     (["actor.parallel.ep=4"], "actor.parallel.ep", "does not divide the ranks of one pipeline stage"),
-    (["actor.parallel.ep=3", "cluster.num_actor_ranks=3"], "actor.parallel.ep",
-     "does not divide model.num_experts=4"),
-    (["actor.parallel.pp=2", "cluster.num_actor_ranks=4", "actor.parallel.ep=2"],
-     None, None),  # pp=2 divides 2 layers and ep=2 divides 4/2: valid (control case)
-    (["actor.parallel.pp=3", "cluster.num_actor_ranks=3", "actor.parallel.ep=1"], "actor.parallel.pp",
-     "does not divide model.num_hidden_layers=2"),
-    (["actor.parallel.tp=2", "actor.parallel.sequence_parallel=false"],
-     "actor.parallel.sequence_parallel", "needs sequence parallel for MoE"),
-    (["actor.parallel.sequence_parallel=true"], "actor.parallel.sequence_parallel",
-     "needs actor.parallel.tp > 1"),
+    (["actor.parallel.ep=3", "cluster.num_actor_ranks=3"], "actor.parallel.ep", "does not divide model.num_experts=4"),
+    (
+        ["actor.parallel.pp=2", "cluster.num_actor_ranks=4", "actor.parallel.ep=2"],
+        None,
+        None,
+    ),  # pp=2 divides 2 layers and ep=2 divides 4/2: valid (control case)
+    (
+        ["actor.parallel.pp=3", "cluster.num_actor_ranks=3", "actor.parallel.ep=1"],
+        "actor.parallel.pp",
+        "does not divide model.num_hidden_layers=2",
+    ),
+    (
+        ["actor.parallel.tp=2", "actor.parallel.sequence_parallel=false"],
+        "actor.parallel.sequence_parallel",
+        "needs sequence parallel for MoE",
+    ),
+    (["actor.parallel.sequence_parallel=true"], "actor.parallel.sequence_parallel", "needs actor.parallel.tp > 1"),
     (["rollout.n=1"], "rollout.n", "must be >= 2 for grpo"),
     # advantage estimators: group baselines need n >= 2; gae needs the critic
     (["rollout.n=1", "algorithm.adv_estimator=rloo"], "rollout.n", "must be >= 2 for rloo"),
     (["rollout.n=1", "algorithm.adv_estimator=opo"], "rollout.n", "must be >= 2 for opo"),
-    (["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus_baseline"], "rollout.n",
-     "must be >= 2 for reinforce_plus_plus_baseline"),
-    (["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus", "actor.ppo_mini_batch_size=8"],
-     None, None),  # no group baseline: one sample per prompt is fine (control)
+    (
+        ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus_baseline"],
+        "rollout.n",
+        "must be >= 2 for reinforce_plus_plus_baseline",
+    ),
+    (
+        ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus", "actor.ppo_mini_batch_size=8"],
+        None,
+        None,
+    ),  # no group baseline: one sample per prompt is fine (control)
     (["algorithm.adv_estimator=dr_grpo", "actor.loss_agg_mode=seq-mean-token-sum"], None, None),
     (["algorithm.adv_estimator=gae"], "critic.enabled", "gae needs the critic: set critic.enabled=true"),
     (["critic.enabled=true"], "critic.enabled", "only algorithm.adv_estimator=gae uses"),
@@ -132,8 +166,11 @@ BAD_CONFIGS = [
     (["algorithm.gamma=1.5"], "algorithm.gamma", "must be in [0, 1]"),
     (["algorithm.lam=-0.1"], "algorithm.lam", "must be in [0, 1]"),
     (["actor.ppo_mini_batch_size=100"], "actor.ppo_mini_batch_size", "must divide the rows per step"),
-    (["actor.ppo_mini_batch_size=1", "data.train_batch_size=1", "rollout.n=3"],
-     "actor.ppo_mini_batch_size", "divisible by the data-parallel size 2"),
+    (
+        ["actor.ppo_mini_batch_size=1", "data.train_batch_size=1", "rollout.n=3"],
+        "actor.ppo_mini_batch_size",
+        "divisible by the data-parallel size 2",
+    ),
     (["rollout.temperature=-0.5"], "rollout.temperature", "must be >= 0"),
     (["rollout.top_p=0"], "rollout.top_p", "must be in (0, 1]"),
     (["rollout.top_p=1.5"], "rollout.top_p", "must be in (0, 1]"),
@@ -154,39 +191,86 @@ BAD_CONFIGS = [
     (["data.num_train=4"], "data.num_train", "smaller than data.train_batch_size"),
     (["cluster.num_cpus=0"], "cluster.num_cpus", "must be >= 1 or null"),
     # placement: rollout layouts that do not fit their pool, or the model
-    (["rollout.tp=2", "rollout.num_servers=2"], "rollout.num_servers",
-     "2*2=4 devices do not fit the colocated pool of cluster.num_actor_ranks=2"),
+    (
+        ["rollout.tp=2", "rollout.num_servers=2"],
+        "rollout.num_servers",
+        "2*2=4 devices do not fit the colocated pool of cluster.num_actor_ranks=2",
+    ),
     (["rollout.num_servers=3"], "rollout.num_servers", "3*1=3 devices do not fit"),
-    (["cluster.placement=disaggregated", "rollout.tp=2", "cluster.num_rollout_devices=1"],
-     "cluster.num_rollout_devices", "2 devices do not fit the rollout pool of cluster.num_rollout_devices=1"),
+    (
+        ["cluster.placement=disaggregated", "rollout.tp=2", "cluster.num_rollout_devices=1"],
+        "cluster.num_rollout_devices",
+        "2 devices do not fit the rollout pool of cluster.num_rollout_devices=1",
+    ),
     (["cluster.num_rollout_devices=2"], "cluster.num_rollout_devices", "is for cluster.placement=disaggregated"),
     (["rollout.tp=2", "rollout.nnodes=4"], "rollout.nnodes", "does not divide rollout.tp=2"),
-    (["cluster.placement=disaggregated", "rollout.tp=2", "cluster.devices_per_node=1"], "rollout.nnodes",
-     "set rollout.nnodes=2"),
+    (
+        ["cluster.placement=disaggregated", "rollout.tp=2", "cluster.devices_per_node=1"],
+        "rollout.nnodes",
+        "set rollout.nnodes=2",
+    ),
     (["cluster.placement=disaggregated", "rollout.tp=4"], "rollout.tp", "does not divide model.num_key_value_heads=2"),
     (["rollout.ep=2"], "rollout.ep", "the embedded engine shards experts by tensor parallel"),
-    (["rollout.backend=sglang", "rollout.tp=2", "rollout.ep=4", "cluster.placement=disaggregated"],
-     "rollout.ep", "must divide rollout.tp=2"),
-    (["cluster.placement=disaggregated", "rollout.release_memory=true"], "rollout.release_memory",
-     "is for colocated engines"),
+    (
+        ["rollout.backend=sglang", "rollout.tp=2", "rollout.ep=4", "cluster.placement=disaggregated"],
+        "rollout.ep",
+        "must divide rollout.tp=2",
+    ),
+    (
+        ["cluster.placement=disaggregated", "rollout.release_memory=true"],
+        "rollout.release_memory",
+        "is for colocated engines",
+    ),
     (["rollout.tp=0"], "rollout.tp", "must be > 0"),
-    (["rollout.router=true", "rollout.router_policy=power_of_two"], "rollout.router_policy",
-     "needs rollout.num_servers >= 2"),
-    (["reward.custom_function=/nonexistent/reward.py:score"], "reward.custom_function",
-     "does not exist"),
+    (
+        ["rollout.router=true", "rollout.router_policy=power_of_two"],
+        "rollout.router_policy",
+        "needs rollout.num_servers >= 2",
+    ),
+    (["reward.custom_function=/nonexistent/reward.py:score"], "reward.custom_function", "does not exist"),
     (["trainer.output_dir=' '"], "trainer.output_dir", "must not be empty"),
     # the critic: its own layout on the actor ranks, its own batch sizes and loss
-    (["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.parallel.tp=2"], None, None),  # MoE: SP auto-enabled (control)
-    (["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.parallel.tp=3"], "critic.parallel",
-     "critic.parallel tp*pp*cp=3*1*1=3 does not divide cluster.num_actor_ranks=2"),
-    (["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.parallel.tp=2", "critic.parallel.sequence_parallel=false"],
-     "critic.parallel.sequence_parallel", "needs sequence parallel for MoE"),
-    (["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.parallel.pp=2", "cluster.num_actor_ranks=4",
-      "critic.parallel.ep=4"], "critic.parallel.ep", "does not divide the ranks of one pipeline stage"),
-    (["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=100"], "critic.ppo_mini_batch_size",
-     "must divide the rows per step data.train_batch_size*rollout.n=256"),
-    (["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=1"], "critic.ppo_mini_batch_size",
-     "divisible by the critic's data-parallel size 2"),
+    (
+        ["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.parallel.tp=2"],
+        None,
+        None,
+    ),  # MoE: SP auto-enabled (control)
+    (
+        ["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.parallel.tp=3"],
+        "critic.parallel",
+        "critic.parallel tp*pp*cp=3*1*1=3 does not divide cluster.num_actor_ranks=2",
+    ),
+    (
+        [
+            "critic.enabled=true",
+            "algorithm.adv_estimator=gae",
+            "critic.parallel.tp=2",
+            "critic.parallel.sequence_parallel=false",
+        ],
+        "critic.parallel.sequence_parallel",
+        "needs sequence parallel for MoE",
+    ),
+    (
+        [
+            "critic.enabled=true",
+            "algorithm.adv_estimator=gae",
+            "critic.parallel.pp=2",
+            "cluster.num_actor_ranks=4",
+            "critic.parallel.ep=4",
+        ],
+        "critic.parallel.ep",
+        "does not divide the ranks of one pipeline stage",
+    ),
+    (
+        ["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=100"],
+        "critic.ppo_mini_batch_size",
+        "must divide the rows per step data.train_batch_size*rollout.n=256",
+    ),
+    (
+        ["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=1"],
+        "critic.ppo_mini_batch_size",
+        "divisible by the critic's data-parallel size 2",
+    ),
     (["critic.cliprange_value=0"], "critic.cliprange_value", "must be > 0"),
     (["critic.optim.lr=-1e-5"], "critic.optim.lr", "must be > 0"),
     (["critic.optim.adam_beta1=1.0"], "critic.optim.adam_beta1", "must be in [0, 1)"),
@@ -221,8 +305,7 @@ def test_adv_estimator_is_checked_on_load_and_algorithm_name_is_gone():
 
 
 def test_moe_tp2_auto_enables_sequence_parallel():
-    cfg = load_config(QUICKSTART, ["actor.parallel.tp=2", "actor.parallel.ep=1",
-                                   "actor.ppo_mini_batch_size=256"])
+    cfg = load_config(QUICKSTART, ["actor.parallel.tp=2", "actor.parallel.ep=1", "actor.ppo_mini_batch_size=256"])
     assert validate(cfg, TINY).actor.parallel.sequence_parallel is True
     assert validate(load_config(QUICKSTART, ["actor.use_kl_loss=true"]), TINY).ref.enabled is True
 
@@ -231,11 +314,11 @@ def test_model_config_read_from_checkpoint_dir(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 6}')
-    cfg = load_config(QUICKSTART, [f"model.path={ckpt}", "actor.parallel.tp=2",
-                                   "actor.parallel.ep=1"])
+    cfg = load_config(QUICKSTART, [f"model.path={ckpt}", "actor.parallel.tp=2", "actor.parallel.ep=1"])
     validate(cfg)  # 6 heads split over tp=2
-    cfg = load_config(QUICKSTART, [f"model.path={ckpt}", "actor.parallel.tp=2",
-                                   "cluster.num_actor_ranks=4", "actor.parallel.ep=1"])
+    cfg = load_config(
+        QUICKSTART, [f"model.path={ckpt}", "actor.parallel.tp=2", "cluster.num_actor_ranks=4", "actor.parallel.ep=1"]
+    )
     validate(cfg)
     (ckpt / "config.json").write_text('{"num_attention_heads": 5}')
     with pytest.raises(ConfigError, match="model.num_attention_heads=5"):
@@ -245,15 +328,24 @@ def test_model_config_read_from_checkpoint_dir(tmp_path):
 def test_critic_checkpoint_is_checked_against_its_own_config(tmp_path):
     ckpt = tmp_path / "critic"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({**TINY, "num_attention_heads": 6,
-                                                  "num_key_value_heads": 6}))
-    cfg = load_config(QUICKSTART, ["critic.enabled=true", "algorithm.adv_estimator=gae", f"critic.model.path={ckpt}",
-                                   "critic.parallel.tp=2"])
+    (ckpt / "config.json").write_text(json.dumps({**TINY, "num_attention_heads": 6, "num_key_value_heads": 6}))
+    cfg = load_config(
+        QUICKSTART,
+        ["critic.enabled=true", "algorithm.adv_estimator=gae", f"critic.model.path={ckpt}", "critic.parallel.tp=2"],
+    )
     out = validate(cfg, TINY)  # the actor's 4 heads would also split over tp=2; 6 heads do too
     assert out.critic.parallel.sequence_parallel is True and out.actor.parallel.sequence_parallel is False
-    cfg = load_config(QUICKSTART, ["critic.enabled=true", "algorithm.adv_estimator=gae", f"critic.model.path={ckpt}",
-                                   "critic.parallel.tp=4", "cluster.num_actor_ranks=4",
-                                   "actor.parallel.ep=4"])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            "critic.enabled=true",
+            "algorithm.adv_estimator=gae",
+            f"critic.model.path={ckpt}",
+            "critic.parallel.tp=4",
+            "cluster.num_actor_ranks=4",
+            "actor.parallel.ep=4",
+        ],
+    )
     with pytest.raises(ConfigError, match=r"^critic\.parallel\.tp=4 does not divide model\.num_attention_heads=6"):
         validate(cfg, TINY)
     (ckpt / "config.json").write_text(json.dumps({**TINY, "vocab_size": 128}))
@@ -285,6 +377,8 @@ def test_rollout_layout_auto_fields(monkeypatch):
     disagg = validate(load_config(QUICKSTART, ["cluster.placement=disaggregated", "rollout.num_servers=2"]), TINY)
     assert disagg.rollout.router is True and disagg.rollout.release_memory is False
     assert disagg.cluster.num_rollout_devices == 2
-    multi_node = load_config(QUICKSTART, ["cluster.placement=disaggregated", "rollout.tp=2", "rollout.nnodes=2",
-                                          "cluster.devices_per_node=1"])
+    multi_node = load_config(
+        QUICKSTART,
+        ["cluster.placement=disaggregated", "rollout.tp=2", "rollout.nnodes=2", "cluster.devices_per_node=1"],
+    )
     assert validate(multi_node, TINY).rollout.nnodes == 2  # one rank per node fits nodes of one device

@@ -40,8 +40,11 @@ def reference(tiny_model_path):
 def new_weights(reference):
     """A weight update: layer 1 and the head moved (the log-probs change visibly)."""
     generator = torch.Generator().manual_seed(3)
-    return [(name, t + 0.2 * torch.randn(t.shape, generator=generator))
-            for name, t in reference.state_dict().items() if "layers.1" in name or "lm_head" in name]
+    return [
+        (name, t + 0.2 * torch.randn(t.shape, generator=generator))
+        for name, t in reference.state_dict().items()
+        if "layers.1" in name or "lm_head" in name
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +74,13 @@ def at_token(k: int, action):
         count[0] += 1
         if count[0] == k:
             action()
+
     return on_token
 
 
 def hf_logprobs(model, prompt, output, temperature=1.0) -> torch.Tensor:
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
     scaled = logits / (temperature if temperature > 0 else 1.0)
     return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
 
@@ -90,8 +94,7 @@ def assert_same_answer(a, b) -> None:
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_joined_rows_answer_what_they_answer_alone(engine, temperature):
     specs = [(f"r{i}", PROMPTS[i % 4], 6 + 5 * (i % 3), 100 + i) for i in range(7)]
-    alone = {rid: engine.submit([request(rid, p, m, s, temperature)])[0].result(timeout=60)
-             for rid, p, m, s in specs}
+    alone = {rid: engine.submit([request(rid, p, m, s, temperature)])[0].result(timeout=60) for rid, p, m, s in specs}
     before = dict(engine.stats)
     futures = {}
 
@@ -104,8 +107,9 @@ def test_joined_rows_answer_what_they_answer_alone(engine, temperature):
     # some wait for rows to leave and join later)
     rid, p, m, s = specs[0]
     hooks = [at_token(2, lambda: submit(1, 2)), at_token(4, lambda: submit(3, 4, 5, 6))]
-    futures[rid] = engine.submit([request(rid + "-cb", p, 30, s, temperature,
-                                          on_token=lambda step: [h(step) for h in hooks])])[0]
+    futures[rid] = engine.submit(
+        [request(rid + "-cb", p, 30, s, temperature, on_token=lambda step: [h(step) for h in hooks])]
+    )[0]
     futures[rid].result(timeout=60)  # its hooks have submitted the others by now
     together = {rid: f.result(timeout=60) for rid, f in futures.items()}
     assert engine.stats["joined"] - before.get("joined", 0) >= 6  # all but r0 joined a running batch
@@ -114,7 +118,7 @@ def test_joined_rows_answer_what_they_answer_alone(engine, temperature):
         assert_same_answer(together[rid], alone[rid])
         assert together[rid].weight_versions == [["default", len(alone[rid].output_ids)]]
     r0 = together["r0"]  # longer than alone (30 tokens): its first tokens are the same
-    assert r0.output_ids[:len(alone["r0"].output_ids)] == alone["r0"].output_ids
+    assert r0.output_ids[: len(alone["r0"].output_ids)] == alone["r0"].output_ids
 
 
 def test_long_request_keeps_running_while_short_ones_join_and_leave(engine, reference):
@@ -138,8 +142,9 @@ def test_long_request_keeps_running_while_short_ones_join_and_leave(engine, refe
     assert engine.stats["batches"] == 1 and engine.stats["joined"] == 6 and engine.stats["max_rows"] == 4
     # the shorts ran 3 at a time next to the long one: far fewer steps than one after the other
     assert engine.stats["forward_steps"] < 40 + 6 * 3
-    torch.testing.assert_close(torch.tensor(result.output_logprobs),
-                               hf_logprobs(reference, PROMPTS[2], result.output_ids), atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(result.output_logprobs), hf_logprobs(reference, PROMPTS[2], result.output_ids), atol=TOL, rtol=0
+    )
 
 
 def test_a_batch_gets_the_kv_headroom_its_rows_can_use(engine, monkeypatch):
@@ -182,11 +187,13 @@ def test_pause_in_place_then_continue_changes_nothing(engine):
     assert result.num_retractions == 0 and result.weight_versions == [["default", 20]]
 
 
-def test_retract_reprefills_under_the_weights_loaded_during_the_pause(engine, reference, updated_reference,
-                                                                      new_weights):
+def test_retract_reprefills_under_the_weights_loaded_during_the_pause(
+    engine, reference, updated_reference, new_weights
+):
     k, total, retracted = 6, 18, threading.Event()
-    req = request("r", PROMPTS[2], total, seed=5,
-                  on_token=at_token(k, lambda: (engine.pause("retract"), retracted.set())))
+    req = request(
+        "r", PROMPTS[2], total, seed=5, on_token=at_token(k, lambda: (engine.pause("retract"), retracted.set()))
+    )
     engine.submit([req])
     assert retracted.wait(60)
     engine.pause("retract")  # from this thread: waits until the row is back in the queue
@@ -204,10 +211,14 @@ def test_retract_reprefills_under_the_weights_loaded_during_the_pause(engine, re
 
 
 def test_abort_by_rid_of_a_joined_row_leaves_the_other_rows_running(engine):
-    alone = {rid: engine.submit([request(rid, PROMPTS[i], 12, seed=i)])[0].result(timeout=60)
-             for i, rid in [(0, "a"), (2, "c")]}
-    joiners = [request("b", PROMPTS[1], 12, seed=1, on_token=at_token(4, lambda: engine.abort("b"))),
-               request("c", PROMPTS[2], 12, seed=2)]
+    alone = {
+        rid: engine.submit([request(rid, PROMPTS[i], 12, seed=i)])[0].result(timeout=60)
+        for i, rid in [(0, "a"), (2, "c")]
+    }
+    joiners = [
+        request("b", PROMPTS[1], 12, seed=1, on_token=at_token(4, lambda: engine.abort("b"))),
+        request("c", PROMPTS[2], 12, seed=2),
+    ]
     first = request("a", PROMPTS[0], 12, seed=0, on_token=at_token(2, lambda: engine.submit(joiners)))
     engine.submit([first])
     a, b, c = (r.future.result(timeout=60) for r in [first, *joiners])
@@ -229,6 +240,7 @@ def test_a_failure_between_steps_fails_its_rows_and_the_engine_keeps_serving(eng
         if any(row.finish is not None for row in self.rows):
             raise RuntimeError("cache edit failed")
         return real(self, runner, device)
+
     monkeypatch.setattr(scheduler.RunningBatch, "keep_unfinished", broken)
     first = request("a", PROMPTS[0], 12, seed=0, on_token=at_token(3, lambda: engine.abort("a")))
     other = request("b", PROMPTS[1], 12, seed=1)
@@ -246,8 +258,8 @@ def test_a_failure_between_steps_fails_its_rows_and_the_engine_keeps_serving(eng
 def served(engine):
     import uvicorn
 
-    from megarl.rollout.client.client import RolloutClient
     from megarl.procs.net import free_port
+    from megarl.rollout.client.client import RolloutClient
     from megarl.rollout.server.app import create_app
 
     port = free_port()
@@ -267,7 +279,8 @@ def served(engine):
 
 
 def test_partial_rollout_resumed_after_a_weight_update_keeps_each_tokens_logprob(
-        served, monkeypatch, reference, updated_reference, new_weights):
+    served, monkeypatch, reference, updated_reference, new_weights
+):
     from megarl.rollout.client.partial import is_partial, resume_partial
     from megarl.wire.weights_codec import serialize_named_tensors
 
@@ -310,8 +323,11 @@ def test_a_streamed_request_that_joins_a_running_batch_streams_its_answer(served
     import httpx
 
     engine, client = served
-    body = {"input_ids": PROMPTS[1], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 9, "ignore_eos": True, "sampling_seed": 11}}
+    body = {
+        "input_ids": PROMPTS[1],
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 9, "ignore_eos": True, "sampling_seed": 11},
+    }
     expected = httpx.post(client.base_url + "/generate", json=body, timeout=60).json()
     started = threading.Event()
     long = request("long", PROMPTS[2], 40, seed=1, on_token=at_token(2, started.set))
@@ -334,7 +350,7 @@ def test_a_streamed_request_that_joins_a_running_batch_streams_its_answer(served
     assert engine.stats["joined"] == joined_before + 1 and not long.future.done()
     lengths = [len(c["output_ids"]) for c in chunks]  # cumulative chunks (slow reads fold several)
     assert len(set(lengths)) > 1 and lengths == sorted(lengths) and lengths[-1] == 9
-    assert all(c["output_ids"] == expected["output_ids"][:len(c["output_ids"])] for c in chunks)
+    assert all(c["output_ids"] == expected["output_ids"][: len(c["output_ids"])] for c in chunks)
     final = chunks[-1]
     assert final["output_ids"] == expected["output_ids"] and final["meta_info"]["finish_reason"]["type"] == "length"
     assert final["meta_info"]["output_token_logprobs"] == expected["meta_info"]["output_token_logprobs"]
@@ -366,8 +382,13 @@ def test_every_tiny_architecture_answers_joined_rows_as_alone(preset, tmp_path):
         specs = [(PROMPTS[2], 12, 50), (PROMPTS[1], 8, 51), (PROMPTS[3], 10, 52)]
         alone = [engine.submit([request(f"a{i}", p, m, s)])[0].result(timeout=60) for i, (p, m, s) in enumerate(specs)]
         joiners = []
-        first = request("j0", *specs[0], on_token=at_token(
-            2, lambda: joiners.extend(engine.submit([request(f"j{i}", *spec) for i, spec in enumerate(specs) if i]))))
+        first = request(
+            "j0",
+            *specs[0],
+            on_token=at_token(
+                2, lambda: joiners.extend(engine.submit([request(f"j{i}", *spec) for i, spec in enumerate(specs) if i]))
+            ),
+        )
         assert_same_answer(engine.submit([first])[0].result(timeout=60), alone[0])
         for i, future in enumerate(joiners, start=1):
             assert_same_answer(future.result(timeout=60), alone[i])

@@ -47,9 +47,13 @@ def _on_rank(rank, root):
         back = mcore_to_hf(f"{root}/mcore-{name}", f"{root}/back-{name}", chunk_bytes=CHUNK)
         with one_rank():
             meta = MetaModel(str(hf))
-            out[name] = dict(to=to["peak_held_bytes"], back=back["peak_held_bytes"], model=meta.nbytes,
-                             param=max(p.nbytes for p in meta.params),
-                             chunk=max(sum(p.nbytes for p in c) for c in meta.chunks(CHUNK)))
+            out[name] = dict(
+                to=to["peak_held_bytes"],
+                back=back["peak_held_bytes"],
+                model=meta.nbytes,
+                param=max(p.nbytes for p in meta.params),
+                chunk=max(sum(p.nbytes for p in c) for c in meta.chunks(CHUNK)),
+            )
     mcore_to_hf(f"{root}/mcore-deep", f"{root}/bf16-deep", dtype="bfloat16", chunk_bytes=CHUNK)
 
     def params(load_hf):

@@ -31,7 +31,7 @@ def _ops(rank: int, n: int, group=None):
         out = torch.full((sum(outs), 4), float("nan"))
         fns["all_to_all_single"](out, rows, outs, ins, group=group)
         even = torch.empty(2 * n, 3)  # equal splits (none given), numpy split sizes (megatron's)
-        fns["all_to_all_single"](even, x[:2 * n, :3].contiguous(), group=group)
+        fns["all_to_all_single"](even, x[: 2 * n, :3].contiguous(), group=group)
         again = torch.empty_like(out)
         fns["all_to_all_single"](again, rows, numpy.array(outs), numpy.array(ins), group=group)
         return [out, even, again]
@@ -46,8 +46,9 @@ def _ops(rank: int, n: int, group=None):
 
     def scatter(fns):
         out = torch.empty(2, 5)
-        fns["reduce_scatter_tensor"](out, torch.randn(2 * n, 5, generator=torch.Generator().manual_seed(rank)),
-                                     group=group)
+        fns["reduce_scatter_tensor"](
+            out, torch.randn(2 * n, 5, generator=torch.Generator().manual_seed(rank)), group=group
+        )
         return [out]
 
     def gather(fns):
@@ -63,12 +64,18 @@ def _ops(rank: int, n: int, group=None):
         fns["barrier"](group=group)
         return [t]
 
-    return [("all_to_all_single", a2a), ("all_reduce", reduce), ("reduce_scatter_tensor", scatter),
-            ("all_gather", gather), ("broadcast", bcast)]
+    return [
+        ("all_to_all_single", a2a),
+        ("all_reduce", reduce),
+        ("reduce_scatter_tensor", scatter),
+        ("all_gather", gather),
+        ("broadcast", bcast),
+    ]
 
 
 def _compare(rank: int, n: int, sub: bool):
     import torch.distributed as dist
+
     from megarl.engine.megatron.cpu import collectives as cc
 
     assert cc.install()
@@ -104,18 +111,19 @@ def test_shared_memory_collectives_match_gloo(monkeypatch, n, sub, slot):
 
 def _over_the_slot(rank: int, n: int):
     import torch.distributed as dist
+
     from megarl.engine.megatron.cpu import collectives as cc
 
     cc.install()
     out = {}
-    big = torch.arange(2000, dtype=torch.float32) * (rank + 1)   # 8 KB: 8 rounds of the 1 KB slot
+    big = torch.arange(2000, dtype=torch.float32) * (rank + 1)  # 8 KB: 8 rounds of the 1 KB slot
     dist.all_reduce(big)
     out["all_reduce"] = big
     seq0 = cc._channels[dist.group.WORLD].seq
-    shard = torch.empty(700)                                     # 2 x 700 floats: 6 rounds of 128 columns
+    shard = torch.empty(700)  # 2 x 700 floats: 6 rounds of 128 columns
     dist.reduce_scatter_tensor(shard, torch.arange(1400, dtype=torch.float32) + rank)
     out["reduce_scatter_tensor"] = shard
-    gathered = torch.empty(2, 300)                               # 2 rounds of 256
+    gathered = torch.empty(2, 300)  # 2 rounds of 256
     dist.all_gather_into_tensor(gathered, torch.arange(300, dtype=torch.float32) * (rank + 1))
     out["all_gather_into_tensor"] = gathered
     seq1 = cc._channels[dist.group.WORLD].seq
@@ -124,10 +132,10 @@ def _over_the_slot(rank: int, n: int):
     dist.all_to_all_single(swapped, rows)
     out["all_to_all_single"] = swapped
     small = torch.ones(4) * (rank + 1)
-    dist.all_reduce(small)                                       # through shared memory
+    dist.all_reduce(small)  # through shared memory
     out["small"] = small
     shard3 = torch.empty(3)
-    with dist._coalescing_manager(async_ops=False):              # recorded for gloo, not run here
+    with dist._coalescing_manager(async_ops=False):  # recorded for gloo, not run here
         dist.reduce_scatter_tensor(shard3, torch.arange(6, dtype=torch.float32) + rank)
     out["coalesced"] = shard3
     return out, (seq0, seq1, cc._channels[dist.group.WORLD].seq)
@@ -150,6 +158,7 @@ def test_tensors_over_the_slot_go_in_rounds_and_the_rest_takes_gloo(monkeypatch)
 
 def _auto_oversubscribed(rank: int, n: int):
     import torch.distributed as dist
+
     from megarl.engine.megatron.cpu import collectives as cc
 
     cc.install()
@@ -167,6 +176,7 @@ def test_auto_keeps_gloo_when_ranks_outnumber_cores(monkeypatch):
 
 def _mixed_wishes(rank: int, n: int):
     import torch.distributed as dist
+
     from megarl.engine.megatron.cpu import collectives as cc
 
     os.environ["MEGARL_CPU_COLLECTIVES"] = "gloo" if rank == 0 else "shm"
@@ -183,10 +193,11 @@ def test_a_rank_that_wants_gloo_keeps_the_group_on_gloo():
 
 def _peer_dies(rank: int, n: int):
     import torch.distributed as dist
+
     from megarl.engine.megatron.cpu import collectives as cc
 
     cc.install()
-    dist.all_reduce(torch.ones(1))                               # both: the channel opens
+    dist.all_reduce(torch.ones(1))  # both: the channel opens
     if rank == 1:
         os._exit(3)
     try:

@@ -38,13 +38,28 @@ def _describe(process: psutil.Process) -> str:
 def test_driver_sigkill_leaves_no_process_of_the_run(tmp_path):
     """TP followers and the router too: every kind of process a run starts is up when it dies."""
     run_id = uuid.uuid4().hex
-    proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}", *SMALL_RUN,
-                   "rollout.tp=2", "rollout.router=true"], run_id)
+    proc = _start(
+        [
+            "train",
+            "configs/quickstart.yaml",
+            f"trainer.output_dir={tmp_path}",
+            *SMALL_RUN,
+            "rollout.tp=2",
+            "rollout.router=true",
+        ],
+        run_id,
+    )
     _wait_for_line(proc, "step 2/", timeout_s=240)
     tree = _tree(proc.pid)  # Ray's agents overwrite their environment: the marker misses them
     names = {_describe(p) for p in tree}
-    assert {"raylet", "gcs_server", "ray::MegatronActor", "ray::EngineLauncher", "sglang::router",
-            "ray::DashboardAgent"} <= names, names
+    assert {
+        "raylet",
+        "gcs_server",
+        "ray::MegatronActor",
+        "ray::EngineLauncher",
+        "sglang::router",
+        "ray::DashboardAgent",
+    } <= names, names
     assert sum("multiprocessing.spawn" in name for name in names) == 1  # the TP follower
     os.kill(proc.pid, signal.SIGKILL)  # the driver only, not its group: nothing else is signalled
     proc.wait(timeout=10)
@@ -70,8 +85,9 @@ def test_killed_launcher_actor_takes_its_server_and_tp_followers_down(tiny_model
     from megarl.controller.cluster import RayCluster
     from megarl.rollout.fleet.engine_launcher import EngineLauncher, EngineNodeSpec
 
-    spec = EngineNodeSpec(backend="embedded", model_path=str(tiny_model_path), engine=0, tp=2,
-                          log_path=str(tmp_path / "server.log"))
+    spec = EngineNodeSpec(
+        backend="embedded", model_path=str(tiny_model_path), engine=0, tp=2, log_path=str(tmp_path / "server.log")
+    )
     with RayCluster(num_cpus=1, log_to_driver=False):
         launcher = ray.remote(EngineLauncher).options(num_cpus=0).remote(spec)
         ray.get(launcher.start.remote())
@@ -90,17 +106,32 @@ def test_a_rank_dying_during_generation_stops_the_run_without_waiting_for_it(tmp
     the engines' requests and stops the run (long rollouts would otherwise hide it for minutes).
     8 rows at a time, up to 240 tokens each, for 1024 rows: generation lasts far longer than this."""
     run_id = uuid.uuid4().hex
-    proc = _start(["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}", "data.num_train=64",
-                   "rollout.n=64", "rollout.max_new_tokens=240", "rollout.max_batch_size=8",
-                   "trainer.val_every=0", "trainer.tensorboard=false"], run_id)
+    proc = _start(
+        [
+            "train",
+            "configs/quickstart.yaml",
+            f"trainer.output_dir={tmp_path}",
+            "data.num_train=64",
+            "rollout.n=64",
+            "rollout.max_new_tokens=240",
+            "rollout.max_batch_size=8",
+            "trainer.val_every=0",
+            "trainer.tensorboard=false",
+        ],
+        run_id,
+    )
     header = _wait_for_line(proc, "megarl: run dir", timeout_s=240)
     url = re.search(r"rollout engines \['(http://[^']+)'\]", header).group(1)
     marked = _marked(run_id)
     [rank1] = [p for p in marked if p.environ().get("MEGARL_WORKER") == "actor/1" and p.name().startswith("ray::")]
     [key] = {p.environ().get("MEGARL_ROLLOUT_API_KEY") for p in marked} - {None}
     deadline = time.monotonic() + 120  # the first step's generation is under way: kill then
-    while httpx.get(f"{url}/get_server_info", headers={"Authorization": f"Bearer {key}"},
-                    timeout=10).json()["pending_requests"] == 0:
+    while (
+        httpx.get(f"{url}/get_server_info", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()[
+            "pending_requests"
+        ]
+        == 0
+    ):
         assert time.monotonic() < deadline, "generation never started"
         time.sleep(0.05)
     tree = _tree(proc.pid)
@@ -110,7 +141,6 @@ def test_a_rank_dying_during_generation_stops_the_run_without_waiting_for_it(tmp
     assert proc.returncode == 1 and "step 1/" not in out, out[-3000:]
     assert last.startswith(f"megarl: actor rank 1 (pid {rank1.pid}, node ") and "died during check_alive()" in last
     _wait_until_none_left(run_id, within_s=30, also=tree)
-
 
 
 # ---- the two mechanisms alone, in plain processes (no Ray) ------------------------------------------
@@ -135,8 +165,9 @@ def _parent(mode: str):
     import subprocess
     import sys
 
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     plain, guarded = (psutil.Process(int(pid)) for pid in parent.stdout.readline().split())
     return parent, plain, guarded
 

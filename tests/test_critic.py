@@ -40,8 +40,15 @@ def make_batch():
         mask[i, : len(r)] = 1
     # returns that differ per row and per token, so a constant value cannot fit them
     returns = (torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1) + 0.25 * torch.arange(R)) * mask
-    return Batch({"input_ids": ids, "responses": resp, "response_mask": mask,
-                  "prompt_lengths": torch.tensor([len(p) for p, _ in ROWS]), "returns": returns})
+    return Batch(
+        {
+            "input_ids": ids,
+            "responses": resp,
+            "response_mask": mask,
+            "prompt_lengths": torch.tensor([len(p) for p, _ in ROWS]),
+            "returns": returns,
+        }
+    )
 
 
 def _critic_on_rank(rank, model_path, world, tp, port, offload=False):
@@ -54,12 +61,23 @@ def _critic_on_rank(rank, model_path, world, tp, port, offload=False):
     from megarl.engine.megatron.engine import EngineSpec
 
     dist.destroy_process_group()  # the worker joins its own group, as under Ray
-    spec = EngineSpec(model_path=str(model_path), value_head=True, micro_batch_size=2, seed=3,
-                      parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1),
-                      optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0))
-    critic = MegatronCritic(spec, CriticLossSpec(cliprange_value=0.5),
-                            offload=OffloadConfig(params=offload, grads=offload, optimizer=offload),
-                            rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port)
+    spec = EngineSpec(
+        model_path=str(model_path),
+        value_head=True,
+        micro_batch_size=2,
+        seed=3,
+        parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1),
+        optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0),
+    )
+    critic = MegatronCritic(
+        spec,
+        CriticLossSpec(cliprange_value=0.5),
+        offload=OffloadConfig(params=offload, grads=offload, optimizer=offload),
+        rank=rank,
+        world_size=world,
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     critic.init_distributed()
     batch = make_batch()
     values, metrics = [], []
@@ -71,16 +89,22 @@ def _critic_on_rank(rank, model_path, world, tp, port, offload=False):
     offloaded = critic.engine.offloaded()
     critic.engine.onload()
     head = critic.engine.bare_chunks()[-1].output_layer
-    return {"values": values, "metrics": metrics, "head_shape": tuple(head.weight.shape),
-            "offloaded_between_calls": offloaded,
-            "head_tp_attr": bool(getattr(head.weight, "tensor_model_parallel", False))}
+    return {
+        "values": values,
+        "metrics": metrics,
+        "head_shape": tuple(head.weight.shape),
+        "offloaded_between_calls": offloaded,
+        "head_tp_attr": bool(getattr(head.weight, "tensor_model_parallel", False)),
+    }
 
 
 @pytest.fixture(scope="module")
 def critic_runs(tiny_model_path):
     # TP=1 with everything offloaded between calls; TP=2 (sequence parallel) without
-    return {"tp1": run_ranks(_critic_on_rank, 1, tiny_model_path, 1, 1, free_port(), True)[0],
-            "tp2": run_ranks(_critic_on_rank, 2, tiny_model_path, 2, 2, free_port())}
+    return {
+        "tp1": run_ranks(_critic_on_rank, 1, tiny_model_path, 1, 1, free_port(), True)[0],
+        "tp2": run_ranks(_critic_on_rank, 2, tiny_model_path, 2, 2, free_port()),
+    }
 
 
 def _mse(values, batch):
@@ -180,9 +204,19 @@ def test_critic_engine_spec_from_config():
     from megarl.trainer.runtime import critic_engine_spec, critic_loss_spec
     from tests.test_config import QUICKSTART
 
-    cfg = validate(load_config(QUICKSTART, ["critic.enabled=true", "algorithm.adv_estimator=gae", "critic.parallel.tp=2",
-                                            "critic.optim.lr=2e-5", "critic.cliprange_value=0.2"]),
-                   dict(TINY_QWEN3_MOE))
+    cfg = validate(
+        load_config(
+            QUICKSTART,
+            [
+                "critic.enabled=true",
+                "algorithm.adv_estimator=gae",
+                "critic.parallel.tp=2",
+                "critic.optim.lr=2e-5",
+                "critic.cliprange_value=0.2",
+            ],
+        ),
+        dict(TINY_QWEN3_MOE),
+    )
     spec = critic_engine_spec(cfg, "/actor/ckpt")
     assert spec.value_head and spec.model_path == "/actor/ckpt"
     assert spec.parallel.tp == 2 and spec.parallel.sequence_parallel is True

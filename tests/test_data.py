@@ -8,11 +8,18 @@ import torch
 
 from megarl.config import load_config
 from megarl.data.batch import Batch
-from megarl.data.dataset import (DatasetError, PromptBatches, RLDataset, build_datasets,
-                                 read_rows, validate_row)
-from megarl.data.tasks import (ARITH_DATA_SOURCE, DIGITS_DATA_SOURCE, TASKS, digits_answer,
-                               generate_task, make_arith_rows, make_digits_rows, write_rows,
-                               write_task)
+from megarl.data.dataset import DatasetError, PromptBatches, RLDataset, build_datasets, read_rows, validate_row
+from megarl.data.tasks import (
+    ARITH_DATA_SOURCE,
+    DIGITS_DATA_SOURCE,
+    TASKS,
+    digits_answer,
+    generate_task,
+    make_arith_rows,
+    make_digits_rows,
+    write_rows,
+    write_task,
+)
 from megarl.models.tiny import build_tokenizer
 from megarl.reward import score
 
@@ -25,8 +32,12 @@ def tokenizer():
 
 
 def good_row(content="382", answer="2"):
-    return {"prompt": [{"role": "user", "content": content}], "data_source": DIGITS_DATA_SOURCE,
-            "reward_model": {"ground_truth": answer, "style": "rule"}, "extra_info": {"index": 0}}
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "data_source": DIGITS_DATA_SOURCE,
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "extra_info": {"index": 0},
+    }
 
 
 # ------------------------------------------------------------------ task
@@ -79,7 +90,9 @@ def test_config_accepts_the_tasks_and_names_a_bad_one():
 
 
 def test_unknown_task_is_named():
-    with pytest.raises(ValueError, match=r"unknown procedural task 'nope'; known tasks: \['arith', 'arith_tool', 'digits'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown procedural task 'nope'; known tasks: \['arith', 'arith_tool', 'digits'\]"
+    ):
         generate_task("nope", 3)
 
 
@@ -101,20 +114,23 @@ def test_write_task_is_parquet_with_canonical_schema(tmp_path):
 
 
 # ------------------------------------------------------------------ validation
-@pytest.mark.parametrize("mutate, message", [
-    (lambda r: r.pop("prompt"), "missing field 'prompt'"),
-    (lambda r: r.update(prompt="382"), "field 'prompt' is a str, expected list/ndarray"),
-    (lambda r: r.update(prompt=[]), "field 'prompt' has no messages"),
-    (lambda r: r["prompt"][0].pop("role"), "prompt[0]: missing field 'role'"),
-    (lambda r: r["prompt"][0].update(content=5), "prompt[0]: field 'content' is a int"),
-    (lambda r: r.pop("data_source"), "missing field 'data_source'"),
-    (lambda r: r["reward_model"].pop("ground_truth"), "missing field 'reward_model.ground_truth'"),
-    (lambda r: r["reward_model"].update(ground_truth=2), "'reward_model.ground_truth' is a int"),
-    (lambda r: r["reward_model"].update(style="human"), "'reward_model.style' is 'human'"),
-    (lambda r: r.pop("reward_model"), "missing field 'reward_model.ground_truth'"),
-    (lambda r: r.pop("extra_info"), "missing field 'extra_info'"),
-    (lambda r: r.update(extra_info=[1]), "field 'extra_info' is a list, expected dict"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda r: r.pop("prompt"), "missing field 'prompt'"),
+        (lambda r: r.update(prompt="382"), "field 'prompt' is a str, expected list/ndarray"),
+        (lambda r: r.update(prompt=[]), "field 'prompt' has no messages"),
+        (lambda r: r["prompt"][0].pop("role"), "prompt[0]: missing field 'role'"),
+        (lambda r: r["prompt"][0].update(content=5), "prompt[0]: field 'content' is a int"),
+        (lambda r: r.pop("data_source"), "missing field 'data_source'"),
+        (lambda r: r["reward_model"].pop("ground_truth"), "missing field 'reward_model.ground_truth'"),
+        (lambda r: r["reward_model"].update(ground_truth=2), "'reward_model.ground_truth' is a int"),
+        (lambda r: r["reward_model"].update(style="human"), "'reward_model.style' is 'human'"),
+        (lambda r: r.pop("reward_model"), "missing field 'reward_model.ground_truth'"),
+        (lambda r: r.pop("extra_info"), "missing field 'extra_info'"),
+        (lambda r: r.update(extra_info=[1]), "field 'extra_info' is a list, expected dict"),
+    ],
+)
 def test_bad_rows_name_file_row_and_field(tmp_path, tokenizer, mutate, message):
     rows = make_digits_rows(20, seed=0)
     mutate(rows[17])
@@ -130,8 +146,11 @@ def test_parquet_missing_field_message(tmp_path, tokenizer):
     rows = make_digits_rows(20, seed=0)
     rows[17]["reward_model"]["ground_truth"] = None  # parquet stores a missing value as null
     path = write_rows(rows, tmp_path / "train.parquet")
-    with pytest.raises(DatasetError, match=r"^train\.parquet row 17: missing field "
-                                           r"'reward_model\.ground_truth'$"):
+    with pytest.raises(
+        DatasetError,
+        match=r"^train\.parquet row 17: missing field "
+        r"'reward_model\.ground_truth'$",
+    ):
         RLDataset.from_file(path, tokenizer, max_prompt_length=16)
 
 
@@ -167,8 +186,11 @@ def test_prompts_tokenized_with_chat_template(tokenizer):
 
 def test_too_long_prompt_is_rejected_with_its_row(tokenizer):
     rows = [good_row("1"), good_row("1234567890123")]
-    with pytest.raises(DatasetError, match=r"mem row 1: prompt is 15 tokens, longer than "
-                                           r"data\.max_prompt_length=14"):
+    with pytest.raises(
+        DatasetError,
+        match=r"mem row 1: prompt is 15 tokens, longer than "
+        r"data\.max_prompt_length=14",
+    ):
         RLDataset(rows, tokenizer, max_prompt_length=14, source="mem")
     assert len(RLDataset(rows, tokenizer, max_prompt_length=15)) == 2
 
@@ -202,8 +224,7 @@ def test_batches_have_the_contract_columns(dataset):
     assert isinstance(batch, Batch) and len(batch) == 4
     for key in ("raw_prompt_ids", "data_source", "ground_truth", "extra_info", "uid"):
         assert batch[key].dtype == object and len(batch[key]) == 4
-    assert all(isinstance(ids, list) and all(isinstance(t, int) for t in ids)
-               for ids in batch["raw_prompt_ids"])
+    assert all(isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in batch["raw_prompt_ids"])
     # each row's fields come from the same dataset row
     for ids, truth, extra in zip(batch["raw_prompt_ids"], batch["ground_truth"], batch["extra_info"]):
         assert extra["digits"][-1] == truth
@@ -310,8 +331,9 @@ def test_reasoning_gym_errors_are_named():
 
 
 def test_build_datasets_with_a_reasoning_gym_task(tmp_path, tokenizer):
-    cfg = load_config(None, ["data.task=rg:chain_sum", "data.num_train=12", "data.num_val=4",
-                             "data.max_prompt_length=512"])
+    cfg = load_config(
+        None, ["data.task=rg:chain_sum", "data.num_train=12", "data.num_val=4", "data.max_prompt_length=512"]
+    )
     train, val = build_datasets(cfg.data, tokenizer, tmp_path)
     assert (len(train), len(val)) == (12, 4) and (tmp_path / "rg_chain_sum_train.parquet").is_file()
     assert {r["data_source"] for r in train.rows} == {"reasoning_gym/chain_sum"}

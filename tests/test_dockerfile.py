@@ -41,8 +41,9 @@ def test_dockerfile_pins_equal_the_cpu_environment():
     args = dockerfile_args()
     for arg, (package, source) in SHARED.items():
         assert arg in args, f"Dockerfile has no ARG {arg}"
-        assert args[arg] == cpu_pin(package, source), \
+        assert args[arg] == cpu_pin(package, source), (
             f"Dockerfile {arg}={args[arg]} but {source} pins {package}=={cpu_pin(package, source)}"
+        )
 
 
 def test_every_versioned_install_takes_its_version_from_a_checked_arg():

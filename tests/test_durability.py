@@ -25,9 +25,16 @@ import torch
 from tests._procs import ROOT, _assert_nothing_left, _marked, _start, _tree, _wait_for_line
 
 STEPS = 6
-RUN = ["configs/quickstart.yaml", f"trainer.total_steps={STEPS}", "data.num_train=64", "rollout.n=4",
-       "actor.ppo_mini_batch_size=64", "trainer.val_every=0", "trainer.tensorboard=false",
-       "trainer.deterministic=true"]
+RUN = [
+    "configs/quickstart.yaml",
+    f"trainer.total_steps={STEPS}",
+    "data.num_train=64",
+    "rollout.n=4",
+    "actor.ppo_mini_batch_size=64",
+    "trainer.val_every=0",
+    "trainer.tensorboard=false",
+    "trainer.deterministic=true",
+]
 
 
 def _read(get):
@@ -65,20 +72,36 @@ def runs(tmp_path_factory):
     run_id = uuid.uuid4().hex
     proc = _start(cut, run_id)
     resumed = _wait_for_line(proc, "checkpoints/step_000004", timeout_s=300)
-    [rank1] = [p for p in _marked(run_id) if _read(lambda: p.environ().get("MEGARL_WORKER")) == "actor/1"
-               and p.name().startswith("ray::")]
+    [rank1] = [
+        p
+        for p in _marked(run_id)
+        if _read(lambda: p.environ().get("MEGARL_WORKER")) == "actor/1" and p.name().startswith("ray::")
+    ]
     tree = _tree(proc.pid)
     os.kill(rank1.pid, signal.SIGKILL)
     killed = time.monotonic()
     out, _ = proc.communicate(timeout=60)  # the bound: the run stops within 60 s
-    rank_stop = {"returncode": proc.returncode, "s": time.monotonic() - killed, "pid": rank1.pid,
-                 "out": resumed + out, "last": [x for x in out.splitlines() if x.strip()][-1]}
+    rank_stop = {
+        "returncode": proc.returncode,
+        "s": time.monotonic() - killed,
+        "pid": rank1.pid,
+        "out": resumed + out,
+        "last": [x for x in out.splitlines() if x.strip()][-1],
+    }
     _assert_nothing_left(run_id, also=tree)
 
     again = _finish(_start(cut, uuid.uuid4().hex))
-    return {"whole": root / "whole" / "quickstart", "cut": root / "cut" / "quickstart", "whole_out": whole,
-            "before_kill": before, "resumed_out": resumed, "rank_stop": rank_stop, "again_out": again,
-            "keys": keys, "argv": argv}
+    return {
+        "whole": root / "whole" / "quickstart",
+        "cut": root / "cut" / "quickstart",
+        "whole_out": whole,
+        "before_kill": before,
+        "resumed_out": resumed,
+        "rank_stop": rank_stop,
+        "again_out": again,
+        "keys": keys,
+        "argv": argv,
+    }
 
 
 def test_resumed_run_equals_the_uninterrupted_run_step_for_step(runs):
@@ -86,8 +109,12 @@ def test_resumed_run_equals_the_uninterrupted_run_step_for_step(runs):
     assert "resumed from" in runs["resumed_out"] and "resumed from" in runs["again_out"]
     lines = (runs["cut"] / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == list(range(1, STEPS + 1))  # no step twice
-    out = subprocess.run([sys.executable, "-m", "megarl.cli", "compare-runs", str(runs["whole"]),
-                          str(runs["cut"])], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "megarl.cli", "compare-runs", str(runs["whole"]), str(runs["cut"])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"identical: {STEPS} steps" in out.stdout
     # the comparison is not vacuous: training moved the numbers it compares
@@ -132,14 +159,32 @@ def test_export_loads_in_transformers_with_the_trainers_log_probs(runs):
 
 
 def test_megarl_export_of_a_checkpoint_equals_the_end_of_run_export(runs, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "megarl.cli", "export", str(runs["cut"]), "--step",
-                          str(STEPS), "--out", str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megarl.cli",
+            "export",
+            str(runs["cut"]),
+            "--step",
+            str(STEPS),
+            "--out",
+            str(tmp_path / "hf"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     mine, final = _tensors(tmp_path / "hf"), _tensors(runs["cut"] / "hf")
     assert mine.keys() == final.keys()
     assert all(torch.equal(mine[k], final[k]) for k in final)
-    missing = subprocess.run([sys.executable, "-m", "megarl.cli", "export", str(runs["cut"]), "--step", "1"],
-                             cwd=ROOT, capture_output=True, text=True)
+    missing = subprocess.run(
+        [sys.executable, "-m", "megarl.cli", "export", str(runs["cut"]), "--step", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert missing.returncode == 2 and "no complete checkpoint of step 1" in missing.stderr
 
 
@@ -168,8 +213,9 @@ def _checkpoint_log_probs(rank, model_path, actor_ckpt):
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
     from tests.test_megatron_engine import make_rows
 
-    engine = MegatronEngine(EngineSpec(model_path=model_path, parallel=ParallelConfig(), optim=None,
-                                       micro_batch_size=4))
+    engine = MegatronEngine(
+        EngineSpec(model_path=model_path, parallel=ParallelConfig(), optim=None, micro_batch_size=4)
+    )
     engine.initialize()
     engine.load_checkpoint(actor_ckpt, load_optimizer=False)  # saved with EP=2 on two ranks
     return engine.compute_log_prob(make_rows())["log_probs"]
@@ -205,16 +251,36 @@ def test_a_second_run_on_a_live_run_dir_is_refused_naming_the_first(tmp_path):
     from megarl.trainer.run_lock import RunDirBusy, RunDirLock
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from megarl.trainer.run_lock import RunDirLock\n"
-         f"lock = RunDirLock({str(tmp_path)!r}); lock.acquire(); print('held', flush=True); sys.stdin.read()"],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from megarl.trainer.run_lock import RunDirLock\n"
+            f"lock = RunDirLock({str(tmp_path)!r}); lock.acquire(); print('held', flush=True); sys.stdin.read()",
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunDirBusy, match=f"pid {holder.pid} on"):
             RunDirLock(tmp_path).acquire()
-        second = subprocess.run([sys.executable, "-m", "megarl.cli", "train", "configs/quickstart.yaml",
-                                 f"trainer.output_dir={tmp_path.parent}", f"trainer.experiment_name={tmp_path.name}"],
-                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megarl.cli",
+                "train",
+                "configs/quickstart.yaml",
+                f"trainer.output_dir={tmp_path.parent}",
+                f"trainer.experiment_name={tmp_path.name}",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 2, second.stdout + second.stderr
         assert f"is in use by another live run: pid {holder.pid} on" in second.stderr
     finally:
@@ -245,9 +311,14 @@ def test_resume_with_other_data_settings_is_refused_before_loading_anything(tmp_
             raise AssertionError(f"the actor was used ({name}) before the data check")
 
     actor = Untouchable()
-    runtime = SimpleNamespace(cfg=RunConfig(), run_dir=tmp_path, train_data=[0] * 1024, critic=None,
-                              actor=SimpleNamespace(mesh=[SimpleNamespace(dp_size=1)]),
-                              fleet=SimpleNamespace(on_restart=None))
+    runtime = SimpleNamespace(
+        cfg=RunConfig(),
+        run_dir=tmp_path,
+        train_data=[0] * 1024,
+        critic=None,
+        actor=SimpleNamespace(mesh=[SimpleNamespace(dp_size=1)]),
+        fleet=SimpleNamespace(on_restart=None),
+    )
     trainer = SyncTrainer(runtime, MetricsLogger(None, 1))
     runtime.actor = actor
     state = {"step": 3, "weight_version": 3, "data": {**trainer._data_identity(), "train_batch_size": 32}}

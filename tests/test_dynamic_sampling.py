@@ -15,9 +15,14 @@ def _round(k: int, scores: list[list[float]], width: int) -> Batch:
     uids = [f"r{k}-g{g}" for g, group in enumerate(scores) for _ in group]
     flat = [s for group in scores for s in group]
     n = len(flat)
-    return Batch({"raw_scores": torch.tensor(flat), "responses": torch.full((n, width), 7),
-                  "response_mask": torch.ones(n, width)},
-                 {"uid": np.array(uids, dtype=object)})
+    return Batch(
+        {
+            "raw_scores": torch.tensor(flat),
+            "responses": torch.full((n, width), 7),
+            "response_mask": torch.ones(n, width),
+        },
+        {"uid": np.array(uids, dtype=object)},
+    )
 
 
 def test_informative_groups_are_the_ones_whose_scores_differ():
@@ -32,9 +37,11 @@ def test_informative_groups_are_the_ones_whose_scores_differ():
 def test_fill_generates_until_the_batch_is_full_and_keeps_exactly_the_groups_wanted():
     from megarl.trainer.dynamic_sampling import fill_informative
 
-    rounds = [[[1, 1], [0, 1], [0, 0]],      # 1 informative group
-              [[1, 0], [1, 1], [0, 0]],      # 1 more
-              [[0, 1], [1, 0], [1, 1]]]      # 2 more: 4 available, 3 wanted
+    rounds = [
+        [[1, 1], [0, 1], [0, 0]],  # 1 informative group
+        [[1, 0], [1, 1], [0, 0]],  # 1 more
+        [[0, 1], [1, 0], [1, 1]],
+    ]  # 2 more: 4 available, 3 wanted
     calls = []
 
     def generate(k):
@@ -46,8 +53,12 @@ def test_fill_generates_until_the_batch_is_full_and_keeps_exactly_the_groups_wan
     assert list(dict.fromkeys(rows["uid"])) == ["r0-g1", "r1-g0", "r2-g0"]
     assert len(rows) == 6 and rows["responses"].shape == (6, 4)  # padded to the widest round
     assert rows["response_mask"][:2, 2:].sum() == 0 and rows["response_mask"][4:].sum() == 8
-    assert stats == {"rollout/gen_batches": 3.0, "rollout/groups_generated": 9.0,
-                     "rollout/groups_kept_frac": pytest.approx(4 / 9), "rollout/groups_padded": 0.0}
+    assert stats == {
+        "rollout/gen_batches": 3.0,
+        "rollout/groups_generated": 9.0,
+        "rollout/groups_kept_frac": pytest.approx(4 / 9),
+        "rollout/groups_padded": 0.0,
+    }
 
 
 def test_fill_gives_up_after_the_bound_and_says_which_knob():
@@ -77,12 +88,22 @@ def test_overlong_penalty_by_hand():
         overlong_penalty(torch.tensor([1]), 10, 11)
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["algorithm.filter_groups.max_num_gen_batches=-1"], "algorithm.filter_groups.max_num_gen_batches"),
-    (["algorithm.filter_groups.enable=true", "rollout.n=1", "actor.ppo_mini_batch_size=16",
-      "algorithm.adv_estimator=reinforce_plus_plus"], "algorithm.filter_groups.enable"),
-    (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=3"], "reward.overlong_buffer.len"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["algorithm.filter_groups.max_num_gen_batches=-1"], "algorithm.filter_groups.max_num_gen_batches"),
+        (
+            [
+                "algorithm.filter_groups.enable=true",
+                "rollout.n=1",
+                "actor.ppo_mini_batch_size=16",
+                "algorithm.adv_estimator=reinforce_plus_plus",
+            ],
+            "algorithm.filter_groups.enable",
+        ),
+        (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=3"], "reward.overlong_buffer.len"),
+    ],
+)
 def test_bad_dapo_settings_are_refused_naming_the_key(overrides, key):
     from pathlib import Path
 

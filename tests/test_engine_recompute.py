@@ -30,8 +30,15 @@ def _one_step(model_path: str, recompute: str, calls: list) -> dict:
     from megarl.config.schema import OptimConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
-    engine = MegatronEngine(EngineSpec(model_path=model_path, micro_batch_size=2, seed=1, recompute=recompute,
-                                       optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0)))
+    engine = MegatronEngine(
+        EngineSpec(
+            model_path=model_path,
+            micro_batch_size=2,
+            seed=1,
+            recompute=recompute,
+            optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0),
+        )
+    )
     engine.initialize()
 
     def loss_fn(logp, ent, mb):
@@ -41,10 +48,12 @@ def _one_step(model_path: str, recompute: str, calls: list) -> dict:
 
     calls.clear()
     metrics = engine.train_mini_batch(make_rows(), loss_fn)
-    return {"grad_norm": metrics["actor/grad_norm"],
-            "weights": {k: v.clone() for k, v in engine.export_weights()},
-            "granularity": engine.config.recompute_granularity,
-            "calls": list(calls)}
+    return {
+        "grad_norm": metrics["actor/grad_norm"],
+        "weights": {k: v.clone() for k, v in engine.export_weights()},
+        "granularity": engine.config.recompute_granularity,
+        "calls": list(calls),
+    }
 
 
 def _all_settings(rank, paths: dict) -> dict:
@@ -57,20 +66,23 @@ def _all_settings(rank, paths: dict) -> dict:
         def run(*inputs):
             calls.append((function.__qualname__, torch.is_grad_enabled()))
             return function(*inputs)
+
         return original(run, distribute_saved_activations, *args)
 
     tensor_parallel.checkpoint = counting_checkpoint  # looked up at call time by megatron
-    return {(preset, setting): _one_step(str(paths[preset]), setting, calls)
-            for preset in PRESETS for setting in SETTINGS}
+    return {
+        (preset, setting): _one_step(str(paths[preset]), setting, calls) for preset in PRESETS for setting in SETTINGS
+    }
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, tiny_model_path):
     from megarl.models.tiny import build_tiny_checkpoint
 
-    paths = {"tiny-qwen3-moe": tiny_model_path,
-             "tiny-qwen2": build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2") / "m", seed=0,
-                                                 preset="tiny-qwen2")}
+    paths = {
+        "tiny-qwen3-moe": tiny_model_path,
+        "tiny-qwen2": build_tiny_checkpoint(tmp_path_factory.mktemp("qwen2") / "m", seed=0, preset="tiny-qwen2"),
+    }
     return run_ranks(_all_settings, 1, paths)[0]
 
 
@@ -109,8 +121,9 @@ def test_runtime_passes_recompute_to_the_engines():
     assert critic_engine_spec(cfg, "m").recompute == "selective"
 
 
-@pytest.mark.parametrize("name, recompute", [("deepseek-v3-671b", "full"), ("qwen3-235b-a22b", "full"),
-                                             ("qwen3-30b-a3b", "full")])
+@pytest.mark.parametrize(
+    "name, recompute", [("deepseek-v3-671b", "full"), ("qwen3-235b-a22b", "full"), ("qwen3-30b-a3b", "full")]
+)
 def test_scale_configs_choose_recompute(name, recompute):
     from pathlib import Path
 

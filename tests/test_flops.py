@@ -84,13 +84,16 @@ def test_presets_all_covered():
     assert set(HAND) == set(PRESETS)
 
 
-@pytest.mark.parametrize("preset,overrides", [
-    ("tiny-qwen3", {"tie_word_embeddings": True}),  # tied: counted once
-    ("tiny-llama", {"attention_bias": True, "mlp_bias": True}),
-    ("tiny-qwen3-moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [1]}),
-    ("tiny-deepseek-v3", {"q_lora_rank": None, "attention_bias": True, "first_k_dense_replace": 2}),
-    ("tiny-deepseek-v3", {"n_shared_experts": 2, "num_hidden_layers": 4}),
-])
+@pytest.mark.parametrize(
+    "preset,overrides",
+    [
+        ("tiny-qwen3", {"tie_word_embeddings": True}),  # tied: counted once
+        ("tiny-llama", {"attention_bias": True, "mlp_bias": True}),
+        ("tiny-qwen3-moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [1]}),
+        ("tiny-deepseek-v3", {"q_lora_rank": None, "attention_bias": True, "first_k_dense_replace": 2}),
+        ("tiny-deepseek-v3", {"n_shared_experts": 2, "num_hidden_layers": 4}),
+    ],
+)
 def test_config_variants_against_transformers(preset, overrides):
     cfg = {**PRESETS[preset], **overrides}
     assert param_counts(cfg) == _hf_counts(cfg)
@@ -225,8 +228,12 @@ def test_cpu_peak_keyed_by_thread_count(tmp_path, monkeypatch):
 
 
 def test_gpu_peaks_from_the_table(monkeypatch):
-    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA A100-SXM4-80GB", 2: "NVIDIA H100 PCIe",
-             3: "NVIDIA GeForce RTX 4090"}
+    names = {
+        0: "NVIDIA H100 80GB HBM3",
+        1: "NVIDIA A100-SXM4-80GB",
+        2: "NVIDIA H100 PCIe",
+        3: "NVIDIA GeForce RTX 4090",
+    }
     monkeypatch.setattr(peak, "_gpu_name", lambda i: names[i])
     assert peak.device_peak_flops("cuda:0", "bf16") == 989.5e12
     assert peak.device_peak_flops("cuda:0", torch.bfloat16) == 989.5e12

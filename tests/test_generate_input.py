@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.rollout.server.generate_input import parse_generate, parse_sampling_params
 from megarl.rollout.engine.protocol import InvalidRequest
+from megarl.rollout.server.generate_input import parse_generate, parse_sampling_params
 
 
 class _Engine:  # what parse_generate asks of an engine for token-id prompts
@@ -22,8 +22,10 @@ def _body(params):
 
 
 def test_rows_differing_in_seed_get_what_a_parse_of_each_gives():
-    params = [{"max_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "stop": "x", "sampling_seed": s}
-              for s in (5, 6, None, 7)]
+    params = [
+        {"max_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "stop": "x", "sampling_seed": s}
+        for s in (5, 6, None, 7)
+    ]
     params.insert(2, {"max_new_tokens": 3, "temperature": 0.7, "top_p": 0.9, "sampling_seed": 9})
     params.append({"max_new_tokens": None, "logit_bias": {"4": -1.5}, "sampling_seed": 1})  # not a plain dict
     call = parse_generate(_body(params), _Engine())
@@ -34,11 +36,14 @@ def test_rows_differing_in_seed_get_what_a_parse_of_each_gives():
     assert call.requests[-1].params.max_new_tokens == 61 and call.requests[-1].params.logit_bias == ((4, -1.5),)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"temperature": True}, "sampling_params[1].temperature=True must be a finite number"),  # True == 1 as a key
-    ({"temperature": 1, "sampling_seed": "7"}, "sampling_params[1].sampling_seed='7' must be an integer"),
-    ({"temperature": 1, "sampling_seed": 1.5}, "sampling_params[1].sampling_seed=1.5 must be an integer"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"temperature": True}, "sampling_params[1].temperature=True must be a finite number"),  # True == 1 as a key
+        ({"temperature": 1, "sampling_seed": "7"}, "sampling_params[1].sampling_seed='7' must be an integer"),
+        ({"temperature": 1, "sampling_seed": 1.5}, "sampling_params[1].sampling_seed=1.5 must be an integer"),
+    ],
+)
 def test_a_row_like_an_earlier_one_is_still_checked(bad, message):
     with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_generate(_body([{"temperature": 1, "sampling_seed": 3}, bad]), _Engine())

@@ -23,8 +23,8 @@ def _prefill(model, cache, lengths, g):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros(len(lengths), width, dtype=torch.long)
     for r, n in enumerate(lengths):
-        ids[r, width - n:] = torch.randint(5, vocab, (n,), generator=g)
-        mask[r, width - n:] = 1
+        ids[r, width - n :] = torch.randint(5, vocab, (n,), generator=g)
+        mask[r, width - n :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = forward_step(model, ids, mask, positions, cache, True)
     return out.logits, mask, positions[:, -1:]

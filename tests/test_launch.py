@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
-import secrets
 import subprocess
 import tempfile
 import time
@@ -37,12 +37,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
 MARKER = "MEGARL_TEST_LAUNCH_ID"
 # 5 steps of the quickstart task, as small as validation allows: 4 prompts x 4 samples = 16 rows.
-SMALL = ["trainer.total_steps=5", "data.train_batch_size=4", "data.num_train=32", "data.num_val=8",
-         "rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.micro_batch_size=8",
-         "trainer.val_every=0", "trainer.tensorboard=false"]
+SMALL = [
+    "trainer.total_steps=5",
+    "data.train_batch_size=4",
+    "data.num_train=32",
+    "data.num_val=8",
+    "rollout.n=4",
+    "actor.ppo_mini_batch_size=16",
+    "actor.micro_batch_size=8",
+    "trainer.val_every=0",
+    "trainer.tensorboard=false",
+]
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+
 
 def _free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
@@ -128,16 +137,33 @@ def ray_head():
     run_id = uuid.uuid4().hex
     log = open(tmp / "ray_start.log", "w")
     head = subprocess.Popen(
-        [PYTHON, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
-         "--node-ip-address=127.0.0.1", f"--port={gcs}", f"--dashboard-port={dashboard}",
-         "--dashboard-host=127.0.0.1", f"--ray-client-server-port={client}",
-         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
-         "--include-dashboard=true", f"--temp-dir={tmp / 'r'}", "--num-cpus=2",
-         '--resources={"megarl_device": 2}'],
-        cwd=tmp, env={**os.environ, **RAY_AUTH, MARKER: run_id,
-                      "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"},
-        stdout=log, stderr=subprocess.STDOUT)
+        [
+            PYTHON,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            "--block",
+            "--disable-usage-stats",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            f"--dashboard-port={dashboard}",
+            "--dashboard-host=127.0.0.1",
+            f"--ray-client-server-port={client}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={runtime_env}",
+            f"--metrics-export-port={metrics}",
+            "--include-dashboard=true",
+            f"--temp-dir={tmp / 'r'}",
+            "--num-cpus=2",
+            '--resources={"megarl_device": 2}',
+        ],
+        cwd=tmp,
+        env={**os.environ, **RAY_AUTH, MARKER: run_id, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     address = f"http://127.0.0.1:{dashboard}"
 
     def job_server_up() -> bool:
@@ -164,9 +190,19 @@ def test_ray_job_submit_runs_quickstart_on_the_cluster(ray_head):
     start = time.monotonic()
     result = subprocess.run(
         ["bash", "launch/ray_job.sh", "configs/quickstart.yaml", *SMALL],
-        cwd=ROOT, capture_output=True, text=True, timeout=400,
-        env={**os.environ, **RAY_AUTH, "RAY_ADDRESS": address, "MEGARL_OUTPUT_DIR": str(out_dir),
-             "MEGARL_PYTHON": PYTHON, "MEGARL_SUBMISSION_ID": f"megarl-test-{run_id[:8]}"})
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={
+            **os.environ,
+            **RAY_AUTH,
+            "RAY_ADDRESS": address,
+            "MEGARL_OUTPUT_DIR": str(out_dir),
+            "MEGARL_PYTHON": PYTHON,
+            "MEGARL_SUBMISSION_ID": f"megarl-test-{run_id[:8]}",
+        },
+    )
     elapsed = time.monotonic() - start
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"ray_job.sh failed ({result.returncode}):\n{output[-4000:]}"
@@ -183,13 +219,17 @@ def test_ray_job_submit_runs_quickstart_on_the_cluster(ray_head):
 # ---- 2. Slurm ----------------------------------------------------------------------------------------
 
 SLURM_TOOLS = ("slurmctld", "slurmd", "munged", "mungekey", "sbatch", "sinfo")
-ENABLE = ("install Debian's slurm-wlm and munge (apt-get install slurm-wlm munge; .ci/run does this "
-          "when it runs as root) and run the tests as root")
+ENABLE = (
+    "install Debian's slurm-wlm and munge (apt-get install slurm-wlm munge; .ci/run does this "
+    "when it runs as root) and run the tests as root"
+)
 
 
 def _slurm_conf(tmp: Path, ctld_port: int, node_ports: list[int], munge_socket: Path) -> str:
-    nodes = "\n".join(f"NodeName=n{i + 1} NodeAddr=127.0.0.1 Port={p} CPUs=2 RealMemory=4000 State=UNKNOWN"
-                      for i, p in enumerate(node_ports))
+    nodes = "\n".join(
+        f"NodeName=n{i + 1} NodeAddr=127.0.0.1 Port={p} CPUs=2 RealMemory=4000 State=UNKNOWN"
+        for i, p in enumerate(node_ports)
+    )
     return f"""\
 ClusterName=megarltest
 SlurmctldHost=localhost
@@ -214,7 +254,7 @@ SlurmdPidFile={tmp}/slurmd.%n.pid
 SlurmctldLogFile={tmp}/log/slurmctld.log
 SlurmdLogFile={tmp}/log/slurmd.%n.log
 {nodes}
-PartitionName=debug Nodes={','.join(f'n{i + 1}' for i in range(len(node_ports)))} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=debug Nodes={",".join(f"n{i + 1}" for i in range(len(node_ports)))} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
 
@@ -248,10 +288,22 @@ def slurm_cluster():
             procs.append(proc)
             return proc
 
-        munged = spawn(["runuser", "-u", "munge", "--", "munged", "--foreground", f"--socket={sock}",
-                        f"--key-file={key}", f"--pid-file={munge_dir / 'munged.pid'}",
-                        f"--log-file={munge_dir / 'munged.log'}", f"--seed-file={munge_dir / 'munged.seed'}"],
-                       "munged")
+        munged = spawn(
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                "munged",
+                "--foreground",
+                f"--socket={sock}",
+                f"--key-file={key}",
+                f"--pid-file={munge_dir / 'munged.pid'}",
+                f"--log-file={munge_dir / 'munged.log'}",
+                f"--seed-file={munge_dir / 'munged.seed'}",
+            ],
+            "munged",
+        )
         _poll(sock.exists, 20, "munged socket", munged)
         ctld_port, *node_ports = _free_ports(3)
         conf = tmp / "slurm.conf"
@@ -296,13 +348,33 @@ def test_slurm_two_nodes_quickstart(slurm_cluster):
     job_out = tmp / "job.out"
     start = time.monotonic()
     result = subprocess.run(
-        ["sbatch", "--wait", "--parsable", "--nodes=2", f"--output={job_out}",
-         "launch/slurm.sbatch", "configs/quickstart.yaml", *SMALL, f"trainer.output_dir={out_dir}",
-         # actor ranks on one node (2 devices), the engine on the other (1 device of its own pool)
-         "cluster.placement=disaggregated", "bridge.transport=reshard"],
-        cwd=ROOT, capture_output=True, text=True, timeout=500,
-        env={**env, MARKER: run_id, "MEGARL_DEVICES_PER_NODE": "2", "MEGARL_PYTHON": PYTHON,
-             "MEGARL_RAY_TMPDIR": str(tmp), "MEGARL_STOP_GRACE": "15"})
+        [
+            "sbatch",
+            "--wait",
+            "--parsable",
+            "--nodes=2",
+            f"--output={job_out}",
+            "launch/slurm.sbatch",
+            "configs/quickstart.yaml",
+            *SMALL,
+            f"trainer.output_dir={out_dir}",
+            # actor ranks on one node (2 devices), the engine on the other (1 device of its own pool)
+            "cluster.placement=disaggregated",
+            "bridge.transport=reshard",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env={
+            **env,
+            MARKER: run_id,
+            "MEGARL_DEVICES_PER_NODE": "2",
+            "MEGARL_PYTHON": PYTHON,
+            "MEGARL_RAY_TMPDIR": str(tmp),
+            "MEGARL_STOP_GRACE": "15",
+        },
+    )
     elapsed = time.monotonic() - start
     output = job_out.read_text() if job_out.exists() else "(no job output)"
     job_id = result.stdout.strip().split(";")[0]

@@ -35,8 +35,9 @@ def make_rows():
         mask[i, : len(r)] = 1
     plen = torch.tensor([len(p) for p, _ in SEQ_ROWS])
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1) * mask
-    return Batch({"input_ids": ids, "responses": resp, "response_mask": mask,
-                  "prompt_lengths": plen, "advantages": adv})
+    return Batch(
+        {"input_ids": ids, "responses": resp, "response_mask": mask, "prompt_lengths": plen, "advantages": adv}
+    )
 
 
 def hf_reference(model_path):
@@ -55,8 +56,7 @@ def hf_reference(model_path):
     return out
 
 
-def _engine(model_path, tp, ep, train=False, pp=1, etp=1, dispatcher="alltoall", cp=1, packed=True,
-            max_tokens=None):
+def _engine(model_path, tp, ep, train=False, pp=1, etp=1, dispatcher="alltoall", cp=1, packed=True, max_tokens=None):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
@@ -104,25 +104,36 @@ def _last_stage(results) -> torch.Tensor:
     return found[0]
 
 
-def _train_on_rank(rank, model_path, tp, ep, pp=1, etp=1, dispatcher="alltoall", cp=1, packed=True,
-                   max_tokens=None):
+def _train_on_rank(rank, model_path, tp, ep, pp=1, etp=1, dispatcher="alltoall", cp=1, packed=True, max_tokens=None):
     from megarl.algo.losses import policy_loss
 
-    engine = _engine(model_path, tp, ep, train=True, pp=pp, etp=etp, dispatcher=dispatcher, cp=cp,
-                     packed=packed, max_tokens=max_tokens)
+    engine = _engine(
+        model_path,
+        tp,
+        ep,
+        train=True,
+        pp=pp,
+        etp=etp,
+        dispatcher=dispatcher,
+        cp=cp,
+        packed=packed,
+        max_tokens=max_tokens,
+    )
     rows = make_rows()
     before = engine.compute_log_prob(rows)
 
     def loss_fn(logp, ent, mb):
         mask = mb["response_mask"]
-        loss, metrics = policy_loss(logp, logp.detach(), mb["advantages"], mask,
-                                    global_denominator=1.0)
+        loss, metrics = policy_loss(logp, logp.detach(), mb["advantages"], mask, global_denominator=1.0)
         return loss, mask.sum(), {"pg_loss": metrics["pg_loss"]}
 
     metrics = engine.train_mini_batch(rows, loss_fn)
     weights = {k: v.clone() for k, v in engine.export_weights()}
-    return {"grad_norm": metrics["actor/grad_norm"], "weights": weights,
-            "log_probs": None if before is None else before["log_probs"]}
+    return {
+        "grad_norm": metrics["actor/grad_norm"],
+        "weights": weights,
+        "log_probs": None if before is None else before["log_probs"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +170,7 @@ def test_cp2_log_probs_equal_cp1(forward_results):
     """Load-balanced CP split (rank r holds chunks r and 3-r), K/V all-gathered in CpuCoreAttention;
     both CP ranks assemble the same full-sequence log-probs."""
     for rank_result in forward_results["cp2"]:
-        torch.testing.assert_close(rank_result["log_probs"], forward_results["tp1"]["log_probs"],
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(rank_result["log_probs"], forward_results["tp1"]["log_probs"], atol=1e-5, rtol=0)
 
 
 def _attention_parity_on_rank(rank):
@@ -176,9 +186,16 @@ def _attention_parity_on_rank(rank):
     cpu_compat.activate()
     ps.initialize_model_parallel(1, 1)
     cpu_compat.seed_model_parallel(0)
-    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                               kv_channels=8, use_cpu_initialization=True, masked_softmax_fusion=False,
-                               attention_dropout=0.0)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=8,
+        use_cpu_initialization=True,
+        masked_softmax_fusion=False,
+        attention_dropout=0.0,
+    )
     args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(7, 2, h, 8, generator=gen) for h in (4, 2, 2))
@@ -209,16 +226,18 @@ def test_combined_layouts_on_four_ranks_equal_one_rank(forward_results, tiny_mod
     """TP=2 x PP=2 and EP=2 x PP=2, each over 4 gloo ranks."""
     for tp, ep in ((2, 1), (1, 2)):
         results = run_ranks(_forward_on_rank, 4, tiny_model_path, tp, ep, 2)
-        torch.testing.assert_close(_last_stage(results), forward_results["tp1"]["log_probs"], atol=1e-5,
-                                   rtol=0, msg=f"tp={tp} ep={ep} pp=2")
+        torch.testing.assert_close(
+            _last_stage(results), forward_results["tp1"]["log_probs"], atol=1e-5, rtol=0, msg=f"tp={tp} ep={ep} pp=2"
+        )
 
 
 def test_cp2_with_tp2_and_pp2_on_four_ranks_equals_one_rank(forward_results, tiny_model_path):
     """CP=2 x TP=2 (sequence parallel: padded to a multiple of 2*cp*tp) and CP=2 x PP=2."""
     for tp, pp in ((2, 1), (1, 2)):
         results = run_ranks(_forward_on_rank, 4, tiny_model_path, tp, 1, pp, 2)
-        torch.testing.assert_close(_last_stage(results), forward_results["tp1"]["log_probs"], atol=1e-5,
-                                   rtol=0, msg=f"tp={tp} pp={pp} cp=2")
+        torch.testing.assert_close(
+            _last_stage(results), forward_results["tp1"]["log_probs"], atol=1e-5, rtol=0, msg=f"tp={tp} pp={pp} cp=2"
+        )
 
 
 def test_tp2_logits_equal_tp1(forward_results):
@@ -315,7 +334,6 @@ def test_token_budget_micro_batch_count_is_agreed_across_data_parallel_ranks(tin
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     for name, w in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], w, atol=1e-6, rtol=0, msg=name)
-
 
 
 def _train_allgather_uneven_on_rank(rank, model_path, world, packed):

@@ -30,29 +30,40 @@ from fastapi.responses import JSONResponse
 
 from megarl.config.schema import RewardConfig, RewardModelConfig
 from megarl.data.batch import Batch
+from megarl.procs.net import free_port
 from megarl.reward import RewardError, score
 from megarl.reward.genrm import DEFAULT_TEMPLATE, GenerativeReward, fill_template, parse_score
 from megarl.reward.model import RowColumns, RowScorer, _union
 from megarl.reward.remote import Failure, RemoteReward
 from megarl.reward.serve import RewardServerProcess
 from megarl.rollout.client.client import GenerateOutput, RolloutClient
-from megarl.procs.net import free_port
-from megarl.rollout.fleet.server_process import RolloutServerProcess
 from megarl.rollout.client.manager import RolloutManager, SamplingSpec
+from megarl.rollout.fleet.server_process import RolloutServerProcess
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def row(data_source="megarl/digits", response="2", ground_truth="2", prompt="382"):
-    return {"data_source": data_source, "prompt": prompt, "messages": [{"role": "user", "content": prompt}],
-            "response": response, "ground_truth": ground_truth, "extra_info": {"index": np.int64(3)}}
+    return {
+        "data_source": data_source,
+        "prompt": prompt,
+        "messages": [{"role": "user", "content": prompt}],
+        "response": response,
+        "ground_truth": ground_truth,
+        "extra_info": {"index": np.int64(3)},
+    }
 
 
 def columns(rows: list[dict], first: int = 0) -> RowColumns:
-    return RowColumns(list(range(first, first + len(rows))), [r["data_source"] for r in rows],
-                      [r["messages"] for r in rows], [r["response"] for r in rows],
-                      [r["ground_truth"] for r in rows], [r["extra_info"] for r in rows])
+    return RowColumns(
+        list(range(first, first + len(rows))),
+        [r["data_source"] for r in rows],
+        [r["messages"] for r in rows],
+        [r["response"] for r in rows],
+        [r["ground_truth"] for r in rows],
+        [r["extra_info"] for r in rows],
+    )
 
 
 def scorer(**model) -> RowScorer:
@@ -202,15 +213,22 @@ def test_combine_add_sums_rule_and_model_scores(reward_server):
 
 # ---- genrm: units ---------------------------------------------------------------------------------
 def test_template_fills_placeholders_once_and_keeps_other_braces():
-    text = fill_template("P={prompt} R={response} G={ground_truth} \\boxed{N}",
-                         {"prompt": "a", "response": "{ground_truth}", "ground_truth": "7"})
+    text = fill_template(
+        "P={prompt} R={response} G={ground_truth} \\boxed{N}",
+        {"prompt": "a", "response": "{ground_truth}", "ground_truth": "7"},
+    )
     assert text == "P=a R={ground_truth} G=7 \\boxed{N}"
     assert "\\boxed{N}" in fill_template(DEFAULT_TEMPLATE, row())
 
 
-@pytest.mark.parametrize("answer,expected", [
-    ("good. \\boxed{7}", 0.7), ("\\boxed{2} no, \\boxed{ 10 }", 1.0), ("\\boxed{0.5}", 0.05),
-])
+@pytest.mark.parametrize(
+    "answer,expected",
+    [
+        ("good. \\boxed{7}", 0.7),
+        ("\\boxed{2} no, \\boxed{ 10 }", 1.0),
+        ("\\boxed{0.5}", 0.05),
+    ],
+)
 def test_parse_reads_the_last_boxed_score_on_the_scale(answer, expected):
     pattern = re.compile(RewardModelConfig().score_pattern)
     assert parse_score(answer, pattern, 0.0, 10.0) == pytest.approx(expected, abs=1e-12)
@@ -266,8 +284,9 @@ def test_genrm_scores_parse_and_failures_against_a_fake_judge():
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("judge") / "server.log"
-    with RolloutServerProcess(tiny_model_path, port=0, max_batch_size=64, seed=0, torch_threads=1,
-                              log_path=log) as server:
+    with RolloutServerProcess(
+        tiny_model_path, port=0, max_batch_size=64, seed=0, torch_threads=1, log_path=log
+    ) as server:
         yield server
 
 
@@ -278,8 +297,10 @@ def test_genrm_end_to_end_against_an_embedded_server(engine, tiny_model_path):
     got = judge.score(rows)
     # independently: the same prompts, one greedy request each, parsed here
     with RolloutClient(engine.url) as client:
-        answers = [client.generate_text([judge.judge_prompt(r)], {"temperature": 0.0, "max_new_tokens": 6})[0].text
-                   for r in rows]
+        answers = [
+            client.generate_text([judge.judge_prompt(r)], {"temperature": 0.0, "max_new_tokens": 6})[0].text
+            for r in rows
+        ]
     for value, answer in zip(got, answers):
         digits = re.findall(r"\d", answer)
         if digits:
@@ -291,12 +312,15 @@ def test_genrm_end_to_end_against_an_embedded_server(engine, tiny_model_path):
 
 
 def prompt_batch(k: int) -> Batch:
-    return Batch(non_tensors={
-        "raw_prompt_ids": [[2, 10 + i, 3] for i in range(k)],
-        "raw_prompt": [[{"role": "user", "content": str(i)}] for i in range(k)],
-        "data_source": ["megarl/digits"] * k, "ground_truth": ["1"] * k,
-        "extra_info": [{"index": i} for i in range(k)],
-    })
+    return Batch(
+        non_tensors={
+            "raw_prompt_ids": [[2, 10 + i, 3] for i in range(k)],
+            "raw_prompt": [[{"role": "user", "content": str(i)}] for i in range(k)],
+            "data_source": ["megarl/digits"] * k,
+            "ground_truth": ["1"] * k,
+            "extra_info": [{"index": i} for i in range(k)],
+        }
+    )
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -360,18 +384,30 @@ def test_union_of_intervals():
 
 
 # ---- configuration --------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides,key", [
-    (["reward.model.kind=remote"], "reward.model.url"),
-    (["reward.model.kind=remote", "reward.model.url=localhost:8000"], "reward.model.url"),
-    (["reward.model.kind=genrm"], "reward.model.path"),
-    (["reward.model.kind=genrm", "reward.model.url=http://x:1", "reward.model.score_pattern=(\\d"],
-     "reward.model.score_pattern"),
-    (["reward.model.kind=genrm", "reward.model.url=http://x:1", "reward.model.prompt_template=grade {prompt}"],
-     "reward.model.prompt_template"),
-    (["reward.model.kind=genrm", "reward.model.url=http://x:1", "reward.model.score_max=0"], "reward.model.score_min"),
-    (["reward.model.kind=remote", "reward.model.url=http://x:1/score", "reward.model.batch_size=0"],
-     "reward.model.batch_size"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["reward.model.kind=remote"], "reward.model.url"),
+        (["reward.model.kind=remote", "reward.model.url=localhost:8000"], "reward.model.url"),
+        (["reward.model.kind=genrm"], "reward.model.path"),
+        (
+            ["reward.model.kind=genrm", "reward.model.url=http://x:1", "reward.model.score_pattern=(\\d"],
+            "reward.model.score_pattern",
+        ),
+        (
+            ["reward.model.kind=genrm", "reward.model.url=http://x:1", "reward.model.prompt_template=grade {prompt}"],
+            "reward.model.prompt_template",
+        ),
+        (
+            ["reward.model.kind=genrm", "reward.model.url=http://x:1", "reward.model.score_max=0"],
+            "reward.model.score_min",
+        ),
+        (
+            ["reward.model.kind=remote", "reward.model.url=http://x:1/score", "reward.model.batch_size=0"],
+            "reward.model.batch_size",
+        ),
+    ],
+)
 def test_bad_model_reward_settings_are_refused_naming_the_key(overrides, key):
     from megarl.config.loader import ConfigError, load_config
     from megarl.config.validate import validate
@@ -384,7 +420,10 @@ def test_a_remote_model_reward_config_validates():
     from megarl.config.loader import load_config
     from megarl.config.validate import validate
 
-    cfg = validate(load_config(ROOT / "configs/quickstart.yaml",
-                               ["reward.model.kind=remote", "reward.model.url=http://127.0.0.1:8000/score"]))
+    cfg = validate(
+        load_config(
+            ROOT / "configs/quickstart.yaml",
+            ["reward.model.kind=remote", "reward.model.url=http://127.0.0.1:8000/score"],
+        )
+    )
     assert cfg.reward.model.kind == "remote" and cfg.reward.overlap is True  # auto: on with a model
-

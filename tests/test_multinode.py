@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megarl.data.batch import Batch
+from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 from megarl.rollout.fleet.engine_launcher import EngineNodeSpec
 from megarl.rollout.fleet.fleet import RolloutFleet
-from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 
 torch.set_num_threads(1)
 
@@ -37,14 +37,37 @@ def two_node_cluster():
 def test_engine_over_two_ray_nodes(two_node_cluster, tiny_model_path, tmp_path):
     import ray
 
-    from megarl.controller.placement import (CPU_DEVICE_RESOURCE, LAUNCHER_DEVICE_SHARE, PoolSpec, ResourcePool,
-                                             scheduling)
+    from megarl.controller.placement import (
+        CPU_DEVICE_RESOURCE,
+        LAUNCHER_DEVICE_SHARE,
+        PoolSpec,
+        ResourcePool,
+        scheduling,
+    )
 
     pool = ResourcePool(PoolSpec("rollout", 2, 1), CPU_DEVICE_RESOURCE)  # one placement group per node
-    specs = [[EngineNodeSpec(backend="embedded", model_path=str(tiny_model_path), engine=0, node_rank=k, nnodes=2,
-                             tp=2, log_path=str(tmp_path / f"node{k}.log")) for k in range(2)]]
-    fleet = RolloutFleet(specs, api_key="k", placement=lambda e, k: {
-        "scheduling_strategy": scheduling(pool, pool.spec.slot(k)), "resources": {pool.resource: LAUNCHER_DEVICE_SHARE}})
+    specs = [
+        [
+            EngineNodeSpec(
+                backend="embedded",
+                model_path=str(tiny_model_path),
+                engine=0,
+                node_rank=k,
+                nnodes=2,
+                tp=2,
+                log_path=str(tmp_path / f"node{k}.log"),
+            )
+            for k in range(2)
+        ]
+    ]
+    fleet = RolloutFleet(
+        specs,
+        api_key="k",
+        placement=lambda e, k: {
+            "scheduling_strategy": scheduling(pool, pool.spec.slot(k)),
+            "resources": {pool.resource: LAUNCHER_DEVICE_SHARE},
+        },
+    )
     with contextlib.ExitStack() as stack:
         stack.callback(pool.remove)
         stack.callback(fleet.close)

@@ -19,8 +19,7 @@ def _spec(model_path, distributed_optimizer=True, train=True):
     from megarl.engine.megatron.engine import EngineSpec
 
     optim = OptimConfig(lr=1e-3, adam_eps=1e-2, use_distributed_optimizer=distributed_optimizer)
-    return EngineSpec(model_path=str(model_path), micro_batch_size=2, seed=1,
-                      optim=optim if train else None)
+    return EngineSpec(model_path=str(model_path), micro_batch_size=2, seed=1, optim=optim if train else None)
 
 
 def _loss_fn(logp, ent, mb):
@@ -33,8 +32,13 @@ def _loss_fn(logp, ent, mb):
 
 def _adam_moments(optimizer):
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [v for o in inner for state in o.optimizer.state.values()
-            for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
+    return [
+        v
+        for o in inner
+        for state in o.optimizer.state.values()
+        for k, v in state.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    ]
 
 
 def _snapshot(engine):
@@ -61,8 +65,14 @@ def _round_trip(engine) -> dict:
     after = _snapshot(engine)
     equal = all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
     counts = [len(x) for x in before]
-    return {"released": released, "moved": moved, "parts": parts, "equal": equal, "counts": counts,
-            "after_onload": engine.offloaded()}
+    return {
+        "released": released,
+        "moved": moved,
+        "parts": parts,
+        "equal": equal,
+        "counts": counts,
+        "after_onload": engine.offloaded(),
+    }
 
 
 def _engines_on_rank(rank, model_path):
@@ -142,8 +152,7 @@ def test_reference_weights_leave_and_return(engine_results):
 
 
 def test_offload_round_trip_time_is_reported(engine_results):
-    print(f"\noffload+onload of the tiny actor (params, grads, Adam): "
-          f"{engine_results['round_trip_s'] * 1e3:.2f} ms")
+    print(f"\noffload+onload of the tiny actor (params, grads, Adam): {engine_results['round_trip_s'] * 1e3:.2f} ms")
     assert 0 < engine_results["round_trip_s"] < 5
 
 
@@ -155,10 +164,17 @@ def _actor_worker_on_rank(rank, model_path, port):
     from megarl.engine.megatron.actor import ActorLossSpec, MegatronActor
 
     dist.destroy_process_group()  # the worker joins its own group, as under Ray
-    actor = MegatronActor(_spec(model_path), ActorLossSpec(), with_ref=True,
-                          offload=OffloadConfig(params=True, grads=True, optimizer=True),
-                          ref_offload=True, rank=0, world_size=1, master_addr="127.0.0.1",
-                          master_port=port)
+    actor = MegatronActor(
+        _spec(model_path),
+        ActorLossSpec(),
+        with_ref=True,
+        offload=OffloadConfig(params=True, grads=True, optimizer=True),
+        ref_offload=True,
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     actor.init_distributed()
     states = {}
 
@@ -176,18 +192,16 @@ def _actor_worker_on_rank(rank, model_path, port):
     with actor.actor_offload.forward():  # what sync_weights runs in (no rollout server here)
         pass
     record("sync")
-    return {"states": states, "old": old["old_log_probs"], "ref": ref["ref_log_probs"],
-            "metrics": metrics}
+    return {"states": states, "old": old["old_log_probs"], "ref": ref["ref_log_probs"], "metrics": metrics}
 
 
-def test_actor_worker_offloads_between_steps_and_the_reference_between_calls(
-        engine_results, tiny_model_path):
+def test_actor_worker_offloads_between_steps_and_the_reference_between_calls(engine_results, tiny_model_path):
     r = run_ranks(_actor_worker_on_rank, 1, tiny_model_path, free_port())[0]
     everything = {"params", "grads", "optimizer"}
     s = r["states"]
     assert s["init"] == ({"params", "grads"}, {"params"})  # no Adam moments before a step
-    assert s["log_prob"] == ({"grads"}, {"params"})        # parameters back for the forward
-    assert s["ref"] == ({"grads"}, {"params"})             # the reference left again
+    assert s["log_prob"] == ({"grads"}, {"params"})  # parameters back for the forward
+    assert s["ref"] == ({"grads"}, {"params"})  # the reference left again
     assert s["update"] == ({"grads", "optimizer"}, {"params"})  # parameters stay for the sync
     assert s["sync"] == (everything, {"params"})
     # both engines computed on weights that went to the host and back: equal to a fresh engine
@@ -197,5 +211,7 @@ def test_actor_worker_offloads_between_steps_and_the_reference_between_calls(
     assert m["actor/grad_norm"] > 0
     assert m["perf/actor_offload_s"] > 0 and m["perf/actor_onload_s"] > 0
     assert m["perf/ref_offload_s"] > 0 and m["perf/ref_onload_s"] > 0
-    print("\nmoving time in one step: " + ", ".join(
-        f"{k}={v * 1e3:.2f} ms" for k, v in sorted(m.items()) if k.endswith("load_s")))
+    print(
+        "\nmoving time in one step: "
+        + ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in sorted(m.items()) if k.endswith("load_s"))
+    )

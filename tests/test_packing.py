@@ -109,11 +109,10 @@ def test_cpu_core_attention_thd_equals_each_sequence_alone():
     q, k = torch.randn(13, 4, 8), torch.randn(13, 2, 8)
     v = torch.randn(13, 2, 12)  # MLA-like: V wider than Q/K
     cu_t = torch.tensor(cu, dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
-                             max_seqlen_q=7, max_seqlen_kv=7)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=7, max_seqlen_kv=7)
     out = attn(q, k, v, None, packed_seq_params=params)
     assert out.shape == (13, 4 * 12)
-    torch.testing.assert_close(out.double(), _reference_attention(q, k, v, cu, 8 ** -0.5), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.double(), _reference_attention(q, k, v, cu, 8**-0.5), atol=1e-6, rtol=0)
 
 
 def test_cpu_core_attention_thd_batches_length_groups_exactly_forward_and_backward():
@@ -134,13 +133,12 @@ def test_cpu_core_attention_thd_batches_length_groups_exactly_forward_and_backwa
     torch.manual_seed(1)
     q, k, v = (torch.randn(cu[-1], h, 8, requires_grad=True) for h in (4, 2, 2))
     cu_t = torch.tensor(cu, dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
-                             max_seqlen_q=60, max_seqlen_kv=60)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=60, max_seqlen_kv=60)
     out = attn(q, k, v, None, packed_seq_params=params)
     grad_out = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad_out)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    ref = _reference_attention(q64, k64, v64, cu, 8 ** -0.5)
+    ref = _reference_attention(q64, k64, v64, cu, 8**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=0)
     want = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
     for g, w in zip(got, want):

@@ -37,14 +37,20 @@ def test_colocated_engines_share_the_actor_pool_devices():
 def test_disaggregated_tp2_engine_gets_its_own_pool():
     p = plan("cluster.placement=disaggregated", "rollout.tp=2")
     assert set(p.pools) == {"actor", "rollout"} and not p.colocated
-    (node,), = p.engines
+    ((node,),) = p.engines
     assert node.node_rank == 0 and [s.pool for s in node.slots] == ["rollout", "rollout"]
     assert [s.device for s in node.slots] == [0, 1]
 
 
 def test_multi_node_engines_take_consecutive_devices_one_node_each():
-    p = plan("cluster.placement=disaggregated", "rollout.tp=2", "rollout.nnodes=2", "rollout.num_servers=2",
-             "cluster.devices_per_node=2", "cluster.num_actor_ranks=2")
+    p = plan(
+        "cluster.placement=disaggregated",
+        "rollout.tp=2",
+        "rollout.nnodes=2",
+        "rollout.num_servers=2",
+        "cluster.devices_per_node=2",
+        "cluster.num_actor_ranks=2",
+    )
     assert p.pools["rollout"].node_sizes == [2, 2]
     layout = [[(n.node_rank, [(s.node, s.bundle) for s in n.slots]) for n in e] for e in p.engines]
     # engine 0: node rank 0 on device 0, node rank 1 on device 1; engine 1 on the second node

@@ -19,8 +19,11 @@ from tests._dist import run_ranks
 from tests.test_megatron_engine import make_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = {"ep2-distopt": dict(ep=2, dist=True), "pp2-plain": dict(pp=2, dist=False),
-           "tp2-distopt": dict(tp=2, dist=True)}
+LAYOUTS = {
+    "ep2-distopt": dict(ep=2, dist=True),
+    "pp2-plain": dict(pp=2, dist=False),
+    "tp2-distopt": dict(tp=2, dist=True),
+}
 
 
 def _measure_on_rank(rank, model_path):
@@ -36,12 +39,23 @@ def _measure_on_rank(rank, model_path):
     for name, layout in LAYOUTS.items():
         from megatron.core import parallel_state as ps
 
-        p = ParallelConfig(tp=layout.get("tp", 1), pp=layout.get("pp", 1), ep=layout.get("ep", 1),
-                           sequence_parallel=layout.get("tp", 1) > 1)
+        p = ParallelConfig(
+            tp=layout.get("tp", 1),
+            pp=layout.get("pp", 1),
+            ep=layout.get("ep", 1),
+            sequence_parallel=layout.get("tp", 1) > 1,
+        )
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        engine = MegatronEngine(EngineSpec(model_path=str(model_path), parallel=p, micro_batch_size=2, seed=1,
-                                           optim=OptimConfig(lr=1e-3, use_distributed_optimizer=layout["dist"])))
+        engine = MegatronEngine(
+            EngineSpec(
+                model_path=str(model_path),
+                parallel=p,
+                micro_batch_size=2,
+                seed=1,
+                optim=OptimConfig(lr=1e-3, use_distributed_optimizer=layout["dist"]),
+            )
+        )
         engine.initialize()
         engine.train_mini_batch(make_rows(), _loss_fn)
         groups = offload_groups(engine.model, engine.optimizer)
@@ -73,7 +87,7 @@ def test_predicted_static_memory_matches_what_megatron_allocates(measured, tiny_
 
     hf = json.loads((Path(tiny_model_path) / "config.json").read_text())
     cfg = _cfg(LAYOUTS[name])
-    device = cpu_device(2, host_memory=8 * 2 ** 30, peak=1e9)
+    device = cpu_device(2, host_memory=8 * 2**30, peak=1e9)
     worst = max((r[name] for r in measured), key=lambda m: m["params"])
     predicted = train_memory(cfg, hf, device)
     assert predicted.params == pytest.approx(worst["params"], rel=0.02)
@@ -134,15 +148,20 @@ def test_plan_prints_the_breakdown_of_each_scale_config(name, capsys, monkeypatc
     assert "DOES NOT FIT" not in out.out
 
 
-@pytest.mark.parametrize("overrides,says", [
-    (["actor.optim.use_distributed_optimizer=false"], "set actor.optim.use_distributed_optimizer=true"),
-    (["actor.recompute=none"], "set actor.recompute=full"),
-    (["actor.offload.optimizer=false"], "set actor.offload.optimizer=true"),
-    (["actor.offload.optimizer=false", "actor.offload.grads=false", "actor.offload.params=false"],
-     "no single change fits: start with actor.offload.optimizer"),
-    # 8 GPUs: the experts' Adam state alone is 43 GB per GPU at the most sharding there is
-    (["cluster.num_actor_ranks=8", "rollout.num_servers=4"], "more devices (cluster.num_actor_ranks)"),
-])
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["actor.optim.use_distributed_optimizer=false"], "set actor.optim.use_distributed_optimizer=true"),
+        (["actor.recompute=none"], "set actor.recompute=full"),
+        (["actor.offload.optimizer=false"], "set actor.offload.optimizer=true"),
+        (
+            ["actor.offload.optimizer=false", "actor.offload.grads=false", "actor.offload.params=false"],
+            "no single change fits: start with actor.offload.optimizer",
+        ),
+        # 8 GPUs: the experts' Adam state alone is 43 GB per GPU at the most sharding there is
+        (["cluster.num_actor_ranks=8", "rollout.num_servers=4"], "more devices (cluster.num_actor_ranks)"),
+    ],
+)
 def test_an_overfull_layout_is_refused_with_the_knob_to_change(overrides, says, capsys, monkeypatch):
     from megarl.cli import main
 
@@ -166,9 +185,17 @@ def test_train_refuses_before_starting_anything(capsys, tmp_path, monkeypatch):
     (model / "config.json").write_text((ROOT / "configs/models/qwen3-30b-a3b/config.json").read_text())
     (model / "model.safetensors").write_bytes(b"")
     monkeypatch.chdir(ROOT)
-    rc = main(["train", "configs/qwen3-30b-a3b.yaml", f"model.path={model}", "rollout.backend=embedded",
-               "cluster.device_type=H100", "actor.optim.use_distributed_optimizer=false",
-               f"trainer.output_dir={tmp_path / 'out'}"])
+    rc = main(
+        [
+            "train",
+            "configs/qwen3-30b-a3b.yaml",
+            f"model.path={model}",
+            "rollout.backend=embedded",
+            "cluster.device_type=H100",
+            "actor.optim.use_distributed_optimizer=false",
+            f"trainer.output_dir={tmp_path / 'out'}",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert "does not fit in memory" in err[0] and "actor.optim.use_distributed_optimizer=true" in err[0]

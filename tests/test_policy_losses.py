@@ -11,8 +11,14 @@ import typing
 import pytest
 import torch
 
-from megarl.algo import (POLICY_LOSSES, PolicyLossConfig, get_policy_loss, mismatch_metrics,
-                         register_policy_loss, rollout_is_weights)
+from megarl.algo import (
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    get_policy_loss,
+    mismatch_metrics,
+    register_policy_loss,
+    rollout_is_weights,
+)
 from megarl.algo.losses import cispo_policy_loss, gspo_policy_loss, vanilla_policy_loss
 from megarl.config import ConfigError, load_config, validate
 from megarl.config.schema import ActorConfig
@@ -94,13 +100,13 @@ def test_contract_weights_scale_each_token_and_carry_no_gradient(name):
 # ------------------------------------------------------------------ vanilla (+ clip-higher, dual-clip)
 # (A, r) with clip 0.2 / 0.28 and clip_ratio_c 3; per-token loss and d loss / d logp (= dL/dr * r):
 VANILLA_POINTS = [
-    (1.0, 1.1, -1.1, -1.1),    # inside the range: -A r, gradient -A r
-    (1.0, 1.5, -1.28, 0.0),    # A > 0, r > 1.28: clipped at 1 + high, no gradient
-    (1.0, 0.5, -0.5, -0.5),    # A > 0, r < 0.8: max(-0.5, -0.8) keeps the unclipped branch
-    (-1.0, 0.5, 0.8, 0.0),     # A < 0, r < 0.8: clipped at 1 - low, no gradient
-    (-1.0, 2.0, 2.0, 2.0),     # A < 0, 1.28 < r < c: unclipped, gradient -A r
-    (-1.0, 5.0, 3.0, 0.0),     # A < 0, r > c = 3: the dual-clip bound -A c, no gradient
-    (-2.0, 1.0, 2.0, 2.0),     # on-policy
+    (1.0, 1.1, -1.1, -1.1),  # inside the range: -A r, gradient -A r
+    (1.0, 1.5, -1.28, 0.0),  # A > 0, r > 1.28: clipped at 1 + high, no gradient
+    (1.0, 0.5, -0.5, -0.5),  # A > 0, r < 0.8: max(-0.5, -0.8) keeps the unclipped branch
+    (-1.0, 0.5, 0.8, 0.0),  # A < 0, r < 0.8: clipped at 1 - low, no gradient
+    (-1.0, 2.0, 2.0, 2.0),  # A < 0, 1.28 < r < c: unclipped, gradient -A r
+    (-1.0, 5.0, 3.0, 0.0),  # A < 0, r > c = 3: the dual-clip bound -A c, no gradient
+    (-2.0, 1.0, 2.0, 2.0),  # on-policy
 ]
 
 
@@ -146,8 +152,7 @@ def test_vanilla_gradcheck(mode, dual):
     w = torch.rand(3, 5, generator=g, dtype=F64) + 0.5
     cfg = PolicyLossConfig(0.2, 0.28, dual)
     assert torch.autograd.gradcheck(lambda x: vanilla_policy_loss(x, old, adv, mask, cfg, mode)[0], (lp,))
-    assert torch.autograd.gradcheck(
-        lambda x: vanilla_policy_loss(x, old, adv, mask, cfg, mode, weights=w)[0], (lp,))
+    assert torch.autograd.gradcheck(lambda x: vanilla_policy_loss(x, old, adv, mask, cfg, mode, weights=w)[0], (lp,))
 
 
 # ------------------------------------------------------------------ gspo
@@ -180,8 +185,9 @@ def test_gspo_gradient_equals_the_sequence_level_objective(mode):
     x2 = lp.clone().requires_grad_(True)
     _gspo_sequence_level(x2, old, adv[:, 0], mask, 3e-4, 4e-4, mode).backward()
     torch.testing.assert_close(x1.grad, x2.grad * mask, rtol=1e-10, atol=1e-14)
-    assert torch.autograd.gradcheck(lambda x: gspo_policy_loss(x, old, adv, mask, cfg, mode)[0],
-                                    (lp.clone().requires_grad_(True),))
+    assert torch.autograd.gradcheck(
+        lambda x: gspo_policy_loss(x, old, adv, mask, cfg, mode)[0], (lp.clone().requires_grad_(True),)
+    )
 
 
 def test_gspo_hand_derived():
@@ -207,8 +213,13 @@ def test_gspo_hand_derived():
 
 # ------------------------------------------------------------------ cispo
 # (A, r) -> gradient -A * clip(r, 1 - low, 1 + high), here with low = 1 (no lower bound) or 0.2
-CISPO_POINTS = [(1.0, 1.5, 1.28, 1.28), (1.0, 0.5, 0.5, 0.8), (-1.0, 2.0, 1.28, 1.28),
-                (-1.0, 0.9, 0.9, 0.9), (2.0, 1.0, 1.0, 1.0)]
+CISPO_POINTS = [
+    (1.0, 1.5, 1.28, 1.28),
+    (1.0, 0.5, 0.5, 0.8),
+    (-1.0, 2.0, 1.28, 1.28),
+    (-1.0, 0.9, 0.9, 0.9),
+    (2.0, 1.0, 1.0, 1.0),
+]
 
 
 @pytest.mark.parametrize("low, column", [(1.0, 2), (0.2, 3)])
@@ -234,8 +245,9 @@ def test_cispo_gradcheck_with_the_weight_frozen(mode):
     adv = torch.randn(adv.shape, dtype=F64, generator=torch.Generator().manual_seed(7))  # per token
     x0 = lp.clone()
     cfg = PolicyLossConfig(cispo_clip_ratio_low=0.2)
-    assert torch.autograd.gradcheck(lambda x: cispo_policy_loss(x, old0 + (x - x0), adv, mask, cfg, mode)[0],
-                                    (lp.clone().requires_grad_(True),))
+    assert torch.autograd.gradcheck(
+        lambda x: cispo_policy_loss(x, old0 + (x - x0), adv, mask, cfg, mode)[0], (lp.clone().requires_grad_(True),)
+    )
 
 
 # ------------------------------------------------------------------ rollout IS
@@ -275,11 +287,11 @@ def test_actor_loss_applies_rollout_is_and_always_logs_the_mismatch():
 
     lp, old, adv, mask = (t.float() for t in _inputs(8))
     rollout = old - 0.3 * torch.rand(old.shape, generator=torch.Generator().manual_seed(9))
-    mb = Batch({"response_mask": mask, "old_log_probs": old, "advantages": adv,
-                "rollout_log_probs": rollout})
+    mb = Batch({"response_mask": mask, "old_log_probs": old, "advantages": adv, "rollout_log_probs": rollout})
     entropy = torch.zeros_like(lp)
-    plain_loss, _, plain = actor_loss(ActorLossSpec(), lp, entropy, mb.select(
-        "response_mask", "old_log_probs", "advantages"))
+    plain_loss, _, plain = actor_loss(
+        ActorLossSpec(), lp, entropy, mb.select("response_mask", "old_log_probs", "advantages")
+    )
     off_loss, _, off = actor_loss(ActorLossSpec(), lp, entropy, mb)
     assert torch.equal(plain_loss, off_loss) and "rollout/mismatch_kl" not in plain
     assert off["rollout/mismatch_kl"] == pytest.approx(float(((rollout - old) * mask).sum() / mask.sum()), rel=1e-5)
@@ -295,14 +307,17 @@ def test_actor_loss_applies_rollout_is_and_always_logs_the_mismatch():
 TINY = dict(TINY_QWEN3_MOE)
 
 
-@pytest.mark.parametrize("overrides, key, message", [
-    (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c", "must be > 1"),
-    (["actor.gspo_clip_ratio_low=1.5"], "actor.gspo_clip_ratio_low", "in [0, 1]"),
-    (["actor.cispo_clip_ratio_high=-0.1"], "actor.cispo_clip_ratio_high", ">= 0"),
-    (["actor.rollout_is.threshold=0"], "actor.rollout_is.threshold", "must be > 0"),
-    (["actor.policy_loss=ppo"], "actor.policy_loss", "must be one of"),
-    (["actor.rollout_is.level=row"], "actor.rollout_is.level", "not a valid"),
-])
+@pytest.mark.parametrize(
+    "overrides, key, message",
+    [
+        (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c", "must be > 1"),
+        (["actor.gspo_clip_ratio_low=1.5"], "actor.gspo_clip_ratio_low", "in [0, 1]"),
+        (["actor.cispo_clip_ratio_high=-0.1"], "actor.cispo_clip_ratio_high", ">= 0"),
+        (["actor.rollout_is.threshold=0"], "actor.rollout_is.threshold", "must be > 0"),
+        (["actor.policy_loss=ppo"], "actor.policy_loss", "must be one of"),
+        (["actor.rollout_is.level=row"], "actor.rollout_is.level", "not a valid"),
+    ],
+)
 def test_loss_options_are_validated(overrides, key, message):
     with pytest.raises(ConfigError) as err:
         validate(load_config(None, overrides), TINY)
@@ -312,9 +327,19 @@ def test_loss_options_are_validated(overrides, key, message):
 def test_loss_options_reach_the_actor_spec():
     from megarl.trainer.runtime import loss_spec
 
-    cfg = validate(load_config(None, ["actor.policy_loss=gspo", "actor.clip_ratio_c=3",
-                                      "actor.gspo_clip_ratio_high=5e-4", "actor.rollout_is.level=sequence",
-                                      "actor.rollout_is.threshold=4"]), TINY)
+    cfg = validate(
+        load_config(
+            None,
+            [
+                "actor.policy_loss=gspo",
+                "actor.clip_ratio_c=3",
+                "actor.gspo_clip_ratio_high=5e-4",
+                "actor.rollout_is.level=sequence",
+                "actor.rollout_is.threshold=4",
+            ],
+        ),
+        TINY,
+    )
     spec = loss_spec(cfg)
     assert spec.policy_loss == "gspo" and spec.policy.clip_ratio_c == 3.0
     assert spec.policy.gspo_clip_ratio_high == 5e-4 and spec.policy.cispo_clip_ratio_low == 1.0

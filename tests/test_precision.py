@@ -13,8 +13,8 @@ from tests._dist import run_ranks
 
 
 def test_bad_precision_is_refused_naming_the_option():
-    from megarl.config.loader import ConfigError
     from megarl.config import load_config
+    from megarl.config.loader import ConfigError
     from megarl.engine.megatron.model import precision_dtype
 
     with pytest.raises(ValueError, match=r"actor.precision='fp16'.*\['bf16', 'fp32'\]"):
@@ -38,20 +38,29 @@ def _bf16_and_fp32_on_rank(rank, model_path):
     out = {}
     rows = make_rows()
     for precision in ("fp32", "bf16"):
-        engine = MegatronEngine(EngineSpec(
-            model_path=str(model_path), parallel=ParallelConfig(sequence_parallel=False), precision=precision,
-            optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0), micro_batch_size=2, seed=1))
+        engine = MegatronEngine(
+            EngineSpec(
+                model_path=str(model_path),
+                parallel=ParallelConfig(sequence_parallel=False),
+                precision=precision,
+                optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0),
+                micro_batch_size=2,
+                seed=1,
+            )
+        )
         engine.initialize()
         before = engine.compute_log_prob(rows)["log_probs"]
         w0 = {k: v.clone() for k, v in engine.export_weights()}
         grad_norm = engine.train_mini_batch(rows, loss_fn)["actor/grad_norm"]
         w1 = dict(engine.export_weights())
         out[precision] = dict(
-            log_probs=before, grad_norm=grad_norm,
+            log_probs=before,
+            grad_norm=grad_norm,
             param_dtypes={str(p.dtype) for c in engine.model for p in c.parameters()},
             export_dtypes={str(t.dtype) for t in w1.values()},
             moved=max(float((w1[k].float() - w0[k].float()).abs().max()) for k in w0),
-            main_param_dtypes={str(p.dtype) for g in engine.optimizer.param_groups for p in g["params"]})
+            main_param_dtypes={str(p.dtype) for g in engine.optimizer.param_groups for p in g["params"]},
+        )
     return out
 
 

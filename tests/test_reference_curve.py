@@ -24,9 +24,18 @@ def test_quickstart_reproduces_the_reference_curve(tmp_path, capsys):
     from megarl.trainer.run import train
 
     # validation off: it draws from the server's sampler, and the reference validates at step 50 only
-    cfg = validate(load_config(ROOT / "configs/quickstart.yaml", [
-        f"trainer.output_dir={tmp_path}", f"trainer.total_steps={STEPS}", "trainer.val_every=0",
-        "trainer.tensorboard=false", f"trainer.save_every={STEPS}"]))
+    cfg = validate(
+        load_config(
+            ROOT / "configs/quickstart.yaml",
+            [
+                f"trainer.output_dir={tmp_path}",
+                f"trainer.total_steps={STEPS}",
+                "trainer.val_every=0",
+                "trainer.tensorboard=false",
+                f"trainer.save_every={STEPS}",
+            ],
+        )
+    )
     train(cfg, stream=io.StringIO())
     code = compare_curve.main([str(tmp_path / "quickstart" / "metrics.jsonl")])
     report = capsys.readouterr().out

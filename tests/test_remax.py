@@ -13,12 +13,19 @@ def sampled_rows():
     # prompts p, q, r with 2 samples each, interleaved (as after balancing), r appearing in two
     # dynamic-sampling rounds (same uid twice over): each prompt must be generated once
     uids = ["q", "p", "r", "q", "p", "r"]
-    return Batch(tensors={"scores": torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0]),
-                          "response_mask": torch.ones(6, 2)},
-                 non_tensors={"uid": uids, "raw_prompt_ids": [[ord(u)] for u in uids],
-                              "data_source": ["digits"] * 6, "ground_truth": [u.upper() for u in uids],
-                              "extra_info": [{"u": u} for u in uids], "response_text": ["x"] * 6,
-                              "finish_reason": ["stop"] * 6, "rollout_weight_version": ["3"] * 6})
+    return Batch(
+        tensors={"scores": torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0]), "response_mask": torch.ones(6, 2)},
+        non_tensors={
+            "uid": uids,
+            "raw_prompt_ids": [[ord(u)] for u in uids],
+            "data_source": ["digits"] * 6,
+            "ground_truth": [u.upper() for u in uids],
+            "extra_info": [{"u": u} for u in uids],
+            "response_text": ["x"] * 6,
+            "finish_reason": ["stop"] * 6,
+            "rollout_weight_version": ["3"] * 6,
+        },
+    )
 
 
 def test_prompt_rows_keeps_each_uid_once_and_only_the_prompt_columns():

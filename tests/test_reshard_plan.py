@@ -18,8 +18,7 @@ import random
 import pytest
 import torch
 
-from megarl.bridge.plan import (ALIGN, SourcePiece, TensorSource, box_numel, dest_boxes, itemsize,
-                                plan_reshard)
+from megarl.bridge.plan import ALIGN, SourcePiece, TensorSource, box_numel, dest_boxes, itemsize, plan_reshard
 
 MiB = 1 << 20
 
@@ -41,8 +40,9 @@ def sharded(name, shape, dim, ranks, dtype="float32", replicas=1):
     if dim is None:
         return TensorSource(name, shape, dtype, tuple(SourcePiece(r, whole(shape)) for r in ranks))
     blocks = len(ranks) // replicas
-    return TensorSource(name, shape, dtype, tuple(SourcePiece(r, split(shape, dim, blocks, i % blocks))
-                                                   for i, r in enumerate(ranks)))
+    return TensorSource(
+        name, shape, dtype, tuple(SourcePiece(r, split(shape, dim, blocks, i % blocks)) for i, r in enumerate(ranks))
+    )
 
 
 def engine_layout(tensors: dict, tp: int) -> dict:
@@ -53,9 +53,12 @@ def engine_layout(tensors: dict, tp: int) -> dict:
         for name, (shape, dim) in tensors.items():
             dim = dim if tp > 1 else None
             box = whole(shape) if dim is None else split(shape, dim, tp, rank)
-            params[name] = {"global_shape": list(shape), "dim": dim,
-                            "range": None if dim is None else list(box[dim]),
-                            "local_shape": [b - a for a, b in box]}
+            params[name] = {
+                "global_shape": list(shape),
+                "dim": dim,
+                "range": None if dim is None else list(box[dim]),
+                "local_shape": [b - a for a, b in box],
+            }
         ranks.append({"rank": rank, "node_rank": 0, "params": params})
     return {"tp_size": tp, "nnodes": 1, "ranks": ranks}
 
@@ -79,13 +82,14 @@ def execute(plan, sources, layouts):
         for entry in message.entries:
             part = local[(message.src_rank, entry.name)][slices(entry.src_box_local)].contiguous()
             assert part.numel() * part.element_size() == entry.nbytes
-            buf[entry.offset:entry.offset + entry.nbytes] = part.reshape(-1).view(torch.uint8)
+            buf[entry.offset : entry.offset + entry.nbytes] = part.reshape(-1).view(torch.uint8)
         wire[(message.src_rank, message.engine, message.dst_rank, message.tag)] = buf
     for e, layout in enumerate(layouts):  # the receivers: only what the engine request says
         request = json.loads(json.dumps(plan.request_for(e)))
         for rank, (boxes, messages) in enumerate(zip(dest_boxes(layout), request, strict=True)):
-            shards = {name: torch.zeros([b - a for a, b in box], dtype=fulls[name].dtype)
-                      for name, box in boxes.items()}
+            shards = {
+                name: torch.zeros([b - a for a, b in box], dtype=fulls[name].dtype) for name, box in boxes.items()
+            }
             writes = {name: torch.zeros(shard.shape, dtype=torch.int32) for name, shard in shards.items()}
             for message in messages:
                 buf = wire.pop((message["src"], e, rank, message["tag"]))
@@ -93,7 +97,7 @@ def execute(plan, sources, layouts):
                 for entry in message["entries"]:
                     dtype, shape = getattr(torch, entry["dtype"]), [b - a for a, b in entry["box"]]
                     n = math.prod(shape) * itemsize(entry["dtype"])
-                    view = buf[entry["offset"]:entry["offset"] + n].view(dtype).reshape(shape)
+                    view = buf[entry["offset"] : entry["offset"] + n].view(dtype).reshape(shape)
                     shards[entry["name"]][slices(entry["box"])] = view
                     writes[entry["name"]][slices(entry["box"])] += 1
             for name, box in boxes.items():
@@ -134,7 +138,8 @@ def test_colwise_tp2_source_to_one_rank_and_to_four_ranks():
     plan = plan_reshard([source], [engine_layout({"w": ((8, 4), 0)}, 1)], MiB)
     assert transfers_of(plan) == [
         ("w", 0, 0, 0, ((0, 4), (0, 4)), ((0, 4), (0, 4)), ((0, 4), (0, 4))),
-        ("w", 1, 0, 0, ((4, 8), (0, 4)), ((0, 4), (0, 4)), ((4, 8), (0, 4)))]
+        ("w", 1, 0, 0, ((4, 8), (0, 4)), ((0, 4), (0, 4)), ((4, 8), (0, 4))),
+    ]
     assert plan.bytes_received(0, 0) == plan.total_bytes == 8 * 4 * 4
     assert plan.bytes_sent(0) == plan.bytes_sent(1) == 64
     [from0], [from1] = plan.sends_of(0), plan.sends_of(1)
@@ -144,7 +149,8 @@ def test_colwise_tp2_source_to_one_rank_and_to_four_ranks():
     plan = plan_reshard([source], [engine_layout({"w": ((8, 4), 0)}, 4)], MiB)
     assert transfers_of(plan) == [
         ("w", d // 2, 0, d, ((2 * d, 2 * d + 2), (0, 4)), ((2 * d % 4, 2 * d % 4 + 2), (0, 4)), ((0, 2), (0, 4)))
-        for d in range(4)]
+        for d in range(4)
+    ]
     assert [plan.bytes_received(0, d) for d in range(4)] == [32] * 4
     execute(plan, [source], [engine_layout({"w": ((8, 4), 0)}, 4)])
 
@@ -157,7 +163,8 @@ def test_rowwise_source_to_colwise_dest():
         ("o", 0, 0, 0, ((0, 2), (0, 4)), ((0, 2), (0, 4)), ((0, 2), (0, 4))),
         ("o", 1, 0, 0, ((0, 2), (4, 8)), ((0, 2), (0, 4)), ((0, 2), (4, 8))),
         ("o", 0, 0, 1, ((2, 4), (0, 4)), ((2, 4), (0, 4)), ((0, 2), (0, 4))),
-        ("o", 1, 0, 1, ((2, 4), (4, 8)), ((2, 4), (0, 4)), ((0, 2), (4, 8)))]
+        ("o", 1, 0, 1, ((2, 4), (4, 8)), ((2, 4), (0, 4)), ((0, 2), (4, 8))),
+    ]
     assert plan.bytes_received(0, 0) == plan.bytes_received(0, 1) == 2 * 8 * 4
     execute(plan, [source], [layout])
 
@@ -180,12 +187,15 @@ def test_experts_owned_whole_by_different_ranks():
     layout = engine_layout({s.name: ((4, 6), 0) for s in experts}, 2)
     plan = plan_reshard(experts, [layout], MiB)
     assert [(t.name, t.src_rank, t.dst_rank, t.src_local) for t in plan.transfers] == [
-        (f"experts.{e}.w", e // 2, d, ((2 * d, 2 * d + 2), (0, 6))) for e in range(4) for d in range(2)]
+        (f"experts.{e}.w", e // 2, d, ((2 * d, 2 * d + 2), (0, 6))) for e in range(4) for d in range(2)
+    ]
     assert plan.bytes_sent(0) == plan.bytes_sent(1) == 2 * 4 * 6 * 4
     # one message per (sender, receiver), both of the sender's experts in it, 16-aligned
     for src in (0, 1):
         assert [(m.dst_rank, [x.offset for x in m.entries], m.nbytes) for m in plan.sends_of(src)] == [
-            (src, [0, 48], 96), (1 - src, [0, 48], 96)]  # each sender starts at its own receiver
+            (src, [0, 48], 96),
+            (1 - src, [0, 48], 96),
+        ]  # each sender starts at its own receiver
     execute(plan, experts, [layout])
 
 
@@ -195,29 +205,36 @@ def test_tied_names_are_delivered_under_each_name_and_json_boxes_are_accepted():
     layout = engine_layout({"embed.weight": ((8, 4), 0), "lm_head.weight": ((8, 4), 0)}, 2)
     plan = plan_reshard(sources, [layout], MiB)
     assert [(t.name, t.src_rank, t.dst_rank) for t in plan.transfers] == [
-        ("embed.weight", 0, 0), ("embed.weight", 1, 1), ("lm_head.weight", 0, 0), ("lm_head.weight", 1, 1)]
+        ("embed.weight", 0, 0),
+        ("embed.weight", 1, 1),
+        ("lm_head.weight", 0, 0),
+        ("lm_head.weight", 1, 1),
+    ]
     execute(plan, sources, [layout])
 
 
 def test_buckets_bound_pack_align_and_split_big_boxes_along_dim0():
     small = [sharded(f"s{i}", (10,), None, [0]) for i in range(3)]  # 40 bytes each
     plan = plan_reshard(small, [engine_layout({s.name: ((10,), None) for s in small}, 1)], 100)
-    assert [([x.offset for x in m.entries], m.nbytes, m.tag) for m in plan.messages] == [
-        ([0, 48], 88, 0), ([0], 40, 1)]
+    assert [([x.offset for x in m.entries], m.nbytes, m.tag) for m in plan.messages] == [([0, 48], 88, 0), ([0], 40, 1)]
 
     big = [sharded("big", (10, 4), None, [0]), sharded("after", (2,), None, [0])]  # 160 + 8 bytes
     layouts = [engine_layout({"big": ((10, 4), None), "after": ((2,), None)}, 1)]
     plan = plan_reshard(big, layouts, 64)  # 4 rows of 16 bytes per bucket
     assert [[(x.name, x.dst_box_local, x.offset) for x in m.entries] for m in plan.messages] == [
-        [("big", ((0, 4), (0, 4)), 0)], [("big", ((4, 8), (0, 4)), 0)],
-        [("big", ((8, 10), (0, 4)), 0), ("after", ((0, 2),), 32)]]
+        [("big", ((0, 4), (0, 4)), 0)],
+        [("big", ((4, 8), (0, 4)), 0)],
+        [("big", ((8, 10), (0, 4)), 0), ("after", ((0, 2),), 32)],
+    ]
     assert len(plan.transfers) == 2  # split for the wire only
     execute(plan, big, layouts)
 
     wide = [sharded("wide", (2, 100), None, [0])]  # one row is 400 bytes: travels alone
     plan = plan_reshard(wide, [engine_layout({"wide": ((2, 100), None)}, 1)], 64)
     assert [(m.entries[0].dst_box_local, m.nbytes) for m in plan.messages] == [
-        (((0, 1), (0, 100)), 400), (((1, 2), (0, 100)), 400)]
+        (((0, 1), (0, 100)), 400),
+        (((1, 2), (0, 100)), 400),
+    ]
 
 
 def test_request_for_is_json_and_matches_receives_of():
@@ -228,21 +245,36 @@ def test_request_for_is_json_and_matches_receives_of():
     assert json.loads(json.dumps(request)) == request
     assert len(request) == 4
     for rank, messages in enumerate(request):
-        assert messages == [{"src": m.src_rank, "tag": m.tag, "nbytes": m.nbytes,
-                             "entries": [{"name": x.name, "dtype": x.dtype, "box": [list(p) for p in x.dst_box_local],
-                                          "offset": x.offset} for x in m.entries]}
-                            for m in plan.receives_of(1, rank)]
+        assert messages == [
+            {
+                "src": m.src_rank,
+                "tag": m.tag,
+                "nbytes": m.nbytes,
+                "entries": [
+                    {"name": x.name, "dtype": x.dtype, "box": [list(p) for p in x.dst_box_local], "offset": x.offset}
+                    for x in m.entries
+                ],
+            }
+            for m in plan.receives_of(1, rank)
+        ]
     assert request[3] == [  # column 3: rows 0-4 from rank 0, rows 4-8 from rank 1
-        {"src": src, "tag": 0, "nbytes": 16,
-         "entries": [{"name": "a", "dtype": "float32", "box": [[4 * src, 4 * src + 4], [0, 1]], "offset": 0}]}
-        for src in (0, 1)]
+        {
+            "src": src,
+            "tag": 0,
+            "nbytes": 16,
+            "entries": [{"name": "a", "dtype": "float32", "box": [[4 * src, 4 * src + 4], [0, 1]], "offset": 0}],
+        }
+        for src in (0, 1)
+    ]
 
 
 def test_same_inputs_same_plan_whatever_the_order_of_ranks_and_params():
     sources = [sharded("a", (8, 4), 0, [0, 1, 2, 3], replicas=2), sharded("b", (6,), None, [0, 1, 2, 3])]
     layout = engine_layout({"a": ((8, 4), 1), "b": ((6,), None)}, 2)
-    shuffled = {**layout, "ranks": [{**r, "params": dict(reversed(r["params"].items()))}
-                                    for r in reversed(layout["ranks"])]}
+    shuffled = {
+        **layout,
+        "ranks": [{**r, "params": dict(reversed(r["params"].items()))} for r in reversed(layout["ranks"])],
+    }
     plans = [plan_reshard(sources, [layout], 40), plan_reshard(sources, [shuffled], 40)]
     assert plans[0] == plans[1] and plans[0].transfers == plans[1].transfers
     assert gc.isenabled()
@@ -253,14 +285,17 @@ def piece(rank, *box):
     return SourcePiece(rank, box)
 
 
-@pytest.mark.parametrize("pieces, match", [
-    ((piece(0, (0, 4)), piece(1, (5, 8))), "w: the trainer pieces cover 7 of its 8 elements"),
-    ((piece(0, (0, 5)), piece(1, (4, 8))), "w: trainer boxes .* overlap"),
-    ((piece(0, (0, 4)), piece(1, (4, 9))), r"w: trainer rank 1's box \(\(4, 9\),\) is not within"),
-    ((piece(0, (0, 8), (0, 1)),), "is not within the tensor's shape"),
-    ((piece(0, (0, 4)), piece(0, (4, 8))), "w: trainer rank 0 lists two boxes"),
-    ((), "w: no trainer rank holds any of it"),
-])
+@pytest.mark.parametrize(
+    "pieces, match",
+    [
+        ((piece(0, (0, 4)), piece(1, (5, 8))), "w: the trainer pieces cover 7 of its 8 elements"),
+        ((piece(0, (0, 5)), piece(1, (4, 8))), "w: trainer boxes .* overlap"),
+        ((piece(0, (0, 4)), piece(1, (4, 9))), r"w: trainer rank 1's box \(\(4, 9\),\) is not within"),
+        ((piece(0, (0, 8), (0, 1)),), "is not within the tensor's shape"),
+        ((piece(0, (0, 4)), piece(0, (4, 8))), "w: trainer rank 0 lists two boxes"),
+        ((), "w: no trainer rank holds any of it"),
+    ],
+)
 def test_bad_sources_are_named(pieces, match):
     layout = engine_layout({"w": ((8,), None)}, 1)
     with pytest.raises(ValueError, match=match):
@@ -278,7 +313,9 @@ def test_name_and_shape_mismatches_are_named():
     with pytest.raises(ValueError, match="w: listed twice"):
         plan_reshard([w, w], [engine_layout({"w": ((8, 4), 0)}, 2)], MiB)
     with pytest.raises(ValueError, match="dtype 'torch.float32' is not a torch dtype name"):
-        plan_reshard([TensorSource("w", (8, 4), "torch.float32", w.pieces)], [engine_layout({"w": ((8, 4), 0)}, 2)], MiB)
+        plan_reshard(
+            [TensorSource("w", (8, 4), "torch.float32", w.pieces)], [engine_layout({"w": ((8, 4), 0)}, 2)], MiB
+        )
     bad_range = engine_layout({"w": ((8, 4), 0)}, 2)
     bad_range["ranks"][1]["params"]["w"]["range"] = [4, 9]
     with pytest.raises(ValueError, match=r"w on engine 0 rank 1: dim 0 range \[4, 9\) is outside"):
@@ -315,8 +352,10 @@ def random_case(rng):
     layouts = []
     for _ in range(rng.randint(1, 3)):
         tp = rng.choice([1, 2, 3, 4])
-        dims = {name: rng.choice([None] + [d for d, s in enumerate(shape) if s % tp == 0])
-                for name, shape in tensors.items()}
+        dims = {
+            name: rng.choice([None] + [d for d, s in enumerate(shape) if s % tp == 0])
+            for name, shape in tensors.items()
+        }
         layouts.append(engine_layout({name: (tensors[name], dims[name]) for name in tensors}, tp))
     return sources, layouts, rng.choice([16, 48, 100, 256, MiB])
 
@@ -334,8 +373,12 @@ def test_randomized_layouts_deliver_exactly_each_shard(seed):
             assert plan.bytes_received(e, rank) == sum(x.nbytes for m in plan.receives_of(e, rank) for x in m.entries)
     full_bytes = {s.name: math.prod(s.shape) * itemsize(s.dtype) for s in sources}
     tp = [len(layout["ranks"]) for layout in layouts]
-    replicated = sum(full_bytes[name] * (n - 1) for layout, n in zip(layouts, tp)
-                     for name, p in layout["ranks"][0]["params"].items() if p["dim"] is None)
+    replicated = sum(
+        full_bytes[name] * (n - 1)
+        for layout, n in zip(layouts, tp)
+        for name, p in layout["ranks"][0]["params"].items()
+        if p["dim"] is None
+    )
     assert plan.total_bytes == sum(full_bytes.values()) * len(layouts) + replicated
     assert plan.total_bytes == sum(plan.bytes_sent(r) for r in range(8)) == sum(t.nbytes for t in plan.transfers)
     assert plan == plan_reshard(sources, layouts, bucket_bytes)
@@ -349,13 +392,21 @@ def qwen3_moe_shapes():
     shapes = {"model.embed_tokens.weight": (V, H)}
     for layer in range(L):
         p = f"model.layers.{layer}."
-        shapes |= {p + "self_attn.q_proj.weight": (HEADS * HD, H), p + "self_attn.k_proj.weight": (KV * HD, H),
-                   p + "self_attn.v_proj.weight": (KV * HD, H), p + "self_attn.o_proj.weight": (H, HEADS * HD),
-                   p + "self_attn.q_norm.weight": (HD,), p + "self_attn.k_norm.weight": (HD,),
-                   p + "mlp.gate.weight": (E, H)}
+        shapes |= {
+            p + "self_attn.q_proj.weight": (HEADS * HD, H),
+            p + "self_attn.k_proj.weight": (KV * HD, H),
+            p + "self_attn.v_proj.weight": (KV * HD, H),
+            p + "self_attn.o_proj.weight": (H, HEADS * HD),
+            p + "self_attn.q_norm.weight": (HD,),
+            p + "self_attn.k_norm.weight": (HD,),
+            p + "mlp.gate.weight": (E, H),
+        }
         for e in range(E):
-            shapes |= {p + f"mlp.experts.{e}.gate_proj.weight": (I, H), p + f"mlp.experts.{e}.up_proj.weight": (I, H),
-                       p + f"mlp.experts.{e}.down_proj.weight": (H, I)}
+            shapes |= {
+                p + f"mlp.experts.{e}.gate_proj.weight": (I, H),
+                p + f"mlp.experts.{e}.up_proj.weight": (I, H),
+                p + f"mlp.experts.{e}.down_proj.weight": (H, I),
+            }
         shapes |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
     return shapes | {"model.norm.weight": (H,), "lm_head.weight": (V, H)}
 
@@ -399,11 +450,15 @@ def test_qwen3_moe_megatron_tp2_ep2_to_a_tp2_engine():
     assert plan.total_bytes == 2 * per_rank == full_model + 2 * (L * 672 + 64)  # norms/router reach both ranks
 
     # experts come only from their EP owners, each half of them from each expert-DP copy
-    expert_bytes = {r: sum(t.nbytes for t in plan.transfers if t.src_rank == r and ".experts." in t.name)
-                    for r in range(4)}
+    expert_bytes = {
+        r: sum(t.nbytes for t in plan.transfers if t.src_rank == r and ".experts." in t.name) for r in range(4)
+    }
     assert expert_bytes[0] + expert_bytes[2] == expert_bytes[1] + expert_bytes[3] == 2 * L * 4 * 3 * 2048
-    assert all(int(t.name.split(".experts.")[1].split(".")[0]) // 4 == t.src_rank % 2
-               for t in plan.transfers if ".experts." in t.name)
+    assert all(
+        int(t.name.split(".experts.")[1].split(".")[0]) // 4 == t.src_rank % 2
+        for t in plan.transfers
+        if ".experts." in t.name
+    )
     # the greedy choice keeps the four senders within one transfer of each other
     largest = max(t.nbytes for t in plan.transfers)
     assert max(plan.bytes_sent(r) for r in range(4)) - min(plan.bytes_sent(r) for r in range(4)) <= largest

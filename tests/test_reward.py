@@ -6,23 +6,33 @@ import textwrap
 import pytest
 import torch
 
-from megarl.reward import rule
-from megarl.reward import (RewardError, known_data_sources, load_custom_function,
-                           make_reward_function, register_scorer, score, score_rows)
+from megarl.reward import (
+    RewardError,
+    known_data_sources,
+    load_custom_function,
+    make_reward_function,
+    register_scorer,
+    rule,
+    score,
+    score_rows,
+)
 
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("response, truth, expected", [
-    ("7", "7", 1.0),
-    ("7x", "7", 1.0),        # the answer is the first len(truth) characters; the rest is ignored
-    ("7\n", "7", 1.0),
-    ("3", "7", 0.0),
-    ("", "7", 0.0),          # an empty response (immediate eos) is wrong, not an error
-    (" 7", "7", 0.0),        # position matters: the first character is the answer
-    ("73", "72", 0.5),       # multi-character answers earn per-position credit
-    ("27", "72", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [
+        ("7", "7", 1.0),
+        ("7x", "7", 1.0),  # the answer is the first len(truth) characters; the rest is ignored
+        ("7\n", "7", 1.0),
+        ("3", "7", 0.0),
+        ("", "7", 0.0),  # an empty response (immediate eos) is wrong, not an error
+        (" 7", "7", 0.0),  # position matters: the first character is the answer
+        ("73", "72", 0.5),  # multi-character answers earn per-position credit
+        ("27", "72", 0.0),
+    ],
+)
 def test_digits_score(response, truth, expected):
     assert score("megarl/digits", response, truth, {}) == expected
 
@@ -32,14 +42,17 @@ def test_digits_score_depends_on_the_ground_truth():
     assert [score("megarl/digits", "4", str(d)) for d in range(10)] == [0.0] * 4 + [1.0] + [0.0] * 5
 
 
-@pytest.mark.parametrize("response,truth,expected", [
-    ("23 + 58 = 81.", "81", 1.0),           # the last integer counts
-    ("81 is wrong, it is 80", "81", 0.0),
-    ("23 - 58 = -35", "-35", 1.0),          # a sign attached to the number
-    ("the answer is 1,234", "1234", 1.0),   # thousands separators
-    ("no number here", "5", 0.0),
-    ("", "5", 0.0),
-])
+@pytest.mark.parametrize(
+    "response,truth,expected",
+    [
+        ("23 + 58 = 81.", "81", 1.0),  # the last integer counts
+        ("81 is wrong, it is 80", "81", 0.0),
+        ("23 - 58 = -35", "-35", 1.0),  # a sign attached to the number
+        ("the answer is 1,234", "1234", 1.0),  # thousands separators
+        ("no number here", "5", 0.0),
+        ("", "5", 0.0),
+    ],
+)
 def test_arith_score(response, truth, expected):
     assert score("megarl/arith", response, truth, {}) == expected
 
@@ -54,6 +67,7 @@ def test_unknown_data_source_names_it_and_the_known_ones():
 
 def test_register_scorer_and_range_check(monkeypatch):
     monkeypatch.setattr(rule, "_SCORERS", dict(rule._SCORERS))  # keep the registration local
+
     @register_scorer("test/half")
     def half(solution_str, ground_truth, extra_info):
         return 0.5 if solution_str == ground_truth else extra_info.get("fallback", 0.0)
@@ -69,11 +83,13 @@ def test_register_scorer_and_range_check(monkeypatch):
 
 
 def test_custom_function_from_module(tmp_path, monkeypatch):
-    (tmp_path / "my_reward.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_reward.py").write_text(
+        textwrap.dedent("""
         def compute(data_source, solution_str, ground_truth, extra_info):
             return 2.0 * (solution_str == ground_truth) - 1.0  # custom rewards may leave [0, 1]
         not_callable = 3
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = make_reward_function("my_reward:compute")
     assert fn("any/source", "a", "a", None) == 1.0
@@ -112,16 +128,23 @@ def test_default_reward_function_is_the_registry_and_score_rows():
 # ------------------------------------------------------------------ errors name the row
 def test_a_reward_that_raises_or_returns_a_non_number_names_the_row(monkeypatch):
     monkeypatch.setattr(rule, "_SCORERS", dict(rule._SCORERS))
+
     @register_scorer("test/raises")
     def raises(solution_str, ground_truth, extra_info):
         raise ZeroDivisionError("division by zero")
 
     fn = make_reward_function(None)
-    with pytest.raises(RewardError, match=r"row 1 \(data_source 'test/raises', ground_truth '7'\): "
-                                          r"the reward raised ZeroDivisionError: division by zero"):
+    with pytest.raises(
+        RewardError,
+        match=r"row 1 \(data_source 'test/raises', ground_truth '7'\): "
+        r"the reward raised ZeroDivisionError: division by zero",
+    ):
         score_rows(fn, ["megarl/digits", "test/raises"], ["7", "7"], ["7", "7"], [{}, {}])
-    with pytest.raises(RewardError, match=r"row 0 \(data_source 'x/y', ground_truth '1'\): the reward "
-                                          r"function returned 'oops', not a number"):
+    with pytest.raises(
+        RewardError,
+        match=r"row 0 \(data_source 'x/y', ground_truth '1'\): the reward "
+        r"function returned 'oops', not a number",
+    ):
         score_rows(lambda d, s, g, e: "oops", ["x/y"], ["1"], ["1"], [{}])
     with pytest.raises(RewardError, match=r"row 2 \(data_source 'megarl/digits', .*\): .*empty ground_truth"):
         score_rows(fn, ["megarl/digits"] * 3, ["1", "1", "1"], ["1", "1", ""], [{}] * 3)
@@ -147,26 +170,29 @@ def math_limits():
     return math_reward.configure
 
 
-@pytest.mark.parametrize("data_source, response, truth, expected", [
-    ("math", "So the answer is $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}", 1.0),
-    ("math", "The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),        # LaTeX fraction vs decimal
-    ("math", "So the result is 0.5", "\\frac{1}{2}", 1.0),              # plain final answer
-    ("math", "\\boxed{\\dfrac{3}{4}}", "3/4", 1.0),
-    ("math", "$\\sqrt{2}/2$", "\\frac{\\sqrt{2}}{2}", 1.0),
-    ("math", "The final answer is $\\boxed{x^2+2x+1}$", "(x+1)^2", 1.0),  # symbolic equality
-    ("math", "The answer is 1,000", "1000", 1.0),
-    ("math", "\\boxed{3}", "4", 0.0),                                    # wrong
-    ("math", "I think 5, no wait, 7", "5", 0.0),                         # the last answer counts
-    ("math", "\\boxed{3}", "\\boxed{3}", 1.0),                           # a boxed ground truth
-    ("lighteval/MATH", "\\boxed{\\frac{2}{4}}", "\\frac12", 1.0),        # verl's aliases
-    ("HuggingFaceH4/MATH-500", "\\boxed{2}", "3", 0.0),
-    ("aime2024", "The answer is \\boxed{204}", "204", 1.0),
-    ("numina_olympiads", "\\boxed{-1}", "-1", 1.0),
-    ("openai/gsm8k", "She has 9 eggs left. #### 18", "16 - 3 - 4 = <<16-3-4=9>>9 ... #### 18", 1.0),
-    ("openai/gsm8k", "so 9 eggs\n#### 9", "#### 18", 0.0),
-    ("openai/gsm8k", "#### 1,000", "1000", 1.0),                          # commas in the answer
-    ("openai/gsm8k", "The total is \\boxed{18}", "18", 1.0),             # no ####: math-verify's answer
-])
+@pytest.mark.parametrize(
+    "data_source, response, truth, expected",
+    [
+        ("math", "So the answer is $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}", 1.0),
+        ("math", "The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),  # LaTeX fraction vs decimal
+        ("math", "So the result is 0.5", "\\frac{1}{2}", 1.0),  # plain final answer
+        ("math", "\\boxed{\\dfrac{3}{4}}", "3/4", 1.0),
+        ("math", "$\\sqrt{2}/2$", "\\frac{\\sqrt{2}}{2}", 1.0),
+        ("math", "The final answer is $\\boxed{x^2+2x+1}$", "(x+1)^2", 1.0),  # symbolic equality
+        ("math", "The answer is 1,000", "1000", 1.0),
+        ("math", "\\boxed{3}", "4", 0.0),  # wrong
+        ("math", "I think 5, no wait, 7", "5", 0.0),  # the last answer counts
+        ("math", "\\boxed{3}", "\\boxed{3}", 1.0),  # a boxed ground truth
+        ("lighteval/MATH", "\\boxed{\\frac{2}{4}}", "\\frac12", 1.0),  # verl's aliases
+        ("HuggingFaceH4/MATH-500", "\\boxed{2}", "3", 0.0),
+        ("aime2024", "The answer is \\boxed{204}", "204", 1.0),
+        ("numina_olympiads", "\\boxed{-1}", "-1", 1.0),
+        ("openai/gsm8k", "She has 9 eggs left. #### 18", "16 - 3 - 4 = <<16-3-4=9>>9 ... #### 18", 1.0),
+        ("openai/gsm8k", "so 9 eggs\n#### 9", "#### 18", 0.0),
+        ("openai/gsm8k", "#### 1,000", "1000", 1.0),  # commas in the answer
+        ("openai/gsm8k", "The total is \\boxed{18}", "18", 1.0),  # no ####: math-verify's answer
+    ],
+)
 def test_math_verifier_table(math_limits, data_source, response, truth, expected):
     assert score(data_source, response, truth, {}) == expected
     assert take_counts()["reward/timeouts"] == 0
@@ -210,11 +236,15 @@ def test_threads_share_the_verifier_pool(math_limits):
 
 def _pathological_in_child(timeout_s: float) -> tuple[float, float, float]:
     from megarl.reward import math as child_math
-    from megarl.reward import score as child_score, take_counts as child_counts
+    from megarl.reward import score as child_score
+    from megarl.reward import take_counts as child_counts
 
     child_math.configure(timeout_s=timeout_s)
-    return (child_score("math", PATHOLOGICAL, "1"), child_counts()["reward/timeouts"],
-            child_score("math", "\\boxed{2}", "2"))
+    return (
+        child_score("math", PATHOLOGICAL, "1"),
+        child_counts()["reward/timeouts"],
+        child_score("math", "\\boxed{2}", "2"),
+    )
 
 
 def test_time_limit_in_a_daemonic_subprocess():
@@ -241,14 +271,26 @@ def contract_cases() -> dict:
     from megarl.data.tasks import make_arith_rows, make_arith_tool_rows, make_digits_rows, make_reasoning_gym_rows
 
     cases = {}
-    for row in (make_digits_rows(1, seed=3) + make_arith_rows(1, seed=3) + make_arith_tool_rows(1, seed=3)
-                + make_reasoning_gym_rows("basic_arithmetic", 1, seed=3)):
+    for row in (
+        make_digits_rows(1, seed=3)
+        + make_arith_rows(1, seed=3)
+        + make_arith_tool_rows(1, seed=3)
+        + make_reasoning_gym_rows("basic_arithmetic", 1, seed=3)
+    ):
         truth = row["reward_model"]["ground_truth"]
         right = f"<answer>{truth}</answer>" if row["data_source"].startswith("reasoning_gym/") else truth
         cases[row["data_source"]] = (right, truth, row["extra_info"])
     math_case = ("so the answer is \\boxed{\\frac{3}{4}}", "0.75", {})
-    for source in ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
-                   "math_dapo", "math_dapo_reasoning", "aime24", "numina_math"):
+    for source in (
+        "math",
+        "lighteval/MATH",
+        "DigitalLearningGmbH/MATH-lighteval",
+        "HuggingFaceH4/MATH-500",
+        "math_dapo",
+        "math_dapo_reasoning",
+        "aime24",
+        "numina_math",
+    ):
         cases[source] = math_case
     cases["openai/gsm8k"] = ("3 + 4 = 7 apples\n#### 7", "7", {})
     return cases

@@ -23,9 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from megarl.models.tiny import build_tiny_checkpoint
+from megarl.procs.net import free_port
 from megarl.rollout.client.client import RolloutClient, RolloutRequestError
 from megarl.rollout.engine.generation import GenerationEngine
-from megarl.procs.net import free_port
 from megarl.rollout.fleet.server_process import RolloutServerProcess
 from megarl.rollout.server.app import create_app
 from megarl.wire.weights_codec import serialize_named_tensors
@@ -51,17 +51,28 @@ def fake_worker_app(mode: str) -> FastAPI:
         prompts = body["input_ids"] if batched else [body["input_ids"]]
         app.state.calls.update(tuple(p) for p in prompts)
         if mode == "always_503" or (mode == "fail_once" and app.state.calls[tuple(prompts[0])] == 1):
-            return JSONResponse({"error": {"message": "worker hiccup"}}, status_code=503 if mode == "always_503" else 500)
+            return JSONResponse(
+                {"error": {"message": "worker hiccup"}}, status_code=503 if mode == "always_503" else 500
+            )
         if mode == "reject_0_hang_others" and prompts[0] != [0]:
             await asyncio.sleep(2)
         if mode == "reject" or mode == "reject_0_hang_others":
             return JSONResponse({"error": {"message": "sampling_params.top_p=2 must be in (0, 1]"}}, status_code=400)
         params = body["sampling_params"]
         params = params if isinstance(params, list) else [params] * len(prompts)
-        items = [{"text": "", "output_ids": [prompt[0], j],
-                  "meta_info": {"id": f"{prompt}-{j}", "finish_reason": {"type": "length", "length": 2},
-                                "output_token_logprobs": [[-0.5, prompt[0], None], [-0.25, j, None]]}}
-                 for prompt, p in zip(prompts, params) for j in range(p.get("n", 1))]
+        items = [
+            {
+                "text": "",
+                "output_ids": [prompt[0], j],
+                "meta_info": {
+                    "id": f"{prompt}-{j}",
+                    "finish_reason": {"type": "length", "length": 2},
+                    "output_token_logprobs": [[-0.5, prompt[0], None], [-0.25, j, None]],
+                },
+            }
+            for prompt, p in zip(prompts, params)
+            for j in range(p.get("n", 1))
+        ]
         if mode == "short":
             items = items[:-1]
         return items if batched or len(items) > 1 else items[0]
@@ -95,8 +106,10 @@ class ThreadedServer:
 
 
 def test_per_prompt_mode_retries_each_failing_request_and_keeps_prompt_major_order():
-    with ThreadedServer(fake_worker_app("fail_once")) as worker, \
-            RolloutClient(worker.url, batched=False, max_retries=2, backoff_s=0.01) as client:
+    with (
+        ThreadedServer(fake_worker_app("fail_once")) as worker,
+        RolloutClient(worker.url, batched=False, max_retries=2, backoff_s=0.01) as client,
+    ):
         outputs = client.generate([[7, 1], [8, 1], [9, 1]], {"n": 2}, return_logprob=True)
         assert [o.output_ids for o in outputs] == [[7, 0], [7, 1], [8, 0], [8, 1], [9, 0], [9, 1]]
         assert outputs[1].output_logprobs == [-0.5, -0.25] and outputs[0].finish_reason["type"] == "length"
@@ -108,15 +121,22 @@ def test_per_prompt_mode_retries_each_failing_request_and_keeps_prompt_major_ord
 
 def test_batched_mode_sends_one_request_and_retries_the_whole_batch_after_a_500():
     prompts = [[7, 1], [8, 1], [9, 1]]
-    with ThreadedServer(fake_worker_app("fail_once")) as worker, \
-            RolloutClient(worker.url, max_retries=2, backoff_s=0.01) as client:
+    with (
+        ThreadedServer(fake_worker_app("fail_once")) as worker,
+        RolloutClient(worker.url, max_retries=2, backoff_s=0.01) as client,
+    ):
         outputs = client.generate(prompts, {"n": 2, "max_new_tokens": 2}, return_logprob=True, rids=["a", "b", "c"])
         assert [o.output_ids for o in outputs] == [[7, 0], [7, 1], [8, 0], [8, 1], [9, 0], [9, 1]]
         assert outputs[5].output_logprobs == [-0.5, -0.25]
         bodies = worker.server.config.app.state.bodies
         assert len(bodies) == 2, "one batched request, sent again once after the 500"
-        assert all(b["input_ids"] == prompts and b["sampling_params"] == {"n": 2, "max_new_tokens": 2}
-                   and b["rid"] == ["a", "b", "c"] and b["return_logprob"] is True for b in bodies)
+        assert all(
+            b["input_ids"] == prompts
+            and b["sampling_params"] == {"n": 2, "max_new_tokens": 2}
+            and b["rid"] == ["a", "b", "c"]
+            and b["return_logprob"] is True
+            for b in bodies
+        )
         assert dict(worker.server.config.app.state.calls) == {(7, 1): 2, (8, 1): 2, (9, 1): 2}
         # one prompt is still sent in the batched form (the answer is a list)
         assert [o.output_ids for o in client.generate([[4, 4]])] == [[4, 0]]
@@ -126,8 +146,7 @@ def test_batched_mode_sends_one_request_and_retries_the_whole_batch_after_a_500(
 def test_batched_mode_splits_large_calls_into_concurrent_chunks_in_order():
     prompts = [[10 + i] for i in range(5)]
     params = [{"n": 2, "temperature": 0.1 * i} for i in range(5)]
-    with ThreadedServer(fake_worker_app("ok")) as worker, \
-            RolloutClient(worker.url, max_batch_prompts=2) as client:
+    with ThreadedServer(fake_worker_app("ok")) as worker, RolloutClient(worker.url, max_batch_prompts=2) as client:
         outputs = client.generate(prompts, params)
         assert [o.output_ids for o in outputs] == [[p[0], j] for p in prompts for j in range(2)]
         bodies = sorted(worker.server.config.app.state.bodies, key=lambda b: b["input_ids"][0])
@@ -150,8 +169,10 @@ def test_batched_mode_rejects_an_answer_with_the_wrong_number_of_outputs():
 
 @pytest.mark.parametrize("batched", [True, False])
 def test_generate_gives_up_after_max_retries_naming_server_and_request(batched):
-    with ThreadedServer(fake_worker_app("always_503")) as worker, \
-            RolloutClient(worker.url, batched=batched, max_retries=2, backoff_s=0.01) as client:
+    with (
+        ThreadedServer(fake_worker_app("always_503")) as worker,
+        RolloutClient(worker.url, batched=batched, max_retries=2, backoff_s=0.01) as client,
+    ):
         with pytest.raises(RolloutRequestError) as err:
             client.generate([[5, 6, 7], [8]] if batched else [[5, 6, 7]], {"max_new_tokens": 3})
         message = str(err.value)
@@ -164,16 +185,20 @@ def test_generate_gives_up_after_max_retries_naming_server_and_request(batched):
 
 @pytest.mark.parametrize("batched", [True, False])
 def test_a_rejected_request_is_not_retried_and_the_server_message_is_kept(batched):
-    with ThreadedServer(fake_worker_app("reject")) as worker, \
-            RolloutClient(worker.url, batched=batched, max_retries=3, backoff_s=0.01) as client:
+    with (
+        ThreadedServer(fake_worker_app("reject")) as worker,
+        RolloutClient(worker.url, batched=batched, max_retries=3, backoff_s=0.01) as client,
+    ):
         with pytest.raises(RolloutRequestError, match="HTTP 400: sampling_params.top_p=2 must be in"):
             client.generate([[5]], {"top_p": 2})
         assert worker.server.config.app.state.calls[(5,)] == 1
 
 
 def test_a_failed_prompt_cancels_the_other_requests_of_the_call():
-    with ThreadedServer(fake_worker_app("reject_0_hang_others")) as worker, \
-            RolloutClient(worker.url, batched=False, backoff_s=0.01) as client:
+    with (
+        ThreadedServer(fake_worker_app("reject_0_hang_others")) as worker,
+        RolloutClient(worker.url, batched=False, backoff_s=0.01) as client,
+    ):
         start = time.monotonic()
         with pytest.raises(RolloutRequestError, match="prompt 2 .*HTTP 400"):
             client.generate([[5], [6], [0], [7]])
@@ -210,8 +235,10 @@ def test_a_closed_client_says_so_and_leaves_no_unawaited_coroutine():
 def test_connection_errors_are_retried_until_the_server_comes_up():
     port = free_port()
     with RolloutClient(f"http://127.0.0.1:{port}", max_retries=8, backoff_s=0.1, max_backoff_s=0.3) as client:
-        with RolloutClient(client.base_url, max_retries=1, backoff_s=0.01) as impatient, \
-                pytest.raises(RolloutRequestError, match=f"127.0.0.1:{port}.*ConnectError"):
+        with (
+            RolloutClient(client.base_url, max_retries=1, backoff_s=0.01) as impatient,
+            pytest.raises(RolloutRequestError, match=f"127.0.0.1:{port}.*ConnectError"),
+        ):
             impatient.generate([[1]])
         assert client.health() is False
         result = {}
@@ -232,9 +259,15 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoints, tmp_path_factory):
-    process = RolloutServerProcess(checkpoints[0], port=0, max_batch_size=16, seed=0, torch_threads=1,
-                                   log_path=tmp_path_factory.mktemp("logs") / "server.log",
-                                   extra_args=("--weight-dirs", str(checkpoints[0].parent)))  # both checkpoints
+    process = RolloutServerProcess(
+        checkpoints[0],
+        port=0,
+        max_batch_size=16,
+        seed=0,
+        torch_threads=1,
+        log_path=tmp_path_factory.mktemp("logs") / "server.log",
+        extra_args=("--weight-dirs", str(checkpoints[0].parent)),
+    )  # both checkpoints
     with process:
         yield process
 
@@ -250,7 +283,7 @@ def hf_logprobs(model_dir, prompt, output, temperature):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
     return torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
@@ -282,8 +315,9 @@ def test_e2e_concurrent_requests_are_batched_with_exact_logprobs(client, server,
     before = client.get_server_info()["engine_stats"].get("batches", 0)
     prompts = [[2] + [10 + i, 11 + i, 12 + (i % 3)] * (1 + i % 3) + [3] for i in range(8)]
     with RolloutClient(server.url, batched=False) as per_prompt:  # 8 concurrent requests, as behind a router
-        outputs = per_prompt.generate(prompts, {"max_new_tokens": 16, "temperature": 0.8, "ignore_eos": True},
-                                      return_logprob=True)
+        outputs = per_prompt.generate(
+            prompts, {"max_new_tokens": 16, "temperature": 0.8, "ignore_eos": True}, return_logprob=True
+        )
     batches = client.get_server_info()["engine_stats"]["batches"] - before
     assert len(outputs) == 8 and 1 <= batches < 8, f"8 concurrent requests ran in {batches} batches"
     for prompt, out in zip(prompts[:3], outputs[:3]):
@@ -295,11 +329,13 @@ def test_e2e_concurrent_requests_are_batched_with_exact_logprobs(client, server,
 
 
 def test_e2e_malformed_requests_are_rejected_and_the_server_keeps_serving(client, server):
-    response = httpx.post(f"{server.url}/generate", content=b"{\"input_ids\": [1,", timeout=10)
+    response = httpx.post(f"{server.url}/generate", content=b'{"input_ids": [1,', timeout=10)
     assert response.status_code == 400
     with pytest.raises(RolloutRequestError, match="outside the model's vocabulary"):
         client.generate([[1, 500]])
-    assert client.generate([[2, 5, 6]], {"max_new_tokens": 3, "ignore_eos": True})[0].meta_info["completion_tokens"] == 3
+    assert (
+        client.generate([[2, 5, 6]], {"max_new_tokens": 3, "ignore_eos": True})[0].meta_info["completion_tokens"] == 3
+    )
 
 
 SENDER = textwrap.dedent("""
@@ -327,8 +363,13 @@ def test_e2e_weight_update_sent_from_another_process(client, server, checkpoints
     # server stays attached to it, so a pipe would never reach EOF.
     out, err = tmp_path / "sender.out", tmp_path / "sender.err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        code = subprocess.call([sys.executable, "-c", SENDER, server.url, str(checkpoints[1])], stdout=stdout,
-                               stderr=stderr, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        code = subprocess.call(
+            [sys.executable, "-c", SENDER, server.url, str(checkpoints[1])],
+            stdout=stdout,
+            stderr=stderr,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
     assert code == 0, err.read_text()[-3000:]
     assert json.loads(out.read_text().strip().splitlines()[-1])["success"]
     after = client.generate([prompt], {**greedy, "temperature": 1.0}, return_logprob=True)[0]
@@ -351,8 +392,9 @@ def test_e2e_weight_update_sent_from_another_process(client, server, checkpoints
 
 
 def test_launcher_reports_a_failed_start_with_the_server_log(tmp_path):
-    process = RolloutServerProcess(tmp_path / "no-such-model", torch_threads=1, startup_timeout_s=60,
-                                   log_path=tmp_path / "bad.log")
+    process = RolloutServerProcess(
+        tmp_path / "no-such-model", torch_threads=1, startup_timeout_s=60, log_path=tmp_path / "bad.log"
+    )
     with pytest.raises(RuntimeError, match="exited with code") as err:
         process.start()
     assert "no-such-model" in str(err.value) and not process.alive()

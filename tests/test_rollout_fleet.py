@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from megarl.data.batch import Batch
+from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 from megarl.rollout.fleet.engine_launcher import EngineNodeSpec
 from megarl.rollout.fleet.fleet import RolloutFleet, RouterSpec
-from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 from tests._failures import run_while_killing
 
 torch.set_num_threads(1)
@@ -43,16 +43,34 @@ def ray_pool():
 def make_fleet(pool, model_path, log_dir, num_engines: int, router: bool, api_key: str | None = None) -> RolloutFleet:
     from megarl.controller.placement import LAUNCHER_DEVICE_SHARE, scheduling
 
-    specs = [[EngineNodeSpec(backend="embedded", model_path=str(model_path), engine=e, seed=e, max_batch_size=64,
-                             log_path=str(log_dir / f"engine{e}.log"))] for e in range(num_engines)]
+    specs = [
+        [
+            EngineNodeSpec(
+                backend="embedded",
+                model_path=str(model_path),
+                engine=e,
+                seed=e,
+                max_batch_size=64,
+                log_path=str(log_dir / f"engine{e}.log"),
+            )
+        ]
+        for e in range(num_engines)
+    ]
 
     def placement(e, k):
-        return {"scheduling_strategy": scheduling(pool, pool.spec.slot(e)),
-                "resources": {pool.resource: LAUNCHER_DEVICE_SHARE}}
+        return {
+            "scheduling_strategy": scheduling(pool, pool.spec.slot(e)),
+            "resources": {pool.resource: LAUNCHER_DEVICE_SHARE},
+        }
 
-    return RolloutFleet(specs, router=RouterSpec(policy="cache_aware", log_path=str(log_dir / "router.log"))
-                        if router else None, placement=placement, max_restarts=2, request_timeout_s=60,
-                        api_key=api_key)
+    return RolloutFleet(
+        specs,
+        router=RouterSpec(policy="cache_aware", log_path=str(log_dir / "router.log")) if router else None,
+        placement=placement,
+        max_restarts=2,
+        request_timeout_s=60,
+        api_key=api_key,
+    )
 
 
 def _wait_dead(pid: int, timeout_s: float = 30) -> None:
@@ -76,7 +94,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def finished(url: str) -> int:
-    return httpx.get(f"{url}/get_server_info", headers=AUTH, timeout=10).json()["engine_stats"].get("requests_finished", 0)
+    return (
+        httpx.get(f"{url}/get_server_info", headers=AUTH, timeout=10).json()["engine_stats"].get("requests_finished", 0)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +155,7 @@ def test_sigkill_one_engine_mid_step_every_row_comes_back_and_it_rejoins_with_we
     assert all(r != "abort" for r in rows["finish_reason"])
     assert manager.last_stats["rollout/engine_restarts"] == 1.0
     assert manager.last_stats["rollout/retries"] >= 1.0
-    (urls, routed_before_weights), = resynced
+    ((urls, routed_before_weights),) = resynced
     assert routed_before_weights == [] and urls == [fleet.engine_urls[1]]
     assert sorted(ray.get(fleet.router.workers.remote())) == sorted(fleet.engine_urls)
     assert not psutil.pid_exists(victim_pid) or psutil.Process(victim_pid).status() == psutil.STATUS_ZOMBIE
@@ -159,17 +179,35 @@ def test_single_engine_killed_mid_step_is_restarted_and_the_step_retried(ray_poo
     assert all(not psutil.pid_exists(p) for p in pids)  # close() left no server behind
 
 
-def test_two_node_engine_is_started_by_one_launcher_per_node_and_restarted_whole(ray_pool, tiny_model_path,
-                                                                                 tmp_path):
+def test_two_node_engine_is_started_by_one_launcher_per_node_and_restarted_whole(ray_pool, tiny_model_path, tmp_path):
     """tp=2 over 2 "nodes": two launcher actors rendezvous through node 0's dist-init address;
     killing node 1 takes the engine down, and the fleet restarts both nodes."""
     from megarl.controller.placement import LAUNCHER_DEVICE_SHARE, scheduling
 
-    specs = [[EngineNodeSpec(backend="embedded", model_path=str(tiny_model_path), engine=0, node_rank=k, nnodes=2,
-                             tp=2, seed=0, log_path=str(tmp_path / f"node{k}.log")) for k in range(2)]]
-    fleet = RolloutFleet(specs, api_key=KEY, max_restarts=1, placement=lambda e, k: {
-        "scheduling_strategy": scheduling(ray_pool, ray_pool.spec.slot(k)),
-        "resources": {ray_pool.resource: LAUNCHER_DEVICE_SHARE}})
+    specs = [
+        [
+            EngineNodeSpec(
+                backend="embedded",
+                model_path=str(tiny_model_path),
+                engine=0,
+                node_rank=k,
+                nnodes=2,
+                tp=2,
+                seed=0,
+                log_path=str(tmp_path / f"node{k}.log"),
+            )
+            for k in range(2)
+        ]
+    ]
+    fleet = RolloutFleet(
+        specs,
+        api_key=KEY,
+        max_restarts=1,
+        placement=lambda e, k: {
+            "scheduling_strategy": scheduling(ray_pool, ray_pool.spec.slot(k)),
+            "resources": {ray_pool.resource: LAUNCHER_DEVICE_SHARE},
+        },
+    )
     with contextlib.ExitStack() as stack:
         stack.callback(fleet.close)
         fleet.start()
@@ -211,15 +249,15 @@ def test_an_engine_on_another_weight_version_is_never_used_silently(two_engines)
         label(url1, "6")
         direct = RolloutManager([url0, url1], max_retries=0, timeout_s=60, api_key=KEY)
         try:
-            with pytest.raises(RolloutRequestError, match="served with weight_version '6', but the engines "
-                                                          "were synced to '7'"):
+            with pytest.raises(
+                RolloutRequestError, match="served with weight_version '6', but the engines were synced to '7'"
+            ):
                 direct.generate(prompt_batch(PROMPTS), SamplingSpec(n=2, max_new_tokens=2), weight_version="7")
         finally:
             direct.close()
         # behind the router: a row from engine 1 is never returned (the call fails, or holds only "7")
         try:
-            rows = manager.generate(prompt_batch(MANY_PROMPTS), SamplingSpec(n=2, max_new_tokens=2),
-                                    weight_version="7")
+            rows = manager.generate(prompt_batch(MANY_PROMPTS), SamplingSpec(n=2, max_new_tokens=2), weight_version="7")
             assert set(rows["rollout_weight_version"]) == {"7"}
         except RolloutRequestError as exc:
             assert "weight_version '6'" in str(exc)

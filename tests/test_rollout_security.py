@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from megarl.procs.net import is_loopback
-from megarl.rollout.server.auth import resolve_api_key
 from megarl.rollout.engine.generation import GenerationEngine
-from megarl.wire.safe_unpickle import RefusedGlobal, safe_loads
 from megarl.rollout.server.app import create_app, main
+from megarl.rollout.server.auth import resolve_api_key
+from megarl.wire.safe_unpickle import RefusedGlobal, safe_loads
 from megarl.wire.weights_codec import serialize, serialize_flattened_bucket, serialize_named_tensors
 
 torch.set_num_threads(1)
@@ -60,11 +60,16 @@ class _RunsCommand:
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_a_payload_that_would_run_code_is_refused_and_runs_nothing(client, tmp_path, evil, load_format):
     marker = tmp_path / "pwned"
-    obj = [("lm_head.weight", evil(marker))] if load_format is None else {"flattened_tensor": evil(marker),
-                                                                         "metadata": []}
+    obj = (
+        [("lm_head.weight", evil(marker))]
+        if load_format is None
+        else {"flattened_tensor": evil(marker), "metadata": []}
+    )
     payload = base64.b64encode(pickle.dumps(obj)).decode()
-    response = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload],
-                                                                "load_format": load_format, "abort_all_requests": True})
+    response = client.post(
+        "/update_weights_from_tensor",
+        json={"serialized_named_tensors": [payload], "load_format": load_format, "abort_all_requests": True},
+    )
     assert response.status_code == 400 and not response.json()["success"]
     refused = f"{open.__module__}.open" if evil is _CreatesFile else f"{os.system.__module__}.system"
     assert refused in response.json()["message"]
@@ -73,9 +78,18 @@ def test_a_payload_that_would_run_code_is_refused_and_runs_nothing(client, tmp_p
 
 def test_real_payloads_of_every_dtype_and_view_load_through_the_allow_list():
     base = torch.randn(4, 6)
-    named = [("f32", base), ("view", base[1:, ::2]), ("t", base.t()), ("bf16", base.bfloat16()),
-             ("f16", base.half()), ("i64", torch.arange(5)), ("bool", base > 0), ("empty", torch.empty(0)),
-             ("param", torch.nn.Parameter(torch.ones(3))), ("scalar", torch.tensor(2.0))]
+    named = [
+        ("f32", base),
+        ("view", base[1:, ::2]),
+        ("t", base.t()),
+        ("bf16", base.bfloat16()),
+        ("f16", base.half()),
+        ("i64", torch.arange(5)),
+        ("bool", base > 0),
+        ("empty", torch.empty(0)),
+        ("param", torch.nn.Parameter(torch.ones(3))),
+        ("scalar", torch.tensor(2.0)),
+    ]
     for name, tensor in safe_loads(base64.b64decode(serialize_named_tensors(named))):
         assert torch.equal(tensor, dict(named)[name]), name
     bucket = safe_loads(base64.b64decode(serialize_flattened_bucket(named[:7])))

@@ -53,7 +53,7 @@ def fresh(checkpoint):
 
 def reference_logprobs(model, prompt, output, temperature):
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
     scaled = logits / (temperature if temperature > 0 else 1.0)
     return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
 
@@ -91,14 +91,20 @@ def test_batch_with_n_samples_returns_prompt_major_logprobs_equal_to_hf_forward(
 
 def test_top_k_and_top_p_restrict_the_samples_while_logprobs_stay_full_vocab(served, reference):
     _, client = served
-    for params, allowed in [({"top_k": 3}, lambda rank, mass_before: rank < 3),
-                            ({"top_p": 0.3}, lambda rank, mass_before: mass_before < 0.3)]:
-        out = generate(client, input_ids=PROMPTS[1], return_logprob=True,
-                       sampling_params={"n": 4, "max_new_tokens": 10, "ignore_eos": True, **params})
+    for params, allowed in [
+        ({"top_k": 3}, lambda rank, mass_before: rank < 3),
+        ({"top_p": 0.3}, lambda rank, mass_before: mass_before < 0.3),
+    ]:
+        out = generate(
+            client,
+            input_ids=PROMPTS[1],
+            return_logprob=True,
+            sampling_params={"n": 4, "max_new_tokens": 10, "ignore_eos": True, **params},
+        )
         for item in out:
             ids = item["output_ids"]
             with torch.no_grad():
-                logits = reference(torch.tensor([PROMPTS[1] + ids])).logits[0, len(PROMPTS[1]) - 1:-1]
+                logits = reference(torch.tensor([PROMPTS[1] + ids])).logits[0, len(PROMPTS[1]) - 1 : -1]
             probs = torch.softmax(logits, -1)
             for step, token in enumerate(ids):
                 order = probs[step].argsort(descending=True).tolist()
@@ -113,11 +119,16 @@ def test_sampler_draws_from_the_renormalised_kept_distribution():
     draws = 4000
     logits = probs.log().expand(draws, 4).contiguous()
     generator = torch.Generator().manual_seed(0)
-    cases = [(-1, 1.0, probs), (2, 1.0, torch.tensor([0.625, 0.375, 0, 0])),
-             (-1, 0.7, torch.tensor([0.625, 0.375, 0, 0])), (0, 0.45, torch.tensor([1.0, 0, 0, 0]))]
+    cases = [
+        (-1, 1.0, probs),
+        (2, 1.0, torch.tensor([0.625, 0.375, 0, 0])),
+        (-1, 0.7, torch.tensor([0.625, 0.375, 0, 0])),
+        (0, 0.45, torch.tensor([1.0, 0, 0, 0])),
+    ]
     for top_k, top_p, expected in cases:
-        tokens, logprobs = sample_next_tokens(logits, [1.0] * draws, [top_p] * draws, [top_k] * draws,
-                                              [generator] * draws)
+        tokens, logprobs = sample_next_tokens(
+            logits, [1.0] * draws, [top_p] * draws, [top_k] * draws, [generator] * draws
+        )
         frequency = torch.bincount(tokens, minlength=4).float() / draws
         torch.testing.assert_close(frequency, expected, atol=0.03, rtol=0)  # ~4 standard errors
         torch.testing.assert_close(logprobs, probs.log()[tokens])
@@ -151,13 +162,16 @@ def test_single_prompt_with_n_answers_a_list_and_text_input_works(served, checkp
 
 def test_greedy_is_deterministic_and_follows_the_argmax(served, reference):
     _, client = served
-    body = dict(input_ids=PROMPTS[0], return_logprob=True,
-                sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+    body = dict(
+        input_ids=PROMPTS[0],
+        return_logprob=True,
+        sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+    )
     first, second = generate(client, **body), generate(client, **body)
     assert first["output_ids"] == second["output_ids"]
     with torch.no_grad():
         logits = reference(torch.tensor([PROMPTS[0] + first["output_ids"]])).logits[0]
-    argmax = logits[len(PROMPTS[0]) - 1:-1].argmax(-1).tolist()
+    argmax = logits[len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist()
     assert first["output_ids"] == argmax
     expected = reference_logprobs(reference, PROMPTS[0], first["output_ids"], temperature=0)
     torch.testing.assert_close(logprobs_of(first), expected, atol=LOGPROB_TOL, rtol=0)
@@ -166,16 +180,22 @@ def test_greedy_is_deterministic_and_follows_the_argmax(served, reference):
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_prompt_logprobs_from_logprob_start_len_with_zero_new_tokens(served, reference, temperature):
     _, client = served
-    out = generate(client, input_ids=PROMPTS[2], return_logprob=True, logprob_start_len=2,
-                   sampling_params={"max_new_tokens": 0, "temperature": temperature})
+    out = generate(
+        client,
+        input_ids=PROMPTS[2],
+        return_logprob=True,
+        logprob_start_len=2,
+        sampling_params={"max_new_tokens": 0, "temperature": temperature},
+    )
     meta = out["meta_info"]
     assert out["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
     triples = meta["input_token_logprobs"]
     assert [t for _, t, _ in triples] == PROMPTS[2][2:]
     expected = reference_logprobs(reference, PROMPTS[2][:2], PROMPTS[2][2:], temperature)
     torch.testing.assert_close(torch.tensor([lp for lp, _, _ in triples]), expected, atol=LOGPROB_TOL, rtol=0)
-    first = generate(client, input_ids=PROMPTS[2], return_logprob=True, logprob_start_len=0,
-                     sampling_params={"max_new_tokens": 0})["meta_info"]["input_token_logprobs"][0]
+    first = generate(
+        client, input_ids=PROMPTS[2], return_logprob=True, logprob_start_len=0, sampling_params={"max_new_tokens": 0}
+    )["meta_info"]["input_token_logprobs"][0]
     assert first == [None, PROMPTS[2][0], None]  # nothing predicts the first prompt token
 
 
@@ -188,19 +208,25 @@ def test_max_new_tokens_stop_token_ids_and_stop_strings(served):
     assert short["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
     before_eos = full.index(1) if 1 in full else len(full)  # eos would stop first without ignore_eos
     stop_at = next(k for k in range(1, before_eos) if full[k] not in full[:k])
-    out = generate(client, input_ids=PROMPTS[1],
-                   sampling_params={"temperature": 0, "max_new_tokens": 20, "stop_token_ids": [full[stop_at]]})
-    assert out["output_ids"] == full[:stop_at + 1]
+    out = generate(
+        client,
+        input_ids=PROMPTS[1],
+        sampling_params={"temperature": 0, "max_new_tokens": 20, "stop_token_ids": [full[stop_at]]},
+    )
+    assert out["output_ids"] == full[: stop_at + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": full[stop_at]}
     # as in SGLang, ignore_eos switches every token-based stop off
-    ignored = generate(client, input_ids=PROMPTS[1], sampling_params={
-        **greedy, "max_new_tokens": 20, "stop_token_ids": [full[stop_at]]})
+    ignored = generate(
+        client,
+        input_ids=PROMPTS[1],
+        sampling_params={**greedy, "max_new_tokens": 20, "stop_token_ids": [full[stop_at]]},
+    )
     assert ignored["output_ids"] == full
     text = generate(client, input_ids=PROMPTS[1], sampling_params={**greedy, "max_new_tokens": 20})["text"]
     stop_str = next(ch for ch in text[1:] if ch.strip())
     cut = generate(client, input_ids=PROMPTS[1], sampling_params={**greedy, "max_new_tokens": 20, "stop": stop_str})
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
-    assert cut["text"] == text[:text.index(stop_str)]
+    assert cut["text"] == text[: text.index(stop_str)]
 
 
 def test_eos_stops_unless_ignore_eos(fresh):
@@ -211,14 +237,17 @@ def test_eos_stops_unless_ignore_eos(fresh):
     named = [(n, torch.zeros_like(t)) for n, t in state.items() if n.endswith(("o_proj.weight", "down_proj.weight"))]
     lm_head = torch.zeros_like(state["lm_head.weight"])
     lm_head[1] = 1.0
-    named += [("model.embed_tokens.weight", torch.ones_like(state["model.embed_tokens.weight"])),
-              ("lm_head.weight", lm_head)]
+    named += [
+        ("model.embed_tokens.weight", torch.ones_like(state["model.embed_tokens.weight"])),
+        ("lm_head.weight", lm_head),
+    ]
     engine.update_weights(named)
     out = generate(client, input_ids=PROMPTS[0], sampling_params={"temperature": 0, "max_new_tokens": 5})
     assert out["output_ids"] == [1] and out["text"] == ""
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 1}
-    out = generate(client, input_ids=PROMPTS[0],
-                   sampling_params={"temperature": 0, "max_new_tokens": 5, "ignore_eos": True})
+    out = generate(
+        client, input_ids=PROMPTS[0], sampling_params={"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+    )
     assert out["output_ids"] == [1] * 5 and out["meta_info"]["finish_reason"]["type"] == "length"
 
 
@@ -244,10 +273,13 @@ def test_concurrent_requests_share_a_batch(fresh):
 def test_weight_update_errors_name_the_tensor_and_write_nothing(fresh, reference):
     engine, client = fresh
     before = engine.model.lm_head.weight.detach().clone()
-    for named, needle in [([("lm_head.weight", before + 1), ("no.such.weight", before)], "no.such.weight"),
-                          ([("lm_head.weight", before[:3])], "lm_head.weight")]:
-        response = client.post("/update_weights_from_tensor",
-                               json={"serialized_named_tensors": [serialize_named_tensors(named)]})
+    for named, needle in [
+        ([("lm_head.weight", before + 1), ("no.such.weight", before)], "no.such.weight"),
+        ([("lm_head.weight", before[:3])], "lm_head.weight"),
+    ]:
+        response = client.post(
+            "/update_weights_from_tensor", json={"serialized_named_tensors": [serialize_named_tensors(named)]}
+        )
         assert response.status_code == 400 and needle in response.json()["message"]
     assert torch.equal(engine.model.lm_head.weight, before)
 
@@ -255,9 +287,14 @@ def test_weight_update_errors_name_the_tensor_and_write_nothing(fresh, reference
 def test_flattened_bucket_update_changes_outputs_to_the_new_weights(fresh, reference):
     engine, client = fresh
     new = {n: t + 0.05 * torch.randn_like(t) for n, t in reference.state_dict().items() if "layers.1" in n}
-    response = client.post("/update_weights_from_tensor", json={
-        "serialized_named_tensors": [serialize_flattened_bucket(list(new.items()))],
-        "load_format": "flattened_bucket", "weight_version": "v7"})
+    response = client.post(
+        "/update_weights_from_tensor",
+        json={
+            "serialized_named_tensors": [serialize_flattened_bucket(list(new.items()))],
+            "load_format": "flattened_bucket",
+            "weight_version": "v7",
+        },
+    )
     assert response.status_code == 200 and response.json()["success"], response.text
     for name, tensor in new.items():
         assert torch.equal(engine.model.state_dict()[name], tensor)
@@ -290,8 +327,9 @@ def test_abort_queued_and_running_requests(fresh):
     results = {}
 
     def call(rid, max_new):
-        results[rid] = generate(client, rid=rid, input_ids=PROMPTS[0],
-                                sampling_params={"max_new_tokens": max_new, "ignore_eos": True})
+        results[rid] = generate(
+            client, rid=rid, input_ids=PROMPTS[0], sampling_params={"max_new_tokens": max_new, "ignore_eos": True}
+        )
 
     running = threading.Thread(target=call, args=("long", 240))
     running.start()
@@ -314,25 +352,30 @@ def test_abort_queued_and_running_requests(fresh):
     _wait_for(lambda: engine.stats["batches"] == 2 and engine.pending() == 1)
     assert client.post("/pause_generation", json={}).status_code == 200  # default mode: abort
     again.join(timeout=30)
-    assert results["again"]["meta_info"]["finish_reason"] == {"type": "abort",
-                                                             "message": "aborted by /pause_generation"}
+    assert results["again"]["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "aborted by /pause_generation",
+    }
     client.post("/continue_generation")
     assert generate(client, input_ids=[2, 5], sampling_params={"max_new_tokens": 2})["output_ids"]
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"input_ids": [1, 2, 64]}, "input_ids"),
-    ({"input_ids": [1, 2], "sampling_params": {"top_p": 2}}, "top_p"),
-    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens"),
-    ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 2.5}}, "frequency_penalty"),
-    ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
-    ({"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 2}, {"n": 1}]}, "sampling_params.n"),
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 300}}, "context length"),
-    ({"sampling_params": {}}, "input_ids"),
-    ({"input_ids": [1, 2], "stream": "yes"}, "stream"),
-    ({"input_ids": []}, "input_ids"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"input_ids": [1, 2, 64]}, "input_ids"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 2}}, "top_p"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens"),
+        ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 2.5}}, "frequency_penalty"),
+        ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
+        ({"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 2}, {"n": 1}]}, "sampling_params.n"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 300}}, "context length"),
+        ({"sampling_params": {}}, "input_ids"),
+        ({"input_ids": [1, 2], "stream": "yes"}, "stream"),
+        ({"input_ids": []}, "input_ids"),
+    ],
+)
 def test_malformed_requests_get_400_naming_the_field_and_the_server_keeps_serving(served, body, field):
     _, client = served
     message = generate(client, status=400, **body)["error"]["message"]
@@ -407,14 +450,16 @@ def test_decode_takes_the_backend_path_and_says_what_the_tokenizer_says(served):
     assert engine._backend is not None and engine._backend is tok.backend_tokenizer
     rng = random.Random(0)
     vocab = len(tok)
-    cases = [[], [0], list(tok.all_special_ids)] + [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
-                                                   for _ in range(200)]
+    cases = [[], [0], list(tok.all_special_ids)] + [
+        [rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in range(200)
+    ]
     for clean_up in (engine._clean_up, not engine._clean_up):
         engine._clean_up = clean_up
         for ids in cases:
             for skip in (True, False):
                 assert engine.decode(ids, skip_special_tokens=skip) == tok.decode(
-                    ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean_up), (ids, skip, clean_up)
+                    ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean_up
+                ), (ids, skip, clean_up)
     engine._clean_up = bool(tok.clean_up_tokenization_spaces)
 
     class OwnDecode(PreTrainedTokenizerFast):  # a tokenizer class with its own decode keeps it

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megarl.procs.net import free_port
-from megarl.rollout.fleet.server_process import RolloutServerProcess
 from megarl.rollout.engine.runner.sharding import parameter_layout, shard_spec, tp_plan_for, validate_tp
+from megarl.rollout.fleet.server_process import RolloutServerProcess
 from megarl.wire.weights_codec import serialize_flattened_bucket, serialize_named_tensors
 
 torch.set_num_threads(1)
@@ -45,13 +45,27 @@ def test_plan_shards_attention_experts_embedding_and_head_and_gathers_once_per_b
     assert plan["model.layers.*.mlp.experts.*.down_proj"] == "local_rowwise"
     assert plan["model.layers.*.self_attn"] == plan["model.layers.*.mlp"] == "gather"
     assert "model.layers.*.mlp.experts.*" not in plan  # no all-reduce per expert
-    dims = {name: shard_spec(name, (64, 64), plan, 2, 1).dim for name in (
-        "model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.k_proj.weight",
-        "model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight",
-        "model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.0.mlp.gate.weight")}
-    assert dims == {"model.embed_tokens.weight": 0, "lm_head.weight": 0, "model.layers.1.self_attn.k_proj.weight": 0,
-                    "model.layers.1.self_attn.o_proj.weight": 1, "model.layers.0.mlp.experts.3.up_proj.weight": 0,
-                    "model.layers.0.mlp.experts.3.down_proj.weight": 1, "model.layers.0.mlp.gate.weight": None}
+    dims = {
+        name: shard_spec(name, (64, 64), plan, 2, 1).dim
+        for name in (
+            "model.embed_tokens.weight",
+            "lm_head.weight",
+            "model.layers.1.self_attn.k_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight",
+            "model.layers.0.mlp.experts.3.up_proj.weight",
+            "model.layers.0.mlp.experts.3.down_proj.weight",
+            "model.layers.0.mlp.gate.weight",
+        )
+    }
+    assert dims == {
+        "model.embed_tokens.weight": 0,
+        "lm_head.weight": 0,
+        "model.layers.1.self_attn.k_proj.weight": 0,
+        "model.layers.1.self_attn.o_proj.weight": 1,
+        "model.layers.0.mlp.experts.3.up_proj.weight": 0,
+        "model.layers.0.mlp.experts.3.down_proj.weight": 1,
+        "model.layers.0.mlp.gate.weight": None,
+    }
     spec = shard_spec("model.layers.0.self_attn.o_proj.weight", (64, 64), plan, 2, 1)
     assert (spec.start, spec.stop, spec.local_shape, spec.index()) == (32, 64, (64, 32), (slice(None), slice(32, 64)))
 
@@ -127,12 +141,19 @@ def post(server, path: str, status: int = 200, **body):
 
 def logprobs(server, prompts=PROMPTS, max_new_tokens=6, temperature=1.0, seed=7):
     """(input log-probs, output ids, output log-probs) per prompt, sampled with fixed seeds."""
-    params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "sampling_seed": seed + i,
-               "ignore_eos": True} for i in range(len(prompts))]
-    out = post(server, "/generate", input_ids=prompts, sampling_params=params, return_logprob=True,
-               logprob_start_len=0)
-    return [(torch.tensor([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]), o["output_ids"],
-             torch.tensor([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])) for o in out]
+    params = [
+        {"max_new_tokens": max_new_tokens, "temperature": temperature, "sampling_seed": seed + i, "ignore_eos": True}
+        for i in range(len(prompts))
+    ]
+    out = post(server, "/generate", input_ids=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0)
+    return [
+        (
+            torch.tensor([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]),
+            o["output_ids"],
+            torch.tensor([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]),
+        )
+        for o in out
+    ]
 
 
 def assert_same(a, b, tol=TOL):
@@ -156,8 +177,9 @@ def test_tp2_logprobs_and_seeded_samples_equal_tp1_and_a_single_process_hf_forwa
     assert_same(tp1, tp2)
     torch.testing.assert_close(tp2[2][0], hf_input_logprobs(tiny_model_path, PROMPTS[2]), atol=TOL, rtol=0)
     greedy = dict(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
-    assert [o["output_ids"] for o in post(servers["tp2"], "/generate", **greedy)] == \
-           [o["output_ids"] for o in post(servers["tp1"], "/generate", **greedy)]
+    assert [o["output_ids"] for o in post(servers["tp2"], "/generate", **greedy)] == [
+        o["output_ids"] for o in post(servers["tp1"], "/generate", **greedy)
+    ]
 
 
 def test_two_node_engine_serves_like_tp1_and_node1_answers_health(servers):
@@ -175,8 +197,11 @@ def test_tp2_rows_that_join_a_running_batch_answer_what_tp1_answers_alone(server
     tp1, tp2 = servers["tp1"], servers["tp2"]
 
     def body(prompt, max_new, seed):
-        return dict(input_ids=prompt, return_logprob=True,
-                    sampling_params={"max_new_tokens": max_new, "ignore_eos": True, "sampling_seed": seed})
+        return dict(
+            input_ids=prompt,
+            return_logprob=True,
+            sampling_params={"max_new_tokens": max_new, "ignore_eos": True, "sampling_seed": seed},
+        )
 
     def stats():
         return httpx.get(f"{tp2.url}/get_server_info", timeout=10).json()["engine_stats"]
@@ -203,9 +228,12 @@ def test_tp2_rows_that_join_a_running_batch_answer_what_tp1_answers_alone(server
     for b, result in zip(bodies, joined):
         alone = post(tp1, "/generate", **b)
         assert result["output_ids"] == alone["output_ids"]
-        torch.testing.assert_close(torch.tensor([lp for lp, _, _ in result["meta_info"]["output_token_logprobs"]]),
-                                   torch.tensor([lp for lp, _, _ in alone["meta_info"]["output_token_logprobs"]]),
-                                   atol=TOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor([lp for lp, _, _ in result["meta_info"]["output_token_logprobs"]]),
+            torch.tensor([lp for lp, _, _ in alone["meta_info"]["output_token_logprobs"]]),
+            atol=TOL,
+            rtol=0,
+        )
 
 
 def test_layout_endpoint_slices_tile_each_full_tensor(servers, tiny_model_path):
@@ -225,15 +253,22 @@ def test_layout_endpoint_slices_tile_each_full_tensor(servers, tiny_model_path):
 def _modified(tiny_model_path, scale: float, seed: int, where=("layers.1", "lm_head", "embed_tokens")):
     generator = torch.Generator().manual_seed(seed)
     state = load_file(str(tiny_model_path / "model.safetensors"))
-    return {n: t + scale * torch.randn(t.shape, generator=generator) for n, t in state.items() if any(w in n for w in where)}
+    return {
+        n: t + scale * torch.randn(t.shape, generator=generator) for n, t in state.items() if any(w in n for w in where)
+    }
 
 
 def test_tensor_update_changes_tp2_logprobs_to_what_tp1_gives(servers, tiny_model_path):
     before = logprobs(servers["tp2"])
     new = _modified(tiny_model_path, 0.05, seed=1)
     for key in ("tp1", "tp2"):  # one flattened bucket, one entry: every rank reads it
-        reply = post(servers[key], "/update_weights_from_tensor", load_format="flattened_bucket", weight_version="v1",
-                     serialized_named_tensors=[serialize_flattened_bucket(list(new.items()))])
+        reply = post(
+            servers[key],
+            "/update_weights_from_tensor",
+            load_format="flattened_bucket",
+            weight_version="v1",
+            serialized_named_tensors=[serialize_flattened_bucket(list(new.items()))],
+        )
         assert reply["success"], reply
     after = logprobs(servers["tp2"])
     assert not torch.allclose(before[0][0], after[0][0])
@@ -244,22 +279,42 @@ def test_per_rank_entries_are_read_by_their_rank(servers, tiny_model_path):
     """SGLang's rule: rank r reads entry r. Different entries give each rank a different source, so
     the engine ends up with rank 0's slice of entry 0 next to rank 1's slice of entry 1."""
     name = "model.layers.0.self_attn.q_proj.weight"  # split on dim 0: rows 0-31 on rank 0, 32-63 on rank 1
-    first, second = _modified(tiny_model_path, 0.1, seed=2, where=(name,)), _modified(tiny_model_path, 0.1, seed=3, where=(name,))
+    first, second = (
+        _modified(tiny_model_path, 0.1, seed=2, where=(name,)),
+        _modified(tiny_model_path, 0.1, seed=3, where=(name,)),
+    )
     mixed = torch.cat([first[name][:32], second[name][32:]])
-    post(servers["tp2"], "/update_weights_from_tensor", serialized_named_tensors=[
-        serialize_named_tensors([(name, first[name])]), serialize_named_tensors([(name, second[name])])])
-    post(servers["tp1"], "/update_weights_from_tensor", serialized_named_tensors=[serialize_named_tensors([(name, mixed)])])
+    post(
+        servers["tp2"],
+        "/update_weights_from_tensor",
+        serialized_named_tensors=[
+            serialize_named_tensors([(name, first[name])]),
+            serialize_named_tensors([(name, second[name])]),
+        ],
+    )
+    post(
+        servers["tp1"],
+        "/update_weights_from_tensor",
+        serialized_named_tensors=[serialize_named_tensors([(name, mixed)])],
+    )
     assert_same(logprobs(servers["tp1"]), logprobs(servers["tp2"]))
 
 
-@pytest.mark.parametrize("bad, needle", [
-    ([("model.norm.weight", torch.ones(64)), ("no.such.weight", torch.ones(3))], "no.such.weight"),
-    ([("model.norm.weight", torch.ones(64)), ("lm_head.weight", torch.ones(3, 64))], "lm_head.weight"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ([("model.norm.weight", torch.ones(64)), ("no.such.weight", torch.ones(3))], "no.such.weight"),
+        ([("model.norm.weight", torch.ones(64)), ("lm_head.weight", torch.ones(3, 64))], "lm_head.weight"),
+    ],
+)
 def test_bad_update_is_refused_naming_the_tensor_and_nothing_is_written(servers, bad, needle):
     before = logprobs(servers["tp2"])
-    reply = post(servers["tp2"], "/update_weights_from_tensor", status=400,
-                 serialized_named_tensors=[serialize_named_tensors(bad)])
+    reply = post(
+        servers["tp2"],
+        "/update_weights_from_tensor",
+        status=400,
+        serialized_named_tensors=[serialize_named_tensors(bad)],
+    )
     assert needle in reply["message"] and "nothing was written" in reply["message"]
     assert_same(before, logprobs(servers["tp2"]), tol=0)
 

@@ -100,15 +100,17 @@ def fresh(stubs):
 
 @pytest.fixture(scope="module")
 def rr_router(stubs, tmp_path_factory):
-    with RouterProcess([stubs[0].url, stubs[1].url], policy="round_robin",
-                       log_path=tmp_path_factory.mktemp("router") / "rr.log") as router:
+    with RouterProcess(
+        [stubs[0].url, stubs[1].url], policy="round_robin", log_path=tmp_path_factory.mktemp("router") / "rr.log"
+    ) as router:
         yield router
 
 
 @pytest.fixture(scope="module")
 def key_router(stubs, tmp_path_factory):
-    with RouterProcess([stubs[2].url], api_key=KEY, policy="round_robin",
-                       log_path=tmp_path_factory.mktemp("router") / "key.log") as router:
+    with RouterProcess(
+        [stubs[2].url], api_key=KEY, policy="round_robin", log_path=tmp_path_factory.mktemp("router") / "key.log"
+    ) as router:
         yield router
 
 
@@ -153,7 +155,9 @@ def test_two_routers_on_one_machine(rr_router, key_router):
     assert rr_router.alive() and key_router.alive()
     assert rr_router.prometheus_port != key_router.prometheus_port
     assert generate(rr_router.url, {"input_ids": [1]}).status_code == 200
-    assert generate(key_router.url, {"input_ids": [1]}, headers={"Authorization": f"Bearer {KEY}"}).json()["text"] == "w2"
+    assert (
+        generate(key_router.url, {"input_ids": [1]}, headers={"Authorization": f"Bearer {KEY}"}).json()["text"] == "w2"
+    )
 
 
 def test_api_key_guards_the_router_and_reaches_workers(key_router, fresh):
@@ -197,9 +201,16 @@ def test_dead_worker_fails_the_request_when_router_retries_are_off(stubs, tmp_pa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    doomed = subprocess.Popen([sys.executable, "-c", f"from tests.test_router import serve_stub_process; "
-                               f"serve_stub_process('doomed', {port})"], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    doomed = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from tests.test_router import serve_stub_process; serve_stub_process('doomed', {port})",
+        ],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     doomed_url = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -209,12 +220,20 @@ def test_dead_worker_fails_the_request_when_router_retries_are_off(stubs, tmp_pa
             except httpx.TransportError:
                 assert doomed.poll() is None, "the stub worker process died at start"
                 time.sleep(0.05)
-        with RouterProcess([stubs[0].url, doomed_url], policy="round_robin", health_check_interval_s=1,
-                           health_failure_threshold=1, log_path=tmp_path / "r.log") as router:
+        with RouterProcess(
+            [stubs[0].url, doomed_url],
+            policy="round_robin",
+            health_check_interval_s=1,
+            health_failure_threshold=1,
+            log_path=tmp_path / "r.log",
+        ) as router:
             results = []
-            slow = [threading.Thread(target=lambda: results.append(generate(router.url, {"input_ids": [1],
-                                                                                          "rid": "sleep-1.5"})))
-                    for _ in range(2)]  # round robin: one on each worker
+            slow = [
+                threading.Thread(
+                    target=lambda: results.append(generate(router.url, {"input_ids": [1], "rid": "sleep-1.5"}))
+                )
+                for _ in range(2)
+            ]  # round robin: one on each worker
             for t in slow:
                 t.start()
             time.sleep(0.5)

@@ -66,13 +66,22 @@ def served(moe_paths):
 
     engine = GenerationEngine(str(moe_paths[0]), max_batch_size=16, seed=0)
     try:
-        body = {"input_ids": PROMPTS, "return_logprob": True, "return_routed_experts": True,
-                "sampling_params": {"n": 2, "max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3}}
+        body = {
+            "input_ids": PROMPTS,
+            "return_logprob": True,
+            "return_routed_experts": True,
+            "sampling_params": {"n": 2, "max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3},
+        }
         call = parse_generate(body, engine)
         results = [f.result(timeout=120) for f in engine.submit(call.requests)]
         items = [output_item(r, q, call, str) for r, q in zip(results, call.requests)]
-        return {"items": items, "results": results, "requests": call.requests,
-                "layers": engine.model.config.num_hidden_layers, "top_k": engine.model.config.num_experts_per_tok}
+        return {
+            "items": items,
+            "results": results,
+            "requests": call.requests,
+            "layers": engine.model.config.num_hidden_layers,
+            "top_k": engine.model.config.num_experts_per_tok,
+        }
     finally:
         engine.close()
 
@@ -109,17 +118,21 @@ def test_routed_experts_start_len_http_route_and_dense_model_refusal(moe_paths, 
     from fastapi.testclient import TestClient
 
     from megarl.models.tiny import build_tiny_checkpoint
-    from megarl.wire import routing
     from megarl.rollout.engine.generation import GenerationEngine
-    from megarl.rollout.server.generate_input import parse_generate
-    from megarl.rollout.server.generate_output import output_item
     from megarl.rollout.engine.protocol import InvalidRequest
     from megarl.rollout.server.app import create_app
+    from megarl.rollout.server.generate_input import parse_generate
+    from megarl.rollout.server.generate_output import output_item
+    from megarl.wire import routing
 
     engine = GenerationEngine(str(moe_paths[0]), seed=0)
     try:
-        body = {"input_ids": PROMPTS[0], "return_routed_experts": True, "routed_experts_start_len": 3,
-                "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        body = {
+            "input_ids": PROMPTS[0],
+            "return_routed_experts": True,
+            "routed_experts_start_len": 3,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        }
         whole = dict(body, routed_experts_start_len=0)
         items = []
         for b in (body, whole):
@@ -129,11 +142,12 @@ def test_routed_experts_start_len_http_route_and_dense_model_refusal(moe_paths, 
         (cut, result), (full, _) = items
         tokens = len(PROMPTS[0]) + len(result.output_ids) - 1
         whole_records = routing.decode(full["meta_info"]["routed_experts"], tokens)
-        np.testing.assert_array_equal(routing.decode(cut["meta_info"]["routed_experts"], tokens - 3),
-                                      whole_records[3:])
+        np.testing.assert_array_equal(routing.decode(cut["meta_info"]["routed_experts"], tokens - 3), whole_records[3:])
         http = TestClient(create_app(engine)).post("/generate", json=whole).json()  # the server's route
-        np.testing.assert_array_equal(routing.decode(http["meta_info"]["routed_experts"], tokens),
-                                      routing.decode(full["meta_info"]["routed_experts"], tokens))
+        np.testing.assert_array_equal(
+            routing.decode(http["meta_info"]["routed_experts"], tokens),
+            routing.decode(full["meta_info"]["routed_experts"], tokens),
+        )
     finally:
         engine.close()
     dense = GenerationEngine(str(build_tiny_checkpoint(tmp_path / "dense", seed=0, preset="tiny-qwen3")))
@@ -150,8 +164,9 @@ def served_batch(served):
     from megarl.rollout.client.client import GenerateOutput
     from megarl.rollout.client.manager import rows_to_batch
 
-    rows = [(req.input_ids, GenerateOutput.from_response(item))
-            for item, req in zip(served["items"], served["requests"])]
+    rows = [
+        (req.input_ids, GenerateOutput.from_response(item)) for item, req in zip(served["items"], served["requests"])
+    ]
     return rows_to_batch(rows, routed_experts=True)
 
 
@@ -159,10 +174,18 @@ def _engine(model_path, replay: bool, train: bool = False, parallel=None, packed
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
-    engine = MegatronEngine(EngineSpec(
-        model_path=str(model_path), parallel=parallel or ParallelConfig(), micro_batch_size=3, seed=1,
-        optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0) if train else None,
-        pack_sequences=packed, routing_replay=replay, recompute=recompute))
+    engine = MegatronEngine(
+        EngineSpec(
+            model_path=str(model_path),
+            parallel=parallel or ParallelConfig(),
+            micro_batch_size=3,
+            seed=1,
+            optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0) if train else None,
+            pack_sequences=packed,
+            routing_replay=replay,
+            recompute=recompute,
+        )
+    )
     engine.initialize()
     return engine
 
@@ -205,8 +228,12 @@ def _train_on_rank(rank, model_path, batch):
             return loss, mask.sum(), {}
 
         metrics = engine.train_mini_batch(batch, loss_fn)
-        out[recompute] = {"grad_norm": metrics["actor/grad_norm"], "before": before, "after": gates(),
-                          "log_probs": torch.cat(seen)}
+        out[recompute] = {
+            "grad_norm": metrics["actor/grad_norm"],
+            "before": before,
+            "after": gates(),
+            "log_probs": torch.cat(seen),
+        }
     return out
 
 
@@ -222,13 +249,13 @@ def hf_forced_log_probs(model_path, batch) -> torch.Tensor:
     out = torch.zeros(batch["response_mask"].shape, dtype=torch.float64)
     for i in range(len(batch)):
         P, R = int(batch["prompt_lengths"][i]), int(batch["response_mask"][i].sum())
-        ids = batch["input_ids"][i, :P + R]
-        forced = batch["routed_experts"][i, :P + R].long().view(P + R, layers, k)
+        ids = batch["input_ids"][i, : P + R]
+        forced = batch["routed_experts"][i, : P + R].long().view(P + R, layers, k)
         for layer, block in enumerate(model.model.layers):
             block.mlp.forward = _forced_moe(block.mlp, forced[:, layer])
         with torch.no_grad():
             logp = torch.log_softmax(model(ids[None]).logits[0], -1)
-        out[i, :R] = logp[P - 1:P + R - 1].gather(1, ids[P:, None])[:, 0]
+        out[i, :R] = logp[P - 1 : P + R - 1].gather(1, ids[P:, None])[:, 0]
     return out
 
 
@@ -243,6 +270,7 @@ def _forced_moe(block, forced):
         every = torch.stack([expert(h) for expert in block.experts], 1)  # [tokens, experts, hidden]
         chosen = every.gather(1, index[..., None].expand(-1, -1, h.shape[-1]))
         return (weights[..., None] * chosen).sum(1).view_as(hidden), logits
+
     return forward
 
 
@@ -252,9 +280,14 @@ def one_rank(moe_paths, served):
     and with replay, packed and right-padded; the server's own checkpoint without and with replay."""
     batch = served_batch(served)
     out = run_ranks(_log_probs_on_rank, 1, [moe_paths[1], moe_paths[0]], batch, {})[0]
-    return {"batch": batch, "free": out[(0, "packed", False)], "replayed": out[(0, "packed", True)],
-            "padded": out[(0, "padded", True)], "same_free": out[(1, "packed", False)],
-            "same_replayed": out[(1, "packed", True)]}
+    return {
+        "batch": batch,
+        "free": out[(0, "packed", False)],
+        "replayed": out[(0, "packed", True)],
+        "padded": out[(0, "padded", True)],
+        "same_free": out[(1, "packed", False)],
+        "same_replayed": out[(1, "packed", True)],
+    }
 
 
 def _diff(a, b, mask):
@@ -289,17 +322,21 @@ def test_replay_removes_the_routing_mismatch(one_rank, capsys):
     mask, rollout = b["response_mask"], b["rollout_log_probs"]
     assert _diff(one_rank["same_free"], rollout, mask) < 1e-5
     assert _diff(one_rank["same_replayed"], rollout, mask) < 1e-5
-    owner = SimpleNamespace(weight_version=1, cfg=SimpleNamespace(bridge=SimpleNamespace(
-        parity_atol=1e-2, parity_rows_off=1.0, check_parity=False)))
+    owner = SimpleNamespace(
+        weight_version=1,
+        cfg=SimpleNamespace(bridge=SimpleNamespace(parity_atol=1e-2, parity_rows_off=1.0, check_parity=False)),
+    )
     metrics = {}
     for name in ("free", "replayed"):
         rows = b.select("response_mask", "rollout_log_probs")
         rows["old_log_probs"] = one_rank[name]
-        metrics[name] = {**SyncTrainer._check_parity(owner, rows, step=0),
-                         **{k: float(v) for k, v in mismatch_metrics(one_rank[name], rollout, mask).items()},
-                         "k3_kl": float(masked_mean(kl_penalty(rollout, one_rank[name], "k3"), mask))}
+        metrics[name] = {
+            **SyncTrainer._check_parity(owner, rows, step=0),
+            **{k: float(v) for k, v in mismatch_metrics(one_rank[name], rollout, mask).items()},
+            "k3_kl": float(masked_mean(kl_penalty(rollout, one_rank[name], "k3"), mask)),
+        }
     with capsys.disabled():
-        print("\nrouting replay, server vs trainer (router weights + N(0, %g)):" % NOISE)
+        print(f"\nrouting replay, server vs trainer (router weights + N(0, {NOISE:g})):")
         for name, m in metrics.items():
             print(f"  {name:9s} " + ", ".join(f"{k}={v:.3g}" for k, v in sorted(m.items())))
     free, replayed = metrics["free"], metrics["replayed"]
@@ -353,8 +390,15 @@ def test_generation_rounds_pad_routed_experts_with_no_record():
     from megarl.data.batch import Batch
     from megarl.trainer.dynamic_sampling import _concat
 
-    parts = [Batch({"input_ids": torch.ones(2, T, dtype=torch.long),
-                    "routed_experts": torch.full((2, T, 4), 3, dtype=torch.int16)}) for T in (3, 5)]
+    parts = [
+        Batch(
+            {
+                "input_ids": torch.ones(2, T, dtype=torch.long),
+                "routed_experts": torch.full((2, T, 4), 3, dtype=torch.int16),
+            }
+        )
+        for T in (3, 5)
+    ]
     rows = _concat(parts)
     assert rows["routed_experts"].shape == (4, 5, 4) and rows["input_ids"].shape == (4, 5)
     assert (rows["routed_experts"][:2, 3:] == -1).all() and (rows["routed_experts"][:2, :3] == 3).all()

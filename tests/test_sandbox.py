@@ -39,9 +39,9 @@ def test_runs_a_program_and_reports_both_isolation_layers():
     assert result.isolation == {"netns": True, "seccomp": True}  # this machine has both
 
 
-@pytest.mark.parametrize("isolation,error", [("netns", "Network is unreachable"),
-                                             ("seccomp", "Operation not permitted"),
-                                             ("auto", "")])
+@pytest.mark.parametrize(
+    "isolation,error", [("netns", "Network is unreachable"), ("seccomp", "Operation not permitted"), ("auto", "")]
+)
 def test_network_refused_by_each_layer(listening_port, isolation, error):
     result = run_python(CONNECT.format(port=listening_port), SandboxLimits(isolation=isolation))
     assert result.exit_code == 1 and "connected" not in result.stdout
@@ -63,8 +63,16 @@ def test_the_child_refuses_to_run_the_program_when_the_required_layer_is_missing
     program = tmp_path / "program.py"
     program.write_text(f"open({str(marker)!r}, 'w').write('x')")
     r, w = os.pipe()
-    cfg = {"program": str(program), "status_fd": w, "netns": False, "seccomp": False, "require": ["netns"],
-           "cpu_s": 5, "memory_bytes": 2**29, "file_bytes": 2**20}
+    cfg = {
+        "program": str(program),
+        "status_fd": w,
+        "netns": False,
+        "seccomp": False,
+        "require": ["netns"],
+        "cpu_s": 5,
+        "memory_bytes": 2**29,
+        "file_bytes": 2**20,
+    }
     code = subprocess.call([sys.executable, "-I", str(CHILD), json.dumps(cfg)], pass_fds=(w,))
     os.close(w)
     with os.fdopen(r) as status:

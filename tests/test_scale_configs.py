@@ -45,8 +45,12 @@ def test_show_config_accepts_scale_config_without_weights_gpu_or_sglang(name, mo
     shown = yaml.safe_load(out)
     want = SCALE[name]
     p = shown["actor"]["parallel"]
-    assert (shown["cluster"]["num_actor_ranks"], p["tp"], p["pp"], p["ep"]) == \
-        (want["world"], want["tp"], want["pp"], want["ep"])
+    assert (shown["cluster"]["num_actor_ranks"], p["tp"], p["pp"], p["ep"]) == (
+        want["world"],
+        want["tp"],
+        want["pp"],
+        want["ep"],
+    )
     assert shown["rollout"]["backend"] == "sglang" and p["sequence_parallel"] is True
     model_dir = ROOT / shown["model"]["path"]
     assert sorted(f.name for f in model_dir.iterdir() if f.suffix != ".md") == ["config.json"]  # no weights
@@ -59,27 +63,63 @@ def test_show_config_accepts_scale_config_without_weights_gpu_or_sglang(name, mo
     assert shown["cluster"]["devices_per_node"] % (r["tp"] // r["nnodes"]) == 0
 
 
-@pytest.mark.parametrize("name,overrides,key,says", [
-    # pp that splits no layer count: 61 layers (prime) need first/last_stage_layers for pp=16
-    ("deepseek-v3-671b.yaml", ["actor.parallel.first_stage_layers=null", "actor.parallel.last_stage_layers=null"],
-     "actor.parallel.pp", "does not divide model.num_hidden_layers=61"),
-    ("deepseek-v3-671b.yaml", ["actor.parallel.last_stage_layers=1"], "actor.parallel.first_stage_layers",
-     "leave 57 of model.num_hidden_layers=61 layers for 14 middle pipeline stages"),
-    # an SGLang engine whose attention ranks do not divide the 128 heads
-    ("deepseek-v3-671b.yaml", ["rollout.tp=24", "rollout.nnodes=3", "rollout.dp=1", "rollout.ep=8",
-                               "rollout.num_servers=10"], "rollout.tp", "do not divide model.num_attention_heads=128"),
-    # tp that does not divide the 4 key-value heads
-    ("qwen3-235b-a22b.yaml", ["actor.parallel.tp=8", "cluster.num_actor_ranks=256"], "actor.parallel.tp",
-     "does not divide model.num_key_value_heads=4"),
-    # ep that does not divide the 128 experts (it does divide the 12 ranks of a stage)
-    ("qwen3-235b-a22b.yaml", ["cluster.num_actor_ranks=96", "actor.parallel.ep=12", "rollout.num_servers=12"],
-     "actor.parallel.ep", "does not divide model.num_experts=128"),
-    ("qwen3-30b-a3b.yaml", ["cluster.num_actor_ranks=10", "actor.parallel.pp=5", "actor.parallel.ep=1",
-                            "actor.ppo_mini_batch_size=64"], "actor.parallel.pp", "does not divide model.num_hidden_layers=48"),
-    # a tensor-parallel group spanning nodes
-    ("qwen3-30b-a3b.yaml", ["actor.parallel.tp=4", "cluster.devices_per_node=2"], "actor.parallel.tp",
-     "does not divide cluster.devices_per_node=2"),
-])
+@pytest.mark.parametrize(
+    "name,overrides,key,says",
+    [
+        # pp that splits no layer count: 61 layers (prime) need first/last_stage_layers for pp=16
+        (
+            "deepseek-v3-671b.yaml",
+            ["actor.parallel.first_stage_layers=null", "actor.parallel.last_stage_layers=null"],
+            "actor.parallel.pp",
+            "does not divide model.num_hidden_layers=61",
+        ),
+        (
+            "deepseek-v3-671b.yaml",
+            ["actor.parallel.last_stage_layers=1"],
+            "actor.parallel.first_stage_layers",
+            "leave 57 of model.num_hidden_layers=61 layers for 14 middle pipeline stages",
+        ),
+        # an SGLang engine whose attention ranks do not divide the 128 heads
+        (
+            "deepseek-v3-671b.yaml",
+            ["rollout.tp=24", "rollout.nnodes=3", "rollout.dp=1", "rollout.ep=8", "rollout.num_servers=10"],
+            "rollout.tp",
+            "do not divide model.num_attention_heads=128",
+        ),
+        # tp that does not divide the 4 key-value heads
+        (
+            "qwen3-235b-a22b.yaml",
+            ["actor.parallel.tp=8", "cluster.num_actor_ranks=256"],
+            "actor.parallel.tp",
+            "does not divide model.num_key_value_heads=4",
+        ),
+        # ep that does not divide the 128 experts (it does divide the 12 ranks of a stage)
+        (
+            "qwen3-235b-a22b.yaml",
+            ["cluster.num_actor_ranks=96", "actor.parallel.ep=12", "rollout.num_servers=12"],
+            "actor.parallel.ep",
+            "does not divide model.num_experts=128",
+        ),
+        (
+            "qwen3-30b-a3b.yaml",
+            [
+                "cluster.num_actor_ranks=10",
+                "actor.parallel.pp=5",
+                "actor.parallel.ep=1",
+                "actor.ppo_mini_batch_size=64",
+            ],
+            "actor.parallel.pp",
+            "does not divide model.num_hidden_layers=48",
+        ),
+        # a tensor-parallel group spanning nodes
+        (
+            "qwen3-30b-a3b.yaml",
+            ["actor.parallel.tp=4", "cluster.devices_per_node=2"],
+            "actor.parallel.tp",
+            "does not divide cluster.devices_per_node=2",
+        ),
+    ],
+)
 def test_show_config_rejects_broken_variant_naming_the_key(name, overrides, key, says, monkeypatch, capsys):
     rc, out, err = run_cli(monkeypatch, capsys, "show-config", f"configs/{name}", *overrides)
     assert rc == 2 and out == ""
@@ -98,21 +138,34 @@ def test_hf_configs_load_and_mbridge_knows_them():
     from mbridge.core.bridge import _MODEL_REGISTRY
     from transformers import AutoConfig
 
-    for name, arch in (("deepseek-v3", "deepseek_v3"), ("qwen3-235b-a22b", "qwen3_moe"), ("qwen3-30b-a3b", "qwen3_moe")):
+    for name, arch in (
+        ("deepseek-v3", "deepseek_v3"),
+        ("qwen3-235b-a22b", "qwen3_moe"),
+        ("qwen3-30b-a3b", "qwen3_moe"),
+    ):
         c = AutoConfig.from_pretrained(ROOT / "configs" / "models" / name)
         assert c.model_type == arch and arch in _MODEL_REGISTRY
     ds = AutoConfig.from_pretrained(ROOT / "configs" / "models" / "deepseek-v3")
-    assert (ds.hidden_size, ds.num_hidden_layers, ds.n_routed_experts, ds.first_k_dense_replace,
-            ds.q_lora_rank, ds.kv_lora_rank) == (7168, 61, 256, 3, 1536, 512)
+    assert (
+        ds.hidden_size,
+        ds.num_hidden_layers,
+        ds.n_routed_experts,
+        ds.first_k_dense_replace,
+        ds.q_lora_rank,
+        ds.kv_lora_rank,
+    ) == (7168, 61, 256, 3, 1536, 512)
 
 
-@pytest.mark.parametrize("fields,key,says", [
-    (dict(pp=1, first_stage_layers=2), "first_stage_layers", "needs actor.parallel.pp > 1"),
-    (dict(pp=4, vpp=2, first_stage_layers=3), "first_stage_layers", "multiple of actor.parallel.vpp=2"),
-    (dict(pp=2, first_stage_layers=40, last_stage_layers=40), "first_stage_layers", "exceed"),
-    (dict(pp=2, first_stage_layers=20, last_stage_layers=20), "first_stage_layers", "must add up to"),
-    (dict(pp=4, vpp=2, first_stage_layers=2, last_stage_layers=2), "vpp", "does not divide the 23 layers"),
-])
+@pytest.mark.parametrize(
+    "fields,key,says",
+    [
+        (dict(pp=1, first_stage_layers=2), "first_stage_layers", "needs actor.parallel.pp > 1"),
+        (dict(pp=4, vpp=2, first_stage_layers=3), "first_stage_layers", "multiple of actor.parallel.vpp=2"),
+        (dict(pp=2, first_stage_layers=40, last_stage_layers=40), "first_stage_layers", "exceed"),
+        (dict(pp=2, first_stage_layers=20, last_stage_layers=20), "first_stage_layers", "must add up to"),
+        (dict(pp=4, vpp=2, first_stage_layers=2, last_stage_layers=2), "vpp", "does not divide the 23 layers"),
+    ],
+)
 def test_uneven_split_rules(fields, key, says):
     from megarl.config.schema import ParallelConfig
 
@@ -135,15 +188,21 @@ def _uneven_on_rank(rank, paths):
 
     out = {}
     for name, first in (("qwen3_moe", 1), ("deepseek_v3", 2)):
-        spec = EngineSpec(model_path=str(paths[name]), seed=1, micro_batch_size=2,
-                          parallel=ParallelConfig(pp=2, first_stage_layers=first, sequence_parallel=False))
+        spec = EngineSpec(
+            model_path=str(paths[name]),
+            seed=1,
+            micro_batch_size=2,
+            parallel=ParallelConfig(pp=2, first_stage_layers=first, sequence_parallel=False),
+        )
         engine = MegatronEngine(spec)
         engine.initialize()
         logp = engine.compute_log_prob(make_rows())
         weights = {k: v.clone() for k, v in engine.export_weights()}  # a collective: every rank
-        out[name] = {"layers": [layer.layer_number for layer in engine.model[0].decoder.layers],
-                     "log_probs": None if logp is None else logp["log_probs"],
-                     "weights": weights if rank == 0 else None}
+        out[name] = {
+            "layers": [layer.layer_number for layer in engine.model[0].decoder.layers],
+            "log_probs": None if logp is None else logp["log_probs"],
+            "weights": weights if rank == 0 else None,
+        }
         ps.destroy_model_parallel()
     return out
 
@@ -153,8 +212,10 @@ def uneven_results(tmp_path_factory):
     from megarl.models.tiny import build_tiny_checkpoint
 
     base = tmp_path_factory.mktemp("uneven")
-    paths = {"qwen3_moe": build_tiny_checkpoint(base / "qwen3-moe", seed=0, num_hidden_layers=3),
-             "deepseek_v3": build_tiny_checkpoint(base / "deepseek-v3", seed=0, preset="tiny-deepseek-v3")}
+    paths = {
+        "qwen3_moe": build_tiny_checkpoint(base / "qwen3-moe", seed=0, num_hidden_layers=3),
+        "deepseek_v3": build_tiny_checkpoint(base / "deepseek-v3", seed=0, preset="tiny-deepseek-v3"),
+    }
     return paths, run_ranks(_uneven_on_rank, 2, paths, timeout=180)
 
 

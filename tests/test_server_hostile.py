@@ -56,15 +56,30 @@ def server(tiny_model_path, tmp_path_factory):
     (weights / "garbage").mkdir()
     (weights / "garbage" / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{bad json")
     (weights / "empty").mkdir()
-    spec = EngineNodeSpec(backend="embedded", model_path=str(tiny_model_path), engine=0, max_batch_size=4,
-                          log_path=str(run_dir / "rollout_server_0.log"), startup_timeout_s=120,
-                          weight_dirs=(str(weights),), max_body_mb=MAX_BODY_MB)
+    spec = EngineNodeSpec(
+        backend="embedded",
+        model_path=str(tiny_model_path),
+        engine=0,
+        max_batch_size=4,
+        log_path=str(run_dir / "rollout_server_0.log"),
+        startup_timeout_s=120,
+        weight_dirs=(str(weights),),
+        max_body_mb=MAX_BODY_MB,
+    )
     launcher = EngineLauncher(spec, api_key=KEY)
     url = launcher.start()
     try:
         with httpx.Client(base_url=url, timeout=TIMEOUT_S, headers=AUTH) as client:
-            yield SimpleNamespace(url=url, client=client, launcher=launcher, run_dir=run_dir, weights=weights,
-                                  model=tiny_model_path, markers=outside, before=_state(client))
+            yield SimpleNamespace(
+                url=url,
+                client=client,
+                launcher=launcher,
+                run_dir=run_dir,
+                weights=weights,
+                model=tiny_model_path,
+                markers=outside,
+                before=_state(client),
+            )
     finally:
         launcher.stop()
 
@@ -73,17 +88,35 @@ def _state(client: httpx.Client) -> dict:
     out = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY})
     assert out.status_code == 200, out.text
     info = client.get("/get_server_info").json()
-    return {"output_ids": out.json()["output_ids"], "weight_version": info["weight_version"],
-            "paused": info["paused"], "weights_ready": info["weights_ready"], "model_path": info["model_path"]}
+    return {
+        "output_ids": out.json()["output_ids"],
+        "weight_version": info["weight_version"],
+        "paused": info["paused"],
+        "weights_ready": info["weights_ready"],
+        "model_path": info["model_path"],
+    }
 
 
 # ---- the key: every route of the app, so a route added later cannot escape ---------------------------
 def test_every_control_endpoint_is_behind_the_key():
-    control = {"/generate", "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weight_version",
-               "/update_weights_from_distributed", "/update_weights_from_reshard", "/init_weights_update_group",
-               "/destroy_weights_update_group", "/commit_weight_update", "/abort_weight_update",
-               "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
-               "/continue_generation", "/abort_request", "/flush_cache"}
+    control = {
+        "/generate",
+        "/update_weights_from_tensor",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/update_weights_from_distributed",
+        "/update_weights_from_reshard",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/commit_weight_update",
+        "/abort_weight_update",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/pause_generation",
+        "/continue_generation",
+        "/abort_request",
+        "/flush_cache",
+    }
     assert control <= {p for _, p in GUARDED}
     assert {p for _, p in ROUTES} - {p for _, p in GUARDED} == {"/health", "/health_generate"}
 
@@ -91,15 +124,20 @@ def test_every_control_endpoint_is_behind_the_key():
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}], ids=["no-key", "wrong-key"])
 @pytest.mark.parametrize("method,path", GUARDED, ids=[f"{m} {p}" for m, p in GUARDED])
 def test_without_the_key_every_route_answers_401(server, method, path, headers):
-    response = httpx.request(method, server.url + path, json={"tags": ["weights"]}, headers=headers,
-                             timeout=TIMEOUT_S)
+    response = httpx.request(method, server.url + path, json={"tags": ["weights"]}, headers=headers, timeout=TIMEOUT_S)
     assert response.status_code == 401 and KEY not in response.text
 
 
-@pytest.mark.parametrize("value", ["KEY", "Bearer KEYx", "bearer KEY", "Basic KEY", "Bearer  KEY", "Bearer", "Bearer KEY,KEY"])
+@pytest.mark.parametrize(
+    "value", ["KEY", "Bearer KEYx", "bearer KEY", "Basic KEY", "Bearer  KEY", "Bearer", "Bearer KEY,KEY"]
+)
 def test_near_miss_authorization_headers_are_refused(server, value):
-    response = httpx.post(server.url + "/pause_generation", json={}, timeout=TIMEOUT_S,
-                          headers={"Authorization": value.replace("KEY", KEY)})
+    response = httpx.post(
+        server.url + "/pause_generation",
+        json={},
+        timeout=TIMEOUT_S,
+        headers={"Authorization": value.replace("KEY", KEY)},
+    )
     assert response.status_code == 401
 
 
@@ -115,10 +153,19 @@ def test_a_keyless_body_of_any_size_is_never_read():
         sent.append(message)
 
     def call(app, headers):
-        scope = {"type": "http", "http_version": "1.1", "method": "POST", "path": "/update_weights_from_tensor",
-                 "raw_path": b"/update_weights_from_tensor", "root_path": "", "scheme": "http", "query_string": b"",
-                 "headers": [(b"transfer-encoding", b"chunked"), *headers], "client": ("127.0.0.1", 1),
-                 "server": ("127.0.0.1", 2)}
+        scope = {
+            "type": "http",
+            "http_version": "1.1",
+            "method": "POST",
+            "path": "/update_weights_from_tensor",
+            "raw_path": b"/update_weights_from_tensor",
+            "root_path": "",
+            "scheme": "http",
+            "query_string": b"",
+            "headers": [(b"transfer-encoding", b"chunked"), *headers],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+        }
         reads.clear(), sent.clear()
         asyncio.run(app(scope, receive, send))
         return sent[0]["status"], len(reads)
@@ -138,8 +185,11 @@ def _evil(kind, flattened):
     def body(s):
         thing = kind(s.markers / f"pwned-{kind.__name__}-{flattened}")
         obj = {"flattened_tensor": thing, "metadata": []} if flattened else [("lm_head.weight", thing)]
-        return {"serialized_named_tensors": [base64.b64encode(pickle.dumps(obj)).decode()],
-                "load_format": "flattened_bucket" if flattened else None}
+        return {
+            "serialized_named_tensors": [base64.b64encode(pickle.dumps(obj)).decode()],
+            "load_format": "flattened_bucket" if flattened else None,
+        }
+
     return body
 
 
@@ -174,7 +224,11 @@ CASES = {
     "gen/temperature-negative": ("/generate", {"input_ids": PROMPT, "sampling_params": {"temperature": -1}}, 400),
     "gen/temperature-nan": ("/generate", {"input_ids": PROMPT, "sampling_params": {"temperature": "NaN"}}, 400),
     "gen/max_new_tokens-negative": ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": -1}}, 400),
-    "gen/max_new_tokens-absurd": ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10**12}}, 400),
+    "gen/max_new_tokens-absurd": (
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10**12}},
+        400,
+    ),
     "gen/max_new_tokens-float": ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2.5}}, 400),
     "gen/top_p-over-1": ("/generate", {"input_ids": PROMPT, "sampling_params": {"top_p": 2}}, 400),
     "gen/top_k-str": ("/generate", {"input_ids": PROMPT, "sampling_params": {"top_k": "x"}}, 400),
@@ -223,14 +277,26 @@ CASES = {
     "tensor/evil-open-bucket": (T, _evil(_CreatesFile, True), 400),
     "tensor/evil-system-bucket": (T, _evil(_RunsCommand, True), 400),
     "tensor/unknown-name": (T, lambda s: {"serialized_named_tensors": _payload([("bogus.w", torch.zeros(2))])}, 400),
-    "tensor/wrong-shape": (T, lambda s: {"serialized_named_tensors": _payload(
-        [("model.norm.weight", torch.zeros(3))])}, 400),
-    "tensor/bucket-as-list": (T, lambda s: {"serialized_named_tensors": _payload(
-        [("model.norm.weight", torch.zeros(3))], True)}, 400),
-    "tensor/load_format-int": (T, lambda s: {"serialized_named_tensors": _payload([("x", torch.zeros(1))]),
-                                             "load_format": 5}, 400),
-    "tensor/load_format-unknown": (T, lambda s: {"serialized_named_tensors": _payload([("x", torch.zeros(1))]),
-                                                 "load_format": "direct"}, 400),
+    "tensor/wrong-shape": (
+        T,
+        lambda s: {"serialized_named_tensors": _payload([("model.norm.weight", torch.zeros(3))])},
+        400,
+    ),
+    "tensor/bucket-as-list": (
+        T,
+        lambda s: {"serialized_named_tensors": _payload([("model.norm.weight", torch.zeros(3))], True)},
+        400,
+    ),
+    "tensor/load_format-int": (
+        T,
+        lambda s: {"serialized_named_tensors": _payload([("x", torch.zeros(1))]), "load_format": 5},
+        400,
+    ),
+    "tensor/load_format-unknown": (
+        T,
+        lambda s: {"serialized_named_tensors": _payload([("x", torch.zeros(1))]), "load_format": "direct"},
+        400,
+    ),
     "tensor/version-dict": (T, {"serialized_named_tensors": ["AAAA"], "weight_version": {"v": 1}}, 400),
     "tensor/defer-str": (T, {"serialized_named_tensors": ["AAAA"], "defer": "yes"}, 400),
     "tensor/abort-str": (T, {"serialized_named_tensors": ["AAAA"], "abort_all_requests": "yes"}, 400),
@@ -273,10 +339,17 @@ CASES = {
     "destroy/name-dict": ("/destroy_weights_update_group", {"group_name": {"g": 1}}, 400),
     "destroy/unknown": ("/destroy_weights_update_group", {"group_name": "nope"}, 400),
     "dist/name-dict": ("/update_weights_from_distributed", {"group_name": {"g": 1}}, 400),
-    "dist/no-group": ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, 400),
+    "dist/no-group": (
+        "/update_weights_from_distributed",
+        {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]},
+        400,
+    ),
     "dist/names-int": ("/update_weights_from_distributed", {"group_name": "nope", "names": 5}, 400),
-    "dist/shapes-absurd": ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"],
-                                                                "shapes": [[10**15]]}, 400),
+    "dist/shapes-absurd": (
+        "/update_weights_from_distributed",
+        {"names": ["x"], "dtypes": ["float32"], "shapes": [[10**15]]},
+        400,
+    ),
     "dist/defer-str": ("/update_weights_from_distributed", {"defer": "x"}, 400),
     "reshard/missing": ("/update_weights_from_reshard", {}, 400),
     "reshard/name-int": ("/update_weights_from_reshard", {"group_name": 5}, 400),
@@ -293,8 +366,14 @@ CASES = {
     "method/get-disk": ("GET " + D, None, 405),
     "path/unknown": ("/update_weights_from_everywhere", {}, 404),
 }
-NOT_JSON = {"text": b"not json", "truncated": b'{"a": ', "array": b"[1, 2]", "string": b'"s"', "null": b"null",
-            "bad-utf8": b"\xff\xfe{}"}
+NOT_JSON = {
+    "text": b"not json",
+    "truncated": b'{"a": ',
+    "array": b"[1, 2]",
+    "string": b'"s"',
+    "null": b"null",
+    "bad-utf8": b"\xff\xfe{}",
+}
 for _path in POSTS:
     for _name, _raw in NOT_JSON.items():
         CASES[f"{_path.strip('/')}/{_name}"] = (_path, _raw, 400)
@@ -340,8 +419,15 @@ def test_the_key_is_in_no_command_line_and_no_log(server):
 
     router = RouterProcess([server.url], api_key=KEY, log_path=server.run_dir / "router.log")
     with router:
-        assert httpx.post(router.url + "/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY},
-                          headers=AUTH, timeout=TIMEOUT_S).json()["output_ids"] == server.before["output_ids"]
+        assert (
+            httpx.post(
+                router.url + "/generate",
+                json={"input_ids": PROMPT, "sampling_params": GREEDY},
+                headers=AUTH,
+                timeout=TIMEOUT_S,
+            ).json()["output_ids"]
+            == server.before["output_ids"]
+        )
         pids = [server.launcher.server_pid(), router.process.pid]
         processes = [psutil.Process(pid) for pid in pids]
         processes += [child for p in processes for child in p.children(recursive=True)]

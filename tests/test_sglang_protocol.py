@@ -18,7 +18,7 @@ import torch
 
 from megarl.rollout.engine.generation import GenerationEngine
 from megarl.rollout.server.app import create_app
-from megarl.rollout.server.sglang_fields import (GENERATE_FIELDS, OFF_ONLY, SAMPLING_FIELDS, defaults)
+from megarl.rollout.server.sglang_fields import GENERATE_FIELDS, OFF_ONLY, SAMPLING_FIELDS, defaults
 
 torch.set_num_threads(1)
 TOL = 1e-4
@@ -62,8 +62,11 @@ def ref_logprobs(model, ids, temperature=0.0):
 
 # ---- every field --------------------------------------------------------------------------------
 def test_every_sglang_field_at_its_default_is_accepted(client):
-    body = {**defaults(GENERATE_FIELDS), "input_ids": PROMPT,
-            "sampling_params": {**defaults(SAMPLING_FIELDS), "max_new_tokens": 4}}
+    body = {
+        **defaults(GENERATE_FIELDS),
+        "input_ids": PROMPT,
+        "sampling_params": {**defaults(SAMPLING_FIELDS), "max_new_tokens": 4},
+    }
     out = generate(client, **body)
     assert len(out["output_ids"]) <= 4 and out["meta_info"]["prompt_tokens"] == len(PROMPT)
     assert set(body) == set(GENERATE_FIELDS) and set(body["sampling_params"]) == set(SAMPLING_FIELDS)
@@ -71,9 +74,18 @@ def test_every_sglang_field_at_its_default_is_accepted(client):
 
 def test_a_body_reserialised_by_sglang_router_is_answered_like_the_plain_one(client):
     plain = {"input_ids": PROMPT, "sampling_params": GREEDY, "return_logprob": True}
-    routed = {**plain, "model": None, "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
-              "return_hidden_states": False, "background": False, "no_logs": False, "return_bytes": False,
-              "return_entropy": False}
+    routed = {
+        **plain,
+        "model": None,
+        "return_text_in_logprobs": False,
+        "stream": False,
+        "log_metrics": True,
+        "return_hidden_states": False,
+        "background": False,
+        "no_logs": False,
+        "return_bytes": False,
+        "return_entropy": False,
+    }
     a, b = generate(client, **plain), generate(client, **routed)
     assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
     assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
@@ -81,10 +93,22 @@ def test_a_body_reserialised_by_sglang_router_is_answered_like_the_plain_one(cli
 
 def test_hints_that_change_nothing_here_accept_any_value(client):
     plain = generate(client, input_ids=PROMPT, sampling_params=GREEDY)
-    hinted = generate(client, input_ids=PROMPT, sampling_params={**GREEDY, "custom_params": {"a": 1}},
-                      priority=7, bootstrap_host="10.0.0.1", bootstrap_room=3, data_parallel_rank=0,
-                      log_metrics=False, no_logs=True, custom_labels={"team": "rl"}, extra_key="k",
-                      routing_key="r", conversation_id="c", background=True)
+    hinted = generate(
+        client,
+        input_ids=PROMPT,
+        sampling_params={**GREEDY, "custom_params": {"a": 1}},
+        priority=7,
+        bootstrap_host="10.0.0.1",
+        bootstrap_room=3,
+        data_parallel_rank=0,
+        log_metrics=False,
+        no_logs=True,
+        custom_labels={"team": "rl"},
+        extra_key="k",
+        routing_key="r",
+        conversation_id="c",
+        background=True,
+    )
     assert hinted["output_ids"] == plain["output_ids"]
 
 
@@ -108,18 +132,21 @@ def test_each_unsupported_sampling_value_is_refused_naming_field_and_value(clien
     assert f"sampling_params.{name}={value!r}" in message and "not supported" in message
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"top_logprob_num": 2}, "did you mean 'top_logprobs_num'"),
-    ({"sampling_params": {"max_tokens": 3}}, "'max_tokens' is not a field of SGLang's sampling_params"),
-    ({"sampling_params": {"min_p": 1.5}}, "sampling_params.min_p=1.5"),
-    ({"sampling_params": {"repetition_penalty": 0}}, "sampling_params.repetition_penalty=0"),
-    ({"sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "min_new_tokens=9"),
-    ({"sampling_params": {"stop_regex": "(unclosed"}}, "stop_regex='(unclosed'"),
-    ({"sampling_params": {"logit_bias": {"99": 1.0}}}, "logit_bias names token ids [99]"),
-    ({"token_ids_logprob": [3, 700]}, "token_ids_logprob names token ids [700]"),
-    ({"return_flat_raw_top_logprobs_b64": True}, "return_flat_raw_top_logprobs_b64"),
-    ({"input_ids": [[2, 3], [2, 4]], "rid": ["a", "a"]}, "rid has duplicates ['a']"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"top_logprob_num": 2}, "did you mean 'top_logprobs_num'"),
+        ({"sampling_params": {"max_tokens": 3}}, "'max_tokens' is not a field of SGLang's sampling_params"),
+        ({"sampling_params": {"min_p": 1.5}}, "sampling_params.min_p=1.5"),
+        ({"sampling_params": {"repetition_penalty": 0}}, "sampling_params.repetition_penalty=0"),
+        ({"sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "min_new_tokens=9"),
+        ({"sampling_params": {"stop_regex": "(unclosed"}}, "stop_regex='(unclosed'"),
+        ({"sampling_params": {"logit_bias": {"99": 1.0}}}, "logit_bias names token ids [99]"),
+        ({"token_ids_logprob": [3, 700]}, "token_ids_logprob names token ids [700]"),
+        ({"return_flat_raw_top_logprobs_b64": True}, "return_flat_raw_top_logprobs_b64"),
+        ({"input_ids": [[2, 3], [2, 4]], "rid": ["a", "a"]}, "rid has duplicates ['a']"),
+    ],
+)
 def test_invalid_values_of_honoured_fields_get_400(client, body, needle):
     body = {"input_ids": PROMPT, **body}
     assert needle in generate(client, 400, **body)["error"]["message"]
@@ -131,12 +158,13 @@ def events(response) -> list:
     blocks = response.text.split("\n\n")
     assert blocks[-1] == "" and all(b.startswith("data: ") for b in blocks[:-1])
     assert blocks[-2] == "data: [DONE]", "the stream must end with [DONE]"
-    return [json.loads(b[len("data: "):]) for b in blocks[:-2]]
+    return [json.loads(b[len("data: ") :]) for b in blocks[:-2]]
 
 
 def test_stream_sends_cumulative_chunks_ending_in_the_non_streamed_answer(client):
-    body = dict(input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 10}, return_logprob=True,
-                top_logprobs_num=2)
+    body = dict(
+        input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 10}, return_logprob=True, top_logprobs_num=2
+    )
     full = generate(client, **body)
     chunks = events(client.post("/generate", json={**body, "stream": True}))
     final = chunks[-1]
@@ -152,8 +180,9 @@ def test_stream_sends_cumulative_chunks_ending_in_the_non_streamed_answer(client
 
 
 def test_batched_stream_with_n_tags_chunks_with_their_prompt_major_index(client):
-    body = dict(input_ids=[PROMPT, [2, 20, 21, 3]], sampling_params={**GREEDY, "n": 2, "max_new_tokens": 5},
-                rid=["p", "q"])
+    body = dict(
+        input_ids=[PROMPT, [2, 20, 21, 3]], sampling_params={**GREEDY, "n": 2, "max_new_tokens": 5}, rid=["p", "q"]
+    )
     full = generate(client, **body)
     chunks = events(client.post("/generate", json={**body, "stream": True}))
     finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"] is not None}
@@ -200,12 +229,20 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(engine):
 # ---- log-prob extras --------------------------------------------------------------------------------
 def test_top_and_chosen_token_logprobs_match_an_independent_forward(client, reference):
     temperature, start, chosen = 0.7, 2, [5, 7, 30]
-    out = generate(client, input_ids=PROMPT, return_logprob=True, logprob_start_len=start, top_logprobs_num=3,
-                   token_ids_logprob=chosen, return_text_in_logprobs=True, return_entropy=True,
-                   sampling_params={"temperature": temperature, "max_new_tokens": 6, "ignore_eos": True})
+    out = generate(
+        client,
+        input_ids=PROMPT,
+        return_logprob=True,
+        logprob_start_len=start,
+        top_logprobs_num=3,
+        token_ids_logprob=chosen,
+        return_text_in_logprobs=True,
+        return_entropy=True,
+        sampling_params={"temperature": temperature, "max_new_tokens": 6, "ignore_eos": True},
+    )
     meta, ids = out["meta_info"], out["output_ids"]
     lp = ref_logprobs(reference, PROMPT + ids, temperature)
-    out_rows, in_rows = lp[len(PROMPT) - 1:-1], lp[start - 1:len(PROMPT) - 1]
+    out_rows, in_rows = lp[len(PROMPT) - 1 : -1], lp[start - 1 : len(PROMPT) - 1]
 
     def check(per_position, rows, expect_ids=None):
         assert len(per_position) == len(rows)
@@ -219,8 +256,12 @@ def test_top_and_chosen_token_logprobs_match_an_independent_forward(client, refe
     check(meta["output_token_ids_logprobs"], out_rows, chosen)
     check(meta["input_token_ids_logprobs"], in_rows, chosen)
     assert [t for _, t, _ in meta["input_token_logprobs"]] == PROMPT[start:]
-    torch.testing.assert_close(torch.tensor([v for v, _, _ in meta["input_token_logprobs"]]),
-                               in_rows.gather(-1, torch.tensor(PROMPT[start:])[:, None])[:, 0], atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([v for v, _, _ in meta["input_token_logprobs"]]),
+        in_rows.gather(-1, torch.tensor(PROMPT[start:])[:, None])[:, 0],
+        atol=TOL,
+        rtol=0,
+    )
     best = meta["output_top_logprobs"][0][0]
     assert best[2] == client.app.state.engine.decode([best[1]], False)  # return_text_in_logprobs
     entropy = -(out_rows.exp() * out_rows).sum(-1)
@@ -228,8 +269,14 @@ def test_top_and_chosen_token_logprobs_match_an_independent_forward(client, refe
 
 
 def test_prompt_only_scoring_with_zero_new_tokens_and_flat_top_logprobs(client, reference):
-    body = dict(input_ids=PROMPT, return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
-                sampling_params={"max_new_tokens": 0}, return_prompt_token_ids=True)
+    body = dict(
+        input_ids=PROMPT,
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+        sampling_params={"max_new_tokens": 0},
+        return_prompt_token_ids=True,
+    )
     nested = generate(client, **body)
     meta = nested["meta_info"]
     assert nested["output_ids"] == [] and meta["output_top_logprobs"] == [] and nested["prompt_token_ids"] == PROMPT
@@ -240,19 +287,26 @@ def test_prompt_only_scoring_with_zero_new_tokens_and_flat_top_logprobs(client, 
     assert "input_top_logprobs" not in flat and flat["input_top_logprobs_null_prefix"] == 1
     assert flat["input_top_logprobs_shape"] == [len(PROMPT) - 1, 2]
     assert flat["input_top_logprobs_idx_flat"] == top.indices.flatten().tolist()
-    b64 = generate(client, **body, return_flat_raw_top_logprobs=True,
-                   return_flat_raw_top_logprobs_b64=True)["meta_info"]
+    b64 = generate(client, **body, return_flat_raw_top_logprobs=True, return_flat_raw_top_logprobs_b64=True)[
+        "meta_info"
+    ]
     values = np.frombuffer(base64.b64decode(b64["input_top_logprobs_val_flat_b64"]), dtype="<f4")
     np.testing.assert_allclose(values, np.array(flat["input_top_logprobs_val_flat"], dtype="<f4"))
-    assert np.frombuffer(base64.b64decode(b64["input_top_logprobs_idx_flat_b64"]), "<i4").tolist() == \
-        flat["input_top_logprobs_idx_flat"]
+    assert (
+        np.frombuffer(base64.b64decode(b64["input_top_logprobs_idx_flat_b64"]), "<i4").tolist()
+        == flat["input_top_logprobs_idx_flat"]
+    )
 
 
 # ---- sampling options ------------------------------------------------------------------------------
 def test_logit_bias_moves_the_greedy_token_and_logprobs_follow_the_biased_logits(client, reference):
     greedy = generate(client, input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 1})["output_ids"][0]
-    out = generate(client, input_ids=PROMPT, return_logprob=True,
-                   sampling_params={**GREEDY, "max_new_tokens": 1, "logit_bias": {str(greedy): -100.0}})
+    out = generate(
+        client,
+        input_ids=PROMPT,
+        return_logprob=True,
+        sampling_params={**GREEDY, "max_new_tokens": 1, "logit_bias": {str(greedy): -100.0}},
+    )
     with torch.no_grad():
         logits = reference(torch.tensor([PROMPT])).logits[0, -1]
     logits[greedy] -= 100.0
@@ -271,12 +325,18 @@ def test_min_new_tokens_holds_off_eos(client):
 
 
 def test_penalties_follow_sglangs_formulas_step_by_step(client, reference):
-    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "repetition_penalty": 1.6,
-              "frequency_penalty": 0.4, "presence_penalty": 0.3}
+    params = {
+        "temperature": 0,
+        "max_new_tokens": 10,
+        "ignore_eos": True,
+        "repetition_penalty": 1.6,
+        "frequency_penalty": 0.4,
+        "presence_penalty": 0.3,
+    }
     out = generate(client, input_ids=PROMPT, return_logprob=True, sampling_params=params)
     ids = out["output_ids"]
     with torch.no_grad():
-        logits = reference(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1:-1]
+        logits = reference(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1 : -1]
     for step, token in enumerate(ids):
         row, counts = logits[step].clone(), torch.bincount(torch.tensor(ids[:step], dtype=torch.long), minlength=64)
         seen = counts > 0
@@ -284,16 +344,22 @@ def test_penalties_follow_sglangs_formulas_step_by_step(client, reference):
         assert token == row.argmax().item(), step
         lp = out["meta_info"]["output_token_logprobs"][step][0]
         assert abs(lp - torch.log_softmax(row, -1)[token].item()) < TOL
-    plain = generate(client, input_ids=PROMPT, sampling_params={**params, "repetition_penalty": 1.0,
-                                                                  "frequency_penalty": 0, "presence_penalty": 0})
+    plain = generate(
+        client,
+        input_ids=PROMPT,
+        sampling_params={**params, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0},
+    )
     assert len(set(ids)) >= len(set(plain["output_ids"]))
 
 
 def test_min_p_keeps_only_tokens_near_the_most_likely(client, reference):
-    out = generate(client, input_ids=PROMPT, sampling_params={"n": 6, "max_new_tokens": 8, "ignore_eos": True,
-                                                              "min_p": 0.9, "temperature": 1.0})
+    out = generate(
+        client,
+        input_ids=PROMPT,
+        sampling_params={"n": 6, "max_new_tokens": 8, "ignore_eos": True, "min_p": 0.9, "temperature": 1.0},
+    )
     for item in out:
-        probs = ref_logprobs(reference, PROMPT + item["output_ids"])[len(PROMPT) - 1:-1].exp()
+        probs = ref_logprobs(reference, PROMPT + item["output_ids"])[len(PROMPT) - 1 : -1].exp()
         for step, token in enumerate(item["output_ids"]):
             assert probs[step, token] >= 0.9 * probs[step].max() - TOL
 
@@ -304,17 +370,23 @@ def test_stop_regex_and_no_stop_trim(client):
     pattern = f"[{re.escape(char)}]"
     cut = generate(client, input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 16, "stop_regex": pattern})
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
-    assert cut["text"] == text[:text.index(char)]
-    kept = generate(client, input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 16, "stop_regex": [pattern],
-                                                               "no_stop_trim": True})
-    assert kept["text"] == text[:text.index(char) + 1]
+    assert cut["text"] == text[: text.index(char)]
+    kept = generate(
+        client,
+        input_ids=PROMPT,
+        sampling_params={**GREEDY, "max_new_tokens": 16, "stop_regex": [pattern], "no_stop_trim": True},
+    )
+    assert kept["text"] == text[: text.index(char) + 1]
 
 
 def test_null_max_new_tokens_means_up_to_the_context_length(client, engine):
     message = generate(client, 400, input_ids=PROMPT, sampling_params={"max_new_tokens": engine.context_length})
     assert "context length" in message["error"]["message"]
-    out = generate(client, input_ids=PROMPT, sampling_params={"max_new_tokens": None, "temperature": 0,
-                                                              "stop_token_ids": list(range(64))})
+    out = generate(
+        client,
+        input_ids=PROMPT,
+        sampling_params={"max_new_tokens": None, "temperature": 0, "stop_token_ids": list(range(64))},
+    )
     assert len(out["output_ids"]) == 1  # accepted (room = context - prompt); stopped by the first token
 
 
@@ -323,11 +395,15 @@ def test_load_weight_version_and_server_info(client, engine):
     assert client.get("/get_weight_version").json() == {"weight_version": engine.weight_version}
     engine.pause("in_place")
     try:
-        threading.Thread(target=client.post, args=("/generate",),
-                         kwargs={"json": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}}).start()
+        threading.Thread(
+            target=client.post,
+            args=("/generate",),
+            kwargs={"json": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}},
+        ).start()
         _wait_for(lambda: engine.pending() == 1)
-        assert client.get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 1, "num_waiting_reqs": 1,
-                                                   "num_tokens": len(PROMPT)}]
+        assert client.get("/get_load").json() == [
+            {"dp_rank": 0, "num_reqs": 1, "num_waiting_reqs": 1, "num_tokens": len(PROMPT)}
+        ]
     finally:
         engine.resume_generation()
     _wait_for(lambda: engine.pending() == 0)
@@ -343,8 +419,13 @@ def _wait_for(condition, timeout=20.0):
 
 
 def test_non_finite_logprobs_are_sent_as_null(client):
-    out = generate(client, input_ids=PROMPT, return_logprob=True, token_ids_logprob=[1],
-                   sampling_params={"temperature": 0, "max_new_tokens": 2, "min_new_tokens": 2, "ignore_eos": True})
+    out = generate(
+        client,
+        input_ids=PROMPT,
+        return_logprob=True,
+        token_ids_logprob=[1],
+        sampling_params={"temperature": 0, "max_new_tokens": 2, "min_new_tokens": 2, "ignore_eos": True},
+    )
     masked = [triples[0][0] for triples in out["meta_info"]["output_token_ids_logprobs"]]
     assert masked == [None, None] and all(math.isfinite(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"])
 
@@ -357,9 +438,13 @@ def test_logit_bias_of_many_rows_at_once_equals_row_by_row():
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 12, generator=g)
-    params = [SamplingParams(logit_bias=((1, 2.5), (7, -1.0))), SamplingParams(),
-              SamplingParams(logit_bias=((1, 0.75),), frequency_penalty=0.5),
-              SamplingParams(logit_bias=((3, 4.0),), min_new_tokens=4), SamplingParams(logit_bias=((11, -3.0),))]
+    params = [
+        SamplingParams(logit_bias=((1, 2.5), (7, -1.0))),
+        SamplingParams(),
+        SamplingParams(logit_bias=((1, 0.75),), frequency_penalty=0.5),
+        SamplingParams(logit_bias=((3, 4.0),), min_new_tokens=4),
+        SamplingParams(logit_bias=((11, -3.0),)),
+    ]
     outputs = [[2, 2], [4], [1, 1, 5], [6], []]
     eos = frozenset({1})
     out = process_logits(logits, params, outputs, eos)

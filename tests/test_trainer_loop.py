@@ -10,8 +10,8 @@ import re
 import signal
 from pathlib import Path
 
-import psutil
 import numpy as np
+import psutil
 import pytest
 
 from megarl.config.loader import load_config
@@ -19,11 +19,31 @@ from megarl.config.validate import validate
 from tests._failures import run_while_killing
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUIRED = ["reward/mean", "response/length_mean", "actor/kl", "actor/kl_loss", "actor/entropy",
-            "actor/grad_norm", "actor/pg_loss", "rollout/logprob_diff_max", "perf/gen_s",
-            "perf/reward_s", "perf/old_log_prob_s", "perf/ref_s", "perf/update_s", "perf/sync_s",
-            "perf/step_s", "perf/release_s", "perf/resume_s", "rollout/retries", "rollout/engine_restarts",
-            "perf/mfu/update", "perf/mfu/log_prob", "perf/mfu/ref", "perf/tflops_per_device/update"]
+REQUIRED = [
+    "reward/mean",
+    "response/length_mean",
+    "actor/kl",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/pg_loss",
+    "rollout/logprob_diff_max",
+    "perf/gen_s",
+    "perf/reward_s",
+    "perf/old_log_prob_s",
+    "perf/ref_s",
+    "perf/update_s",
+    "perf/sync_s",
+    "perf/step_s",
+    "perf/release_s",
+    "perf/resume_s",
+    "rollout/retries",
+    "rollout/engine_restarts",
+    "perf/mfu/update",
+    "perf/mfu/log_prob",
+    "perf/mfu/ref",
+    "perf/tflops_per_device/update",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +60,41 @@ def three_steps(tmp_path_factory):
     # hand: README "Advantage estimators"). The old-log-prob pass runs here (actor.old_log_prob=
     # recompute); the reference curve and durability tests run auto's rollout log-probs. The
     # engine releases and resumes its memory around the update (auto keeps it on a CPU cluster).
-    cfg = validate(load_config(ROOT / "configs/quickstart.yaml", [
-        "actor.old_log_prob=recompute", "rollout.release_memory=true",
-        f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.val_every=3",
-        "trainer.tensorboard=true", "data.num_train=64", "data.num_val=16",
-        "actor.parallel.ep=1", "actor.parallel.tp=2", "actor.use_kl_loss=true",
-        "actor.kl_loss_coef=0.01", "rollout.n=4", "actor.ppo_mini_batch_size=32",
-        "actor.micro_batch_size=16", "actor.offload.params=true", "actor.offload.grads=true",
-        "actor.offload.optimizer=true", "ref.offload=true", "critic.enabled=true",
-        "critic.parallel.ep=2", "critic.ppo_mini_batch_size=32", "trainer.save_every=2",
-        "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-        "algorithm.kl_ctrl.horizon=100", "critic.optim.lr=1e-3"]))
+    cfg = validate(
+        load_config(
+            ROOT / "configs/quickstart.yaml",
+            [
+                "actor.old_log_prob=recompute",
+                "rollout.release_memory=true",
+                f"trainer.output_dir={out}",
+                "trainer.total_steps=3",
+                "trainer.val_every=3",
+                "trainer.tensorboard=true",
+                "data.num_train=64",
+                "data.num_val=16",
+                "actor.parallel.ep=1",
+                "actor.parallel.tp=2",
+                "actor.use_kl_loss=true",
+                "actor.kl_loss_coef=0.01",
+                "rollout.n=4",
+                "actor.ppo_mini_batch_size=32",
+                "actor.micro_batch_size=16",
+                "actor.offload.params=true",
+                "actor.offload.grads=true",
+                "actor.offload.optimizer=true",
+                "ref.offload=true",
+                "critic.enabled=true",
+                "critic.parallel.ep=2",
+                "critic.ppo_mini_batch_size=32",
+                "trainer.save_every=2",
+                "algorithm.adv_estimator=gae",
+                "algorithm.use_kl_in_reward=true",
+                "algorithm.kl_ctrl.type=adaptive",
+                "algorithm.kl_ctrl.horizon=100",
+                "critic.optim.lr=1e-3",
+            ],
+        )
+    )
     stream = io.StringIO()
     summary = train(cfg, stream=stream)
     run_dir = out / "quickstart"
@@ -61,8 +105,7 @@ def three_steps(tmp_path_factory):
 def test_offloaded_actor_and_reference_and_a_critic_group(three_steps):
     _, steps, _, out = three_steps
     for m in steps:
-        for key in ("perf/actor_offload_s", "perf/actor_onload_s", "perf/ref_offload_s",
-                    "perf/ref_onload_s"):
+        for key in ("perf/actor_offload_s", "perf/actor_onload_s", "perf/ref_offload_s", "perf/ref_onload_s"):
             assert m[key] > 0, (m["step"], key)
     assert "critic mesh" in out
     # PPO: the critic's values feed GAE and it trains every step; the adaptive KL coefficient moves
@@ -122,10 +165,24 @@ def disaggregated(tmp_path_factory):
     from megarl.trainer.run import train
 
     out = tmp_path_factory.mktemp("disagg")
-    cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", [
-        f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.val_every=0", "data.num_train=64",
-        "rollout.tp=1", "rollout.num_servers=2", "rollout.n=4", "actor.ppo_mini_batch_size=32",
-        "actor.micro_batch_size=16", "trainer.tensorboard=false", "algorithm.adv_estimator=remax"]))
+    cfg = validate(
+        load_config(
+            ROOT / "configs/disaggregated.yaml",
+            [
+                f"trainer.output_dir={out}",
+                "trainer.total_steps=2",
+                "trainer.val_every=0",
+                "data.num_train=64",
+                "rollout.tp=1",
+                "rollout.num_servers=2",
+                "rollout.n=4",
+                "actor.ppo_mini_batch_size=32",
+                "actor.micro_batch_size=16",
+                "trainer.tensorboard=false",
+                "algorithm.adv_estimator=remax",
+            ],
+        )
+    )
     stream = io.StringIO()
     train(cfg, stream=stream)
     lines = (out / "disaggregated" / "metrics.jsonl").read_text().splitlines()
@@ -156,10 +213,23 @@ def test_distributed_transport_through_the_loop_stays_in_parity(tmp_path):
     """SGLang's update groups from inside Ray workers: both EP ranks send their own experts."""
     from megarl.trainer.run import train
 
-    cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", [
-        f"trainer.output_dir={tmp_path}", "trainer.total_steps=2", "trainer.val_every=0", "data.num_train=64",
-        "rollout.n=4", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size=16", "trainer.tensorboard=false",
-        "bridge.transport=distributed", "bridge.bucket_size_mb=0.05"]))
+    cfg = validate(
+        load_config(
+            ROOT / "configs/disaggregated.yaml",
+            [
+                f"trainer.output_dir={tmp_path}",
+                "trainer.total_steps=2",
+                "trainer.val_every=0",
+                "data.num_train=64",
+                "rollout.n=4",
+                "actor.ppo_mini_batch_size=32",
+                "actor.micro_batch_size=16",
+                "trainer.tensorboard=false",
+                "bridge.transport=distributed",
+                "bridge.bucket_size_mb=0.05",
+            ],
+        )
+    )
     train(cfg, stream=io.StringIO())
     steps = [json.loads(x) for x in (tmp_path / "disaggregated" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2]
@@ -178,9 +248,21 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
     from megarl.trainer.runtime import start_runtime
     from megarl.trainer.sync_trainer import SyncTrainer
 
-    cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", [
-        f"trainer.output_dir={tmp_path}", "trainer.total_steps=4", "trainer.val_every=0", "data.num_train=64",
-        "rollout.tp=1", "rollout.num_servers=2", "rollout.max_new_tokens=24", "trainer.tensorboard=false"]))
+    cfg = validate(
+        load_config(
+            ROOT / "configs/disaggregated.yaml",
+            [
+                f"trainer.output_dir={tmp_path}",
+                "trainer.total_steps=4",
+                "trainer.val_every=0",
+                "data.num_train=64",
+                "rollout.tp=1",
+                "rollout.num_servers=2",
+                "rollout.max_new_tokens=24",
+                "trainer.tensorboard=false",
+            ],
+        )
+    )
     metrics, killed = [], []
     with start_runtime(cfg) as rt:
         trainer = SyncTrainer(rt, MetricsLogger(None, 4, stream=io.StringIO()))
@@ -240,9 +322,15 @@ def test_a_parity_error_names_the_row_its_served_version_and_every_engines_versi
     old = torch.zeros(4, 3)
     rollout = old.clone()
     rollout[2, 1] = 2.5e-3  # one token of one row off
-    rows = Batch({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": torch.ones(4, 3),
-                  "prompt_lengths": torch.full((4,), 5)},
-                 non_tensors={"rollout_weight_version": np.array(["3"] * 4, dtype=object)})
+    rows = Batch(
+        {
+            "old_log_probs": old,
+            "rollout_log_probs": rollout,
+            "response_mask": torch.ones(4, 3),
+            "prompt_lengths": torch.full((4,), 5),
+        },
+        non_tensors={"rollout_weight_version": np.array(["3"] * 4, dtype=object)},
+    )
     with pytest.raises(ParityError) as error:
         trainer._check_parity(rows, 2)
     message = str(error.value)
@@ -270,8 +358,14 @@ def test_parity_tolerates_an_isolated_row_but_not_a_stale_sync():
     def rows_with(off: int) -> Batch:
         rollout = old.clone()
         rollout[:off, 1] = 2.5e-3
-        return Batch({"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": torch.ones(256, 2),
-                      "prompt_lengths": torch.full((256,), 5)})
+        return Batch(
+            {
+                "old_log_probs": old,
+                "rollout_log_probs": rollout,
+                "response_mask": torch.ones(256, 2),
+                "prompt_lengths": torch.full((256,), 5),
+            }
+        )
 
     metrics = trainer._check_parity(rows_with(1), 2)
     assert metrics["rollout/logprob_rows_off"] == 1.0 and metrics["rollout/logprob_diff_max"] == pytest.approx(2.5e-3)
@@ -297,11 +391,16 @@ def test_old_log_prob_auto_takes_the_rollouts_only_where_they_are_the_trainers_o
     assert resolved("actor.rollout_is.level=token") == "recompute"
     assert resolved("bridge.check_parity=false") == "recompute"
     assert resolved("actor.precision=bf16") == "recompute"
-    assert validate(load_config(ROOT / "configs/disaggregated.yaml", ["trainer.mode=one_step_off"])
-                    ).actor.old_log_prob == "recompute"
+    assert (
+        validate(load_config(ROOT / "configs/disaggregated.yaml", ["trainer.mode=one_step_off"])).actor.old_log_prob
+        == "recompute"
+    )
     with pytest.raises(ConfigError, match="actor.old_log_prob=rollout takes the rollout engine's log-probs"):
-        validate(load_config(ROOT / "configs/disaggregated.yaml",
-                             ["trainer.mode=one_step_off", "actor.old_log_prob=rollout"]))
+        validate(
+            load_config(
+                ROOT / "configs/disaggregated.yaml", ["trainer.mode=one_step_off", "actor.old_log_prob=rollout"]
+            )
+        )
 
 
 def test_update_parity_merges_the_ranks_first_mini_batch_and_refuses_a_stale_sync():
@@ -325,8 +424,12 @@ def test_update_parity_merges_the_ranks_first_mini_batch_and_refuses_a_stale_syn
         rollout = torch.zeros(64, 2)
         rollout[:off, 0] = worst
         sums = parity_stats(torch.zeros(64, 2), rollout, mask, cfg.bridge.parity_atol)
-        return {"actor/pg_loss": 0.5, **{f"parity/{k}": v for k, v in sums.items()},
-                "parity/entropy_sum": entropy * 128, "parity/entropy_tokens": 128.0}
+        return {
+            "actor/pg_loss": 0.5,
+            **{f"parity/{k}": v for k, v in sums.items()},
+            "parity/entropy_sum": entropy * 128,
+            "parity/entropy_tokens": 128.0,
+        }
 
     per_rank = [rank(1), rank(0, entropy=3.0)]
     metrics = trainer._update_parity(per_rank, 2)

@@ -26,21 +26,22 @@ from tests.test_megatron_engine import hf_reference, make_rows
 def four_layer_path(tmp_path_factory):
     from megarl.models.tiny import build_tiny_checkpoint
 
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny4") / "tiny-qwen3-moe-4l", seed=0,
-                                 num_hidden_layers=4)
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny4") / "tiny-qwen3-moe-4l", seed=0, num_hidden_layers=4)
 
 
 def _engine(model_path, pp, vpp, micro_batch_size):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
 
-    engine = MegatronEngine(EngineSpec(
-        model_path=str(model_path),
-        parallel=ParallelConfig(pp=pp, vpp=vpp, sequence_parallel=False),
-        optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0),
-        micro_batch_size=micro_batch_size,
-        seed=1,
-    ))
+    engine = MegatronEngine(
+        EngineSpec(
+            model_path=str(model_path),
+            parallel=ParallelConfig(pp=pp, vpp=vpp, sequence_parallel=False),
+            optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0),
+            micro_batch_size=micro_batch_size,
+            seed=1,
+        )
+    )
     engine.initialize()
     return engine
 
@@ -56,9 +57,16 @@ def _loss_fn(logp, ent, mb):
 def _layers_per_chunk(engine) -> list[list[int]]:
     from megarl.engine.megatron.weights import local_to_global_names
 
-    return [sorted({int(m.group(1)) for g in local_to_global_names(c).values()
-                    if (m := re.search(r"decoder\.layers\.(\d+)\.", g))})
-            for c in engine.bare_chunks()]
+    return [
+        sorted(
+            {
+                int(m.group(1))
+                for g in local_to_global_names(c).values()
+                if (m := re.search(r"decoder\.layers\.(\d+)\.", g))
+            }
+        )
+        for c in engine.bare_chunks()
+    ]
 
 
 def _exercise(engine) -> dict:
@@ -72,10 +80,18 @@ def _exercise(engine) -> dict:
     three = engine.compute_log_prob(rows[:3])
     metrics = engine.train_mini_batch(rows, _loss_fn)
     after = {k: v.clone() for k, v in engine.export_weights()}
-    return dict(schedule=get_forward_backward_func().__name__, layers=_layers_per_chunk(engine), before=before, pieces=pieces, owned=owned,
-                sends=engine.sends_owned_weights(), grad_norm=metrics["actor/grad_norm"], after=after,
-                log_probs=None if four is None else four["log_probs"],
-                log_probs3=None if three is None else three["log_probs"])
+    return dict(
+        schedule=get_forward_backward_func().__name__,
+        layers=_layers_per_chunk(engine),
+        before=before,
+        pieces=pieces,
+        owned=owned,
+        sends=engine.sends_owned_weights(),
+        grad_norm=metrics["actor/grad_norm"],
+        after=after,
+        log_probs=None if four is None else four["log_probs"],
+        log_probs3=None if three is None else three["log_probs"],
+    )
 
 
 def _vpp_then_pp1_on_rank(rank, model_path):

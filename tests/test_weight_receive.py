@@ -26,8 +26,14 @@ import torch
 from megarl.rollout.client.client import RolloutClient, RolloutRequestError
 from megarl.rollout.fleet.server_process import RolloutServerProcess
 from megarl.wire.weights_codec import serialize_flattened_bucket
-from tests._trainer_side import (TRAINER_TIMEOUT_S, TrainerGroup, broadcast_full, distributed_request,
-                                 plan_reshard, send_all)
+from tests._trainer_side import (
+    TRAINER_TIMEOUT_S,
+    TrainerGroup,
+    broadcast_full,
+    distributed_request,
+    plan_reshard,
+    send_all,
+)
 
 torch.set_num_threads(1)
 TOL = 1e-5
@@ -66,8 +72,10 @@ class Reference:
 @pytest.fixture(scope="module")
 def servers(tiny_model_path):
     common = dict(torch_threads=1, seed=0, max_batch_size=8)
-    started = {"tp1": RolloutServerProcess(tiny_model_path, **common),
-               "tp2": RolloutServerProcess(tiny_model_path, extra_args=("--tp", "2"), **common)}
+    started = {
+        "tp1": RolloutServerProcess(tiny_model_path, **common),
+        "tp2": RolloutServerProcess(tiny_model_path, extra_args=("--tp", "2"), **common),
+    }
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for future in [pool.submit(s.start) for s in started.values()]:
@@ -110,9 +118,16 @@ def reshard_group(servers, pool):
 
 
 def server_logprobs(client) -> list[torch.Tensor]:
-    response = httpx.post(f"{client.base_url}/generate", timeout=60, json={
-        "input_ids": PROMPTS, "return_logprob": True, "logprob_start_len": 0,
-        "sampling_params": {"max_new_tokens": 0}})
+    response = httpx.post(
+        f"{client.base_url}/generate",
+        timeout=60,
+        json={
+            "input_ids": PROMPTS,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0},
+        },
+    )
     assert response.status_code == 200, f"{client.base_url} does not serve: {response.text}"
     out = response.json()
     return [torch.tensor([lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]) for o in out]
@@ -144,9 +159,19 @@ def moved(before: dict, reference) -> float:
 def distributed(servers, pool, trainer, named, load_format, version, defer=True, send=True):
     """Every engine posts the update, the trainer broadcasts; returns {engine: future}."""
     names, dtypes, shapes = distributed_request(named)
-    futures = {key: pool.submit(client.update_weights_from_distributed, names, dtypes, shapes, trainer.name,
-                                load_format=load_format, weight_version=version, defer=defer)
-               for key, (client, _) in servers.items()}
+    futures = {
+        key: pool.submit(
+            client.update_weights_from_distributed,
+            names,
+            dtypes,
+            shapes,
+            trainer.name,
+            load_format=load_format,
+            weight_version=version,
+            defer=defer,
+        )
+        for key, (client, _) in servers.items()
+    }
     if send:
         broadcast_full(trainer.senders[0], named, load_format)
     return futures
@@ -158,15 +183,19 @@ def commit(servers, version: str) -> None:
 
 
 def layouts(servers) -> dict:
-    return {key: httpx.get(f"{client.base_url}/get_parallelism_config", timeout=10).json()
-            for key, (client, _) in servers.items()}
+    return {
+        key: httpx.get(f"{client.base_url}/get_parallelism_config", timeout=10).json()
+        for key, (client, _) in servers.items()
+    }
 
 
 def reshard(servers, pool, trainer, new, version, wide=(), senders=None):
     """Both engines post their messages, both senders (or `senders`) send; returns {engine: future}."""
     sends, bodies = plan_reshard(layouts(servers), trainer.offsets, new, wide=wide)
-    futures = {key: pool.submit(client.update_weights_from_reshard, trainer.name, bodies[key],
-                                weight_version=version) for key, (client, _) in servers.items()}
+    futures = {
+        key: pool.submit(client.update_weights_from_reshard, trainer.name, bodies[key], weight_version=version)
+        for key, (client, _) in servers.items()
+    }
     for sent in [pool.submit(send_all, trainer.senders[s], sends[s]) for s in (senders or range(2))]:
         sent.result()
     return futures
@@ -179,7 +208,7 @@ def test_distributed_deferred_then_committed_matches_hf(servers, pool, reference
     new = reference.changed([n for n in reference.state if "layers.1" in n or "lm_head" in n], seed=len(version))
     named = sorted(new.items())
     named[0] = (named[0][0], named[0][1].bfloat16())  # mixed dtypes in one bucket; the engine casts
-    buckets = [named[:len(named) // 2], named[len(named) // 2:]]
+    buckets = [named[: len(named) // 2], named[len(named) // 2 :]]
     for bucket in buckets:  # two buckets of one version, staged
         for key, future in distributed(servers, pool, dist_group, bucket, load_format, version).items():
             assert "staged" in future.result()["message"], key
@@ -192,8 +221,9 @@ def test_distributed_deferred_then_committed_matches_hf(servers, pool, reference
 
 def test_distributed_without_defer_writes_at_once(servers, pool, reference, dist_group):
     new = reference.changed(["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"], seed=5)
-    for future in distributed(servers, pool, dist_group, list(new.items()), "flattened_bucket", "direct",
-                              defer=False).values():
+    for future in distributed(
+        servers, pool, dist_group, list(new.items()), "flattened_bucket", "direct", defer=False
+    ).values():
         assert "updated 2 tensors" in future.result()["message"]
     reference.set(new, "direct")
     assert_serves(servers, reference)
@@ -209,8 +239,10 @@ def test_reshard_full_model_from_two_senders_refills_resumed_weights(servers, po
     new = reference.changed(list(reference.state), seed=7)
     sends, bodies = plan_reshard(layouts(servers), reshard_group.offsets, new)
     halves = {key: [[m for m in messages if m["src"] == 0] for messages in ranks] for key, ranks in bodies.items()}
-    futures = [pool.submit(client.update_weights_from_reshard, reshard_group.name, halves[key], weight_version="half")
-               for key, (client, _) in servers.items()]
+    futures = [
+        pool.submit(client.update_weights_from_reshard, reshard_group.name, halves[key], weight_version="half")
+        for key, (client, _) in servers.items()
+    ]
     send_all(reshard_group.senders[0], sends[0])
     for future in futures:
         future.result()
@@ -233,8 +265,12 @@ def _defer_tensor(servers, buffer, named, version):
     """The bridge's tensor sender: one shared-memory buffer, reused for every bucket."""
     for client, tp in servers.values():  # one payload per rank: each is unpickled once
         payloads = [serialize_flattened_bucket(named, out=buffer) for _ in range(tp)]
-        body = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
-                "weight_version": version, "defer": True}
+        body = {
+            "serialized_named_tensors": payloads,
+            "load_format": "flattened_bucket",
+            "weight_version": version,
+            "defer": True,
+        }
         reply = httpx.post(f"{client.base_url}/update_weights_from_tensor", json=body, timeout=60).json()
         assert reply["success"] and "staged" in reply["message"], reply
 
@@ -272,11 +308,12 @@ def test_staged_tensor_values_are_copies_and_a_new_version_replaces_a_stale_stag
 
 # ---- (e) refusals name the tensor, after taking its bytes -----------------------------------------------
 def test_distributed_unknown_name_is_refused_after_receiving_and_the_group_stays_usable(
-        servers, pool, reference, dist_group):
+    servers, pool, reference, dist_group
+):
     before = snapshot(servers)
     named = [("model.norm.weight", torch.ones(64)), ("no.such.weight", torch.ones(3))]
     futures = distributed(servers, pool, dist_group, named, None, "bad")  # the broadcasts return
-    for key, future in futures.items():
+    for future in futures.values():
         with pytest.raises(RolloutRequestError, match="nothing was written: 'no.such.weight' is not a parameter"):
             future.result()
     assert_unchanged(servers, before, reference.version)
@@ -289,12 +326,15 @@ def test_distributed_unknown_name_is_refused_after_receiving_and_the_group_stays
 
 
 def test_reshard_box_outside_the_shard_and_unknown_name_are_refused_after_receiving(
-        servers, pool, reference, reshard_group):
+    servers, pool, reference, reshard_group
+):
     before, client = snapshot(servers), servers["tp2"][0]
     q = "model.layers.0.self_attn.q_proj.weight"  # tp=2: each rank holds 32 of its 64 rows
     data = torch.zeros(40 * 64 * 4 + 12, dtype=torch.uint8)
-    entries = [{"name": q, "dtype": "float32", "box": [[0, 40], [0, 64]], "offset": 0},
-               {"name": "no.such.weight", "dtype": "float32", "box": [[0, 3]], "offset": 40 * 64 * 4}]
+    entries = [
+        {"name": q, "dtype": "float32", "box": [[0, 40], [0, 64]], "offset": 0},
+        {"name": "no.such.weight", "dtype": "float32", "box": [[0, 3]], "offset": 40 * 64 * 4},
+    ]
     dst = reshard_group.offsets["tp2"] + 1
     ranks = [[], [{"src": 0, "tag": 7, "nbytes": data.numel(), "entries": entries}]]
     future = pool.submit(client.update_weights_from_reshard, reshard_group.name, ranks, weight_version="r-bad")
@@ -302,8 +342,12 @@ def test_reshard_box_outside_the_shard_and_unknown_name_are_refused_after_receiv
     with pytest.raises(RolloutRequestError) as refused:
         future.result()
     message = str(refused.value)
-    assert f"{q!r} (message 0 from group rank 0, tag 7): box [[0, 40], [0, 64]] is outside this rank's local " \
-           "shard of shape [32, 64]" in message and "'no.such.weight'" in message, message
+    assert (
+        f"{q!r} (message 0 from group rank 0, tag 7): box [[0, 40], [0, 64]] is outside this rank's local "
+        "shard of shape [32, 64]"
+        in message
+        and "'no.such.weight'" in message
+    ), message
     assert "nothing was written" in message and "discarded" in message
     with pytest.raises(RolloutRequestError, match="already discarded"):  # the rest of r-bad is refused too
         client.update_weights_from_reshard(reshard_group.name, [[], []], weight_version="r-bad")
@@ -325,8 +369,11 @@ sys.stdin.read()  # holds the group open until the test kills this process
 def test_reshard_sender_killed_mid_update_fails_naming_the_group_and_writes_nothing(servers, pool, reference):
     before, version = snapshot(servers), reference.version
     trainer = TrainerGroup("megarl-reshard-doomed", servers, n_senders=2)
-    doomed = subprocess.Popen([sys.executable, "-c", _DOOMED_SENDER, str(trainer.store.port),
-                               str(trainer.world_size), trainer.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    doomed = subprocess.Popen(
+        [sys.executable, "-c", _DOOMED_SENDER, str(trainer.store.port), str(trainer.world_size), trainer.name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         trainer.form(pool, extra_senders=(1,))
         assert doomed.stdout.readline() == b"joined\n"
@@ -384,11 +431,20 @@ def test_distributed_sender_closing_its_group_mid_update_discards_the_stage(serv
 def test_malformed_distributed_request_closes_the_group_so_the_sender_is_not_left_waiting(servers, pool, reference):
     trainer = TrainerGroup("megarl-dist-malformed", servers)
     trainer.form(pool)
-    futures = {key: pool.submit(client.update_weights_from_distributed, ["model.norm.weight"], ["floaty"], [[64]],
-                                trainer.name, load_format=None, weight_version="malformed")
-               for key, (client, _) in servers.items()}
+    futures = {
+        key: pool.submit(
+            client.update_weights_from_distributed,
+            ["model.norm.weight"],
+            ["floaty"],
+            [[64]],
+            trainer.name,
+            load_format=None,
+            weight_version="malformed",
+        )
+        for key, (client, _) in servers.items()
+    }
     sent = pool.submit(lambda: trainer.senders[0].broadcast(torch.ones(64), src=0).wait())
-    for key, future in futures.items():
+    for future in futures.values():
         with pytest.raises(RolloutRequestError, match="does not say what the sender broadcasts.*'floaty'"):
             future.result(timeout=TRAINER_TIMEOUT_S)
     done, _ = concurrent.futures.wait([sent], timeout=10)  # fails at once (or had finished): never blocked

@@ -107,8 +107,11 @@ def test_coverage_of_boxes_with_and_without_the_mask():
     shape = lambda name: (4, 6)  # noqa: E731
     halves = [_piece("x", None, ((0, 4), (0, 3))), _piece("x", None, ((0, 4), (3, 6)))]
     assert covered_names(halves, shape) == ["x"]  # disjoint, full volume
-    overlapping = [_piece("x", None, ((0, 2), (0, 6))), _piece("x", None, ((1, 3), (0, 6))),
-                   _piece("x", None, ((3, 4), (0, 6)))]
+    overlapping = [
+        _piece("x", None, ((0, 2), (0, 6))),
+        _piece("x", None, ((1, 3), (0, 6))),
+        _piece("x", None, ((3, 4), (0, 6))),
+    ]
     assert covered_names(overlapping[:2] + [_piece("x", None, ((2, 3), (0, 6)))], shape) == []  # row 3 missing
     assert covered_names(overlapping, shape) == ["x"]  # overlapping but complete: counted on the mask
     assert covered_names([_piece("x", None, ((0, 4), (0, 5)))], shape) == []
@@ -133,8 +136,8 @@ def test_reshard_pack_copies_a_strided_box_in_c_order(offset):
     part = source[1:5, 2:7]  # not contiguous
     buf = torch.zeros(offset + part.numel() * 4 + 8, dtype=torch.uint8)
     _pack(buf, offset, part)
-    got = buf[offset:offset + part.numel() * 4].clone().view(torch.float32).view(part.shape)
-    assert torch.equal(got, part) and int(buf[:offset].sum()) == 0 and int(buf[offset + part.numel() * 4:].sum()) == 0
+    got = buf[offset : offset + part.numel() * 4].clone().view(torch.float32).view(part.shape)
+    assert torch.equal(got, part) and int(buf[:offset].sum()) == 0 and int(buf[offset + part.numel() * 4 :].sum()) == 0
 
 
 def test_disk_clones_only_tensors_that_overlap_and_safetensors_takes_the_rest(tmp_path):
@@ -145,8 +148,9 @@ def test_disk_clones_only_tensors_that_overlap_and_safetensors_takes_the_rest(tm
     fused, emb = torch.arange(30.0).view(10, 3), torch.randn(4, 3)
     named = {"q": fused[:4], "k": fused[4:7], "v": fused[7:], "emb": emb, "head": emb, "inside": fused[2:5]}
     out = _without_overlaps(dict(named))
-    shares = {name: t.untyped_storage().data_ptr() == named[name].untyped_storage().data_ptr()
-              for name, t in out.items()}
+    shares = {
+        name: t.untyped_storage().data_ptr() == named[name].untyped_storage().data_ptr() for name, t in out.items()
+    }
     assert shares == {"q": True, "k": True, "v": True, "emb": True, "head": False, "inside": False}
     save_file(out, tmp_path / "m.safetensors")  # refuses overlapping tensors: none are left
     back = load_file(tmp_path / "m.safetensors")

@@ -17,9 +17,9 @@ import psutil
 import pytest
 import ray
 import ray.cloudpickle
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 import torch
 import torch.distributed as dist
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from megarl.controller import (
     Dispatch,
@@ -184,8 +184,10 @@ def test_worker_exception_names_the_rank_and_keeps_the_cause(dp_group):
     assert isinstance(info.value.cause, ValueError)
     assert "deliberate failure on rank 1" in str(info.value)
     pid, node = dp_group.processes[1]["pid"], dp_group.processes[1]["node"]
-    assert info.value.summary == (f"{dp_group.name} rank 1 (pid {pid}, node {node}) raised in fail_on_rank(): "
-                                  "ValueError: deliberate failure on rank 1")
+    assert info.value.summary == (
+        f"{dp_group.name} rank 1 (pid {pid}, node {node}) raised in fail_on_rank(): "
+        "ValueError: deliberate failure on rank 1"
+    )
     assert dp_group.fail_on_rank(5) == [0, 1]  # a failed call leaves the group usable
 
 
@@ -299,7 +301,6 @@ def _wait_for_free_cpus(expected: float, timeout_s: float = 30.0) -> None:
     assert ray.available_resources().get("CPU", 0.0) == pytest.approx(expected)
 
 
-
 BACKGROUND_START_THEN_CLOSE = """
 import psutil, sys
 from megarl.controller.cluster import RayCluster
@@ -319,7 +320,12 @@ print(" ".join(p.name() for p in psutil.Process().children(recursive=True)
 def test_a_background_start_closed_at_any_point_leaves_no_ray_process(how):
     """close() right after start(background=True) waits for ray.init and stops what it started;
     a waited start closes like a foreground one (the Ray-start thread released)."""
-    out = subprocess.run([sys.executable, "-c", BACKGROUND_START_THEN_CLOSE, how], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    out = subprocess.run(
+        [sys.executable, "-c", BACKGROUND_START_THEN_CLOSE, how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "", out.stdout

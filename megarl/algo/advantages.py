@@ -42,8 +42,8 @@ WHITEN_EPS = 1e-8
 class Estimator:
     name: str
     fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    inputs: tuple[str, ...]    # the INPUTS its function takes
-    options: tuple[str, ...]   # the OPTIONS its function takes
+    inputs: tuple[str, ...]  # the INPUTS its function takes
+    options: tuple[str, ...]  # the OPTIONS its function takes
 
     @property
     def score_only(self) -> bool:
@@ -56,24 +56,35 @@ ESTIMATORS: dict[str, Estimator] = {}
 
 def register_estimator(name: str) -> Callable:
     """Decorator: add `fn` to ESTIMATORS under `name`; its parameters must be INPUTS or OPTIONS."""
+
     def add(fn: Callable) -> Callable:
         if name in ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         params = list(inspect.signature(fn).parameters)
         unknown = [p for p in params if p not in INPUTS + OPTIONS]
         if unknown or "response_mask" not in params:
-            raise TypeError(f"estimator {name!r}: parameters must be among {INPUTS + OPTIONS} and include "
-                            f"response_mask; got unknown {unknown}")
-        ESTIMATORS[name] = Estimator(name, fn, tuple(p for p in params if p in INPUTS),
-                                     tuple(p for p in params if p in OPTIONS))
+            raise TypeError(
+                f"estimator {name!r}: parameters must be among {INPUTS + OPTIONS} and include "
+                f"response_mask; got unknown {unknown}"
+            )
+        ESTIMATORS[name] = Estimator(
+            name, fn, tuple(p for p in params if p in INPUTS), tuple(p for p in params if p in OPTIONS)
+        )
         return fn
+
     return add
 
 
-def compute_advantages(name: str, rewards: torch.Tensor, response_mask: torch.Tensor,
-                       group_ids: Sequence | np.ndarray | None = None, *,
-                       values: torch.Tensor | None = None, baseline_scores: torch.Tensor | None = None,
-                       **options) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_advantages(
+    name: str,
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: Sequence | np.ndarray | None = None,
+    *,
+    values: torch.Tensor | None = None,
+    baseline_scores: torch.Tensor | None = None,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) of estimator `name`, each (B, R) and 0 outside response_mask.
 
     rewards: (B,) per-row scores or (B, R) token-level rewards. group_ids: one uid per row (any
@@ -86,11 +97,14 @@ def compute_advantages(name: str, rewards: torch.Tensor, response_mask: torch.Te
         raise TypeError(f"unknown advantage options {bad}; known: {list(OPTIONS)}")
     est = ESTIMATORS[name]
     if response_mask.dim() != 2 or response_mask.shape[0] != rewards.shape[0]:
-        raise ValueError(f"response_mask must be (batch, response_len) with batch={rewards.shape[0]}, "
-                         f"got {tuple(response_mask.shape)}")
+        raise ValueError(
+            f"response_mask must be (batch, response_len) with batch={rewards.shape[0]}, "
+            f"got {tuple(response_mask.shape)}"
+        )
     if rewards.dim() == 2 and rewards.shape != response_mask.shape:
-        raise ValueError(f"token-level rewards {tuple(rewards.shape)} and response_mask "
-                         f"{tuple(response_mask.shape)} differ in shape")
+        raise ValueError(
+            f"token-level rewards {tuple(rewards.shape)} and response_mask {tuple(response_mask.shape)} differ in shape"
+        )
     rewards = rewards if rewards.is_floating_point() else rewards.float()
     given = {"response_mask": response_mask, "values": values, "baseline_scores": baseline_scores}
     kwargs = {}
@@ -117,8 +131,10 @@ def _group_index(group_ids: Sequence | np.ndarray, num_rows: int) -> torch.Tenso
     """Map arbitrary hashable group ids to dense integers 0..G-1 (row order preserved)."""
     ids = list(group_ids)
     if len(ids) != num_rows:
-        raise ValueError(f"group_ids has {len(ids)} entries but there are {num_rows} rows; "
-                         "pass one uid per row (repeat_interleave the prompt uids)")
+        raise ValueError(
+            f"group_ids has {len(ids)} entries but there are {num_rows} rows; "
+            "pass one uid per row (repeat_interleave the prompt uids)"
+        )
     dense: dict = {}
     return torch.tensor([dense.setdefault(g, len(dense)) for g in ids], dtype=torch.long)
 
@@ -179,8 +195,9 @@ def _f64(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ score-only estimators
-def group_normalized_scores(scores: torch.Tensor, group_ids: Sequence | np.ndarray,
-                            norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_normalized_scores(
+    scores: torch.Tensor, group_ids: Sequence | np.ndarray, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """(score - group mean) [/ (group std + eps)] per row; rows alone in their group get 0.
 
     The std is the unbiased (Bessel-corrected) sample std, the usual GRPO choice. A group whose
@@ -306,8 +323,12 @@ def gae(token_level_rewards, values, response_mask, gamma=1.0, lam=1.0):
     return masked_whiten(adv, mask), returns
 
 
-def grpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor,
-                    group_ids: Sequence | np.ndarray, norm_by_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: Sequence | np.ndarray,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """GRPO advantages (B, R), zero where response_mask is 0 (compute_advantages("grpo", ...)[0])."""
     return compute_advantages("grpo", rewards, response_mask, group_ids, norm_by_std=norm_by_std, eps=eps)[0]

@@ -27,16 +27,21 @@ from megarl.algo.losses import masked_mean
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 
 
-def mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                     response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def mismatch_metrics(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """rollout/mismatch_kl: mean over response tokens of rollout_logp - old_logp, the k1 estimate
     of KL(rollout || trainer) on tokens the rollout engine sampled (0 when the engines agree)."""
     return {"rollout/mismatch_kl": masked_mean(rollout_log_prob - old_log_prob, response_mask).detach()}
 
 
-def rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                       response_mask: torch.Tensor, level: str, threshold: float,
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def rollout_is_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str,
+    threshold: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Truncated importance weights (batch, response_len), detached, zero off the response.
 
     Metrics: rollout_is/mean and rollout_is/clipfrac (fraction truncated) over response tokens
@@ -58,8 +63,10 @@ def rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     # exp(min(log w, log threshold)) = min(w, threshold), without overflowing exp first
     truncated = log_w > log_threshold
     w = torch.exp(log_w.clamp(max=log_threshold))
-    metrics = {"rollout_is/mean": masked_mean(w, unit_mask),
-               "rollout_is/clipfrac": masked_mean(truncated.to(w.dtype), unit_mask)}
+    metrics = {
+        "rollout_is/mean": masked_mean(w, unit_mask),
+        "rollout_is/clipfrac": masked_mean(truncated.to(w.dtype), unit_mask),
+    }
     return (w * mask).detach(), metrics
 
 
@@ -69,9 +76,13 @@ def parity_stats(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tenso
     mask = mask.bool()
     per_token = (trainer - rollout.to(trainer.dtype)).abs() * mask
     diff = per_token[mask]
-    return {"diff_max": float(diff.max()) if diff.numel() else 0.0, "diff_sum": float(diff.sum()),
-            "tokens": float(diff.numel()), "rows_off": float((per_token > atol).any(1).sum()),
-            "rows": float(len(trainer))}
+    return {
+        "diff_max": float(diff.max()) if diff.numel() else 0.0,
+        "diff_sum": float(diff.sum()),
+        "tokens": float(diff.numel()),
+        "rows_off": float((per_token > atol).any(1).sum()),
+        "rows": float(len(trainer)),
+    }
 
 
 def merge_parity_stats(parts: list[dict]) -> dict:

@@ -22,7 +22,7 @@ from megarl.algo.losses import agg_loss
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 KL_CONTROLLERS = ("fixed", "adaptive")
 
-_LOG_RATIO_CLAMP = 20.0   # keep exp() finite in float32
+_LOG_RATIO_CLAMP = 20.0  # keep exp() finite in float32
 _LOW_VAR_KL_CLAMP = 10.0  # a single token should not dominate the penalty
 
 
@@ -43,13 +43,16 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     raise ValueError(f"kl kind {kind!r} is not one of {KL_KINDS}")
 
 
-def kl_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor,
-            kind: str, loss_agg_mode: str = "token-mean",
-            global_denominator: float | torch.Tensor | None = None) -> torch.Tensor:
+def kl_loss(
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kind: str,
+    loss_agg_mode: str = "token-mean",
+    global_denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
     """KL penalty aggregated over response tokens like the policy loss (add coef * this)."""
-    return agg_loss(kl_penalty(log_prob, ref_log_prob, kind), response_mask, loss_agg_mode,
-                    global_denominator)
-
+    return agg_loss(kl_penalty(log_prob, ref_log_prob, kind), response_mask, loss_agg_mode, global_denominator)
 
 
 class FixedKLController:
@@ -70,8 +73,10 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         if target_kl <= 0 or horizon <= 0:
-            raise ValueError(f"AdaptiveKLController needs target_kl > 0 and horizon > 0, got "
-                             f"target_kl={target_kl}, horizon={horizon}")
+            raise ValueError(
+                f"AdaptiveKLController needs target_kl > 0 and horizon > 0, got "
+                f"target_kl={target_kl}, horizon={horizon}"
+            )
         self.value = init_kl_coef
         self.target_kl = target_kl
         self.horizon = horizon
@@ -82,8 +87,12 @@ class AdaptiveKLController:
         return self.value
 
 
-def make_kl_controller(kind: str, kl_coef: float, target_kl: float, horizon: int,
-                       ) -> FixedKLController | AdaptiveKLController:
+def make_kl_controller(
+    kind: str,
+    kl_coef: float,
+    target_kl: float,
+    horizon: int,
+) -> FixedKLController | AdaptiveKLController:
     """The controller of algorithm.kl_ctrl (type, kl_coef, target_kl, horizon)."""
     if kind == "fixed":
         return FixedKLController(kl_coef)
@@ -96,8 +105,9 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
     """Per-row scores (batch,) placed on each row's last response token (batch, response_len);
     rows without a response get nothing."""
     mask = response_mask.to(torch.long)
-    out = torch.zeros(mask.shape, dtype=scores.dtype if scores.is_floating_point() else torch.float32,
-                      device=scores.device)
+    out = torch.zeros(
+        mask.shape, dtype=scores.dtype if scores.is_floating_point() else torch.float32, device=scores.device
+    )
     lengths = mask.sum(-1)
     rows = torch.nonzero(lengths > 0).squeeze(-1)
     # the last response token: the highest position where the mask is 1
@@ -107,18 +117,25 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
     return out
 
 
-def apply_kl_penalty(token_rewards: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-                     response_mask: torch.Tensor, coef: float, kind: str,
-                     ) -> tuple[torch.Tensor, dict[str, float]]:
+def apply_kl_penalty(
+    token_rewards: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    coef: float,
+    kind: str,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """token_rewards - coef * KL(old || ref) per response token (zero elsewhere).
 
     Returns (rewards, metrics): kl_reward/kl is the batch mean of each row's mean per-token KL,
     the value to feed the controller's update; kl_reward/coef the coefficient used.
     """
     if not (token_rewards.shape == old_log_prob.shape == ref_log_prob.shape == response_mask.shape):
-        raise ValueError("token_rewards, old_log_prob, ref_log_prob and response_mask must share a "
-                         f"shape; got {tuple(token_rewards.shape)}, {tuple(old_log_prob.shape)}, "
-                         f"{tuple(ref_log_prob.shape)}, {tuple(response_mask.shape)}")
+        raise ValueError(
+            "token_rewards, old_log_prob, ref_log_prob and response_mask must share a "
+            f"shape; got {tuple(token_rewards.shape)}, {tuple(old_log_prob.shape)}, "
+            f"{tuple(ref_log_prob.shape)}, {tuple(response_mask.shape)}"
+        )
     mask = response_mask.to(token_rewards.dtype)
     kl = kl_penalty(old_log_prob, ref_log_prob, kind) * mask
     rewards = token_rewards - coef * kl

@@ -45,8 +45,9 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def agg_loss(values: torch.Tensor, mask: torch.Tensor, mode: str,
-             global_denominator: float | torch.Tensor | None = None) -> torch.Tensor:
+def agg_loss(
+    values: torch.Tensor, mask: torch.Tensor, mode: str, global_denominator: float | torch.Tensor | None = None
+) -> torch.Tensor:
     """Reduce a (batch, response_len) per-token loss to a scalar.
 
     token-mean:          sum(values*mask) / sum(mask)           (every token weighs the same)
@@ -72,12 +73,13 @@ def agg_loss(values: torch.Tensor, mask: torch.Tensor, mode: str,
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """The options every registered loss reads (each reads its own; see the module docstring)."""
-    clip_ratio_low: float = 0.2           # vanilla: r clipped to [1 - low, 1 + high]
+
+    clip_ratio_low: float = 0.2  # vanilla: r clipped to [1 - low, 1 + high]
     clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = None     # vanilla: dual-clip bound (> 1) for A < 0; None = off
-    gspo_clip_ratio_low: float = 3e-4     # gspo: s_i clipped to [1 - low, 1 + high]
+    clip_ratio_c: float | None = None  # vanilla: dual-clip bound (> 1) for A < 0; None = off
+    gspo_clip_ratio_low: float = 3e-4  # gspo: s_i clipped to [1 - low, 1 + high]
     gspo_clip_ratio_high: float = 4e-4
-    cispo_clip_ratio_low: float = 1.0     # cispo: weight clipped to [1 - low, 1 + high]
+    cispo_clip_ratio_low: float = 1.0  # cispo: weight clipped to [1 - low, 1 + high]
     cispo_clip_ratio_high: float = 0.28
 
 
@@ -87,11 +89,13 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: make `fn` selectable as actor.policy_loss=name."""
+
     def wrap(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered ({POLICY_LOSSES[name].__name__})")
         POLICY_LOSSES[name] = fn
         return fn
+
     return wrap
 
 
@@ -106,13 +110,21 @@ def _check_shapes(log_prob, old_log_prob, advantages, response_mask, weights) ->
     if weights is not None:
         shapes.append(weights.shape)
     if any(s != shapes[0] for s in shapes):
-        raise ValueError("log_prob, old_log_prob, advantages and response_mask (and weights) must "
-                         f"share a shape; got {[tuple(s) for s in shapes]}")
+        raise ValueError(
+            "log_prob, old_log_prob, advantages and response_mask (and weights) must "
+            f"share a shape; got {[tuple(s) for s in shapes]}"
+        )
 
 
-def _finish(per_token: torch.Tensor, clipped_mask: torch.Tensor, log_ratio: torch.Tensor,
-            response_mask: torch.Tensor, loss_agg_mode: str, global_denominator, weights,
-            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _finish(
+    per_token: torch.Tensor,
+    clipped_mask: torch.Tensor,
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    global_denominator,
+    weights,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weight (detached), aggregate, and the metrics every loss reports."""
     if weights is not None:
         per_token = per_token * weights.detach()
@@ -126,12 +138,16 @@ def _finish(per_token: torch.Tensor, clipped_mask: torch.Tensor, log_ratio: torc
 
 
 @register_policy_loss("vanilla")
-def vanilla_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                        response_mask: torch.Tensor, cfg: PolicyLossConfig = PolicyLossConfig(),
-                        loss_agg_mode: str = "token-mean",
-                        global_denominator: float | torch.Tensor | None = None,
-                        weights: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def vanilla_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: PolicyLossConfig = PolicyLossConfig(),
+    loss_agg_mode: str = "token-mean",
+    global_denominator: float | torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clip, asymmetric bounds, optional dual-clip; adds pg_clipfrac_lower when dual-clip is on
     (fraction of response tokens where the -A*clip_ratio_c bound is the active one)."""
     _check_shapes(log_prob, old_log_prob, advantages, response_mask, weights)
@@ -146,20 +162,25 @@ def vanilla_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
         negative = advantages < 0
         lower = negative & (per_token > bound)
         per_token = torch.where(negative, torch.minimum(per_token, bound), per_token)
-    loss, metrics = _finish(per_token, clipped > unclipped, log_ratio, response_mask, loss_agg_mode,
-                            global_denominator, weights)
+    loss, metrics = _finish(
+        per_token, clipped > unclipped, log_ratio, response_mask, loss_agg_mode, global_denominator, weights
+    )
     if lower is not None:
         metrics["pg_clipfrac_lower"] = masked_mean(lower.to(per_token.dtype), response_mask).detach()
     return loss, metrics
 
 
 @register_policy_loss("gspo")
-def gspo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                     response_mask: torch.Tensor, cfg: PolicyLossConfig = PolicyLossConfig(),
-                     loss_agg_mode: str = "token-mean",
-                     global_denominator: float | torch.Tensor | None = None,
-                     weights: torch.Tensor | None = None,
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: PolicyLossConfig = PolicyLossConfig(),
+    loss_agg_mode: str = "token-mean",
+    global_denominator: float | torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO's sequence-level ratio in token form; pg_clipfrac counts tokens of clipped sequences."""
     _check_shapes(log_prob, old_log_prob, advantages, response_mask, weights)
     mask = response_mask.to(log_prob.dtype)
@@ -172,17 +193,20 @@ def gspo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advanta
     clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.gspo_clip_ratio_low, 1.0 + cfg.gspo_clip_ratio_high)
     per_token = torch.maximum(unclipped, clipped)
     log_ratio = token_log_ratio.detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return _finish(per_token, clipped > unclipped, log_ratio, response_mask, loss_agg_mode,
-                   global_denominator, weights)
+    return _finish(per_token, clipped > unclipped, log_ratio, response_mask, loss_agg_mode, global_denominator, weights)
 
 
 @register_policy_loss("cispo")
-def cispo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                      response_mask: torch.Tensor, cfg: PolicyLossConfig = PolicyLossConfig(),
-                      loss_agg_mode: str = "token-mean",
-                      global_denominator: float | torch.Tensor | None = None,
-                      weights: torch.Tensor | None = None,
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def cispo_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: PolicyLossConfig = PolicyLossConfig(),
+    loss_agg_mode: str = "token-mean",
+    global_denominator: float | torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO; pg_clipfrac counts tokens whose importance weight was clipped (either bound)."""
     _check_shapes(log_prob, old_log_prob, advantages, response_mask, weights)
     log_ratio = (log_prob - old_log_prob).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -190,19 +214,32 @@ def cispo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advant
     low, high = 1.0 - cfg.cispo_clip_ratio_low, 1.0 + cfg.cispo_clip_ratio_high
     is_weight = torch.clamp(ratio, low, high)
     per_token = -advantages * is_weight * log_prob
-    return _finish(per_token, (ratio < low) | (ratio > high), log_ratio, response_mask, loss_agg_mode,
-                   global_denominator, weights)
+    return _finish(
+        per_token, (ratio < low) | (ratio > high), log_ratio, response_mask, loss_agg_mode, global_denominator, weights
+    )
 
 
-def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                response_mask: torch.Tensor, clip_ratio_low: float = 0.2,
-                clip_ratio_high: float = 0.2, loss_agg_mode: str = "token-mean",
-                global_denominator: float | torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    loss_agg_mode: str = "token-mean",
+    global_denominator: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The vanilla clipped surrogate with its bounds as arguments (for callers outside the actor)."""
-    return vanilla_policy_loss(log_prob, old_log_prob, advantages, response_mask,
-                               PolicyLossConfig(clip_ratio_low, clip_ratio_high), loss_agg_mode,
-                               global_denominator)
+    return vanilla_policy_loss(
+        log_prob,
+        old_log_prob,
+        advantages,
+        response_mask,
+        PolicyLossConfig(clip_ratio_low, clip_ratio_high),
+        loss_agg_mode,
+        global_denominator,
+    )
+
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of softmax(logits) over the last dim, computed stably."""
@@ -210,16 +247,25 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(log_probs.exp() * log_probs).sum(dim=-1)
 
 
-def entropy_loss(logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str,
-                 global_denominator: float | torch.Tensor | None = None) -> torch.Tensor:
+def entropy_loss(
+    logits: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    global_denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
     """Aggregated entropy of the response tokens (subtract coeff * this to encourage exploration)."""
     return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode, global_denominator)
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               response_mask: torch.Tensor, cliprange_value: float, loss_agg_mode: str = "token-mean",
-               global_denominator: float | torch.Tensor | None = None,
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    global_denominator: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped value loss: 1/2 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2).
 
     The clipped branch keeps one update from moving the value estimate more than `cliprange_value`
@@ -227,9 +273,11 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     of response tokens where the clipped branch is the larger) and vpred_mean.
     """
     if not (values.shape == old_values.shape == returns.shape == response_mask.shape):
-        raise ValueError("values, old_values, returns and response_mask must share a shape; got "
-                         f"{tuple(values.shape)}, {tuple(old_values.shape)}, "
-                         f"{tuple(returns.shape)}, {tuple(response_mask.shape)}")
+        raise ValueError(
+            "values, old_values, returns and response_mask must share a shape; got "
+            f"{tuple(values.shape)}, {tuple(old_values.shape)}, "
+            f"{tuple(returns.shape)}, {tuple(response_mask.shape)}"
+        )
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss = (values - returns) ** 2
     clipped_loss = (clipped - returns) ** 2

@@ -46,7 +46,9 @@ def itemsize(dtype: str, tensor: str = "") -> int:
     if size is None:
         torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
         if not isinstance(torch_dtype, torch.dtype):
-            raise ValueError(f"{tensor}: dtype {dtype!r} is not a torch dtype name; use e.g. 'bfloat16' or "
-                             "'float32' (str(torch_dtype) without the 'torch.' prefix)")
+            raise ValueError(
+                f"{tensor}: dtype {dtype!r} is not a torch dtype name; use e.g. 'bfloat16' or "
+                "'float32' (str(torch_dtype) without the 'torch.' prefix)"
+            )
         size = _ITEMSIZE[dtype] = torch_dtype.itemsize
     return size

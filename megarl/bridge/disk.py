@@ -35,23 +35,29 @@ class DiskTransport(WeightTransport):
         try:
             engines.use(urls)
             engines.pause()
-            engines.each(lambda i, e: e.client.update_weights_from_disk(final, weight_version=version),
-                         "update_weights_from_disk")
+            engines.each(
+                lambda i, e: e.client.update_weights_from_disk(final, weight_version=version),
+                "update_weights_from_disk",
+            )
         finally:
             self._resume_quietly()
         if self._current is not None and self._current != final:
             shutil.rmtree(self._current, ignore_errors=True)
         self._current = final
-        return {"bridge/tensors": len(tensors), "bridge/bytes": sum(tensor_bytes(t) for t in tensors.values()),
-                "bridge/disk_load_s": time.perf_counter() - start}
+        return {
+            "bridge/tensors": len(tensors),
+            "bridge/bytes": sum(tensor_bytes(t) for t in tensors.values()),
+            "bridge/disk_load_s": time.perf_counter() - start,
+        }
 
 
 def _without_overlaps(tensors: dict) -> dict:
     """Clone only the tensors whose bytes overlap another's (a tied name, a view of a view):
     safetensors refuses those, and disjoint views (split QKV) it takes as they are. Cloning all of
     them cost a fresh copy of the model per sync (new pages: page faults on every one)."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-                   for name, t in tensors.items() if t.numel())
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name) for name, t in tensors.items() if t.numel()
+    )
     end = None
     for start, stop, name in spans:
         if end is not None and start < end:

@@ -91,8 +91,12 @@ class DistributedTransport(WeightTransport):
         world = 1 + self.engines.total_ranks
         store = update_group.host_store(self.address, self.spec.timeout_s)
         offsets = self.engines.rank_offsets(1)
-        joins = [self.engines.submit(e.client.init_weights_update_group, self.address, store.port,
-                                     offsets[i], world, name, backend) for i, e in enumerate(engines)]
+        joins = [
+            self.engines.submit(
+                e.client.init_weights_update_group, self.address, store.port, offsets[i], world, name, backend
+            )
+            for i, e in enumerate(engines)
+        ]
         try:
             self._group = update_group.new_update_group(store, name, 0, world, backend, self.spec.timeout_s)
         finally:
@@ -163,25 +167,39 @@ class DistributedTransport(WeightTransport):
         device = bucket[0][1].device
         buf = self._buffers[slot]
         if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = self._buffers[slot] = torch.empty(max(nbytes, self.spec.bucket_bytes), dtype=torch.uint8,
-                                                    device=device)
+            buf = self._buffers[slot] = torch.empty(
+                max(nbytes, self.spec.bucket_bytes), dtype=torch.uint8, device=device
+            )
         return buf
 
     def _post_bucket(self, bucket, version: str) -> list:
         names = [n for n, _ in bucket]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
-        return [self.engines.submit(
-            e.client.update_weights_from_distributed, names, dtypes, shapes, self._group.name,
-            load_format="flattened_bucket", flush_cache=not e.stages, weight_version=version, defer=e.stages)
-            for e in self.engines.engines]
+        return [
+            self.engines.submit(
+                e.client.update_weights_from_distributed,
+                names,
+                dtypes,
+                shapes,
+                self._group.name,
+                load_format="flattened_bucket",
+                flush_cache=not e.stages,
+                weight_version=version,
+                defer=e.stages,
+            )
+            for e in self.engines.engines
+        ]
 
     def _complete(self, ticket: int, work, requests: list, flat: torch.Tensor) -> None:
         """Wait until every engine has the bucket, then let the next sender go (flat stays alive)."""
         try:
             work.wait()
-            wait_all(requests, [e.url for e in self.engines.engines], f"update_weights_from_distributed "
-                     f"({self._group.name}, {flat.numel()} bytes)")
+            wait_all(
+                requests,
+                [e.url for e in self.engines.engines],
+                f"update_weights_from_distributed ({self._group.name}, {flat.numel()} bytes)",
+            )
         finally:
             self._lock.release(ticket)
 

@@ -3,9 +3,9 @@ group, and the control calls around a sync, made to every engine at once."""
 
 from __future__ import annotations
 
-import logging
 import concurrent.futures
-from typing import Callable
+import logging
+from collections.abc import Callable
 
 from megarl.rollout.client.client import RolloutClient
 
@@ -39,8 +39,9 @@ class Engine:
 class EngineSet:
     """Kept across syncs; `use(urls)` points it at the engines of this sync (restarts move them)."""
 
-    def __init__(self, timeout_s: float, api_key: str | None, pause_generation: bool = True,
-                 pause_mode: str = "in_place"):
+    def __init__(
+        self, timeout_s: float, api_key: str | None, pause_generation: bool = True, pause_mode: str = "in_place"
+    ):
         self.timeout_s, self.api_key, self.pause_generation = timeout_s, api_key, pause_generation
         self.pause_mode = pause_mode
         self._known: dict[str, Engine] = {}
@@ -93,8 +94,10 @@ class EngineSet:
             self.each(lambda i, e: e.client.pause_generation(mode=self.pause_mode), "pause_generation")
 
     def commit(self, version: str) -> None:
-        self.each(lambda i, e: e.client.commit_weight_update(version) if e.stages and not e.applied else None,
-                  "commit_weight_update")
+        self.each(
+            lambda i, e: e.client.commit_weight_update(version) if e.stages and not e.applied else None,
+            "commit_weight_update",
+        )
 
     def abort(self) -> None:
         """Best effort after a failed sync: drop staged buckets (never raises; logs what failed)."""

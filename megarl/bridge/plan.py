@@ -60,26 +60,34 @@ def _replica_groups(source: TensorSource) -> list[tuple[Box, list[int]]]:
     for piece in source.pieces:
         rank, box = piece.rank, piece.box
         if box_of.setdefault(rank, box) != box:
-            raise ValueError(f"{name}: trainer rank {rank} lists two boxes, {box_of[rank]} and {box}; give "
-                             "each rank one box per tensor (the rows it can produce must be contiguous)")
+            raise ValueError(
+                f"{name}: trainer rank {rank} lists two boxes, {box_of[rank]} and {box}; give "
+                "each rank one box per tensor (the rows it can produce must be contiguous)"
+            )
         holders = groups.get(box)
         if holders is None:
             if len(box) != len(shape) or not all(0 <= a <= b <= s for (a, b), s in zip(box, shape)):
-                raise ValueError(f"{name}: trainer rank {rank}'s box {box} is not within the tensor's shape "
-                                 f"{shape}; a box is one [start, stop) per dim of the full HF tensor")
+                raise ValueError(
+                    f"{name}: trainer rank {rank}'s box {box} is not within the tensor's shape "
+                    f"{shape}; a box is one [start, stop) per dim of the full HF tensor"
+                )
             holders = groups[box] = []
         if rank not in holders:
             holders.append(rank)
     boxes = list(groups)
     for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
+        for b in boxes[i + 1 :]:
             if intersect(a, b) is not None:
-                raise ValueError(f"{name}: trainer boxes {a} and {b} overlap; replicas must list identical "
-                                 "boxes and distinct boxes must not share elements")
+                raise ValueError(
+                    f"{name}: trainer boxes {a} and {b} overlap; replicas must list identical "
+                    "boxes and distinct boxes must not share elements"
+                )
     covered, numel = sum(box_numel(b) for b in boxes), box_numel(full_box(shape))
     if covered != numel:
-        raise ValueError(f"{name}: the trainer pieces cover {covered} of its {numel} elements (a gap); every "
-                         "element needs a trainer rank that can produce it")
+        raise ValueError(
+            f"{name}: the trainer pieces cover {covered} of its {numel} elements (a gap); every "
+            "element needs a trainer rank that can produce it"
+        )
     return list(groups.items())
 
 
@@ -87,8 +95,10 @@ def _rank_params(layout: dict, engine: int) -> list[dict]:
     """Each rank's `params` (name -> slice entry) in one engine's layout, indexed by rank."""
     ranks = sorted(layout["ranks"], key=lambda r: r["rank"])
     if [r["rank"] for r in ranks] != list(range(len(ranks))):
-        raise ValueError(f"engine {engine}: layout ranks {[r['rank'] for r in ranks]} are not 0..n-1; pass "
-                         "the engine's /get_parallelism_config answer unchanged")
+        raise ValueError(
+            f"engine {engine}: layout ranks {[r['rank'] for r in ranks]} are not 0..n-1; pass "
+            "the engine's /get_parallelism_config answer unchanged"
+        )
     return [r["params"] for r in ranks]
 
 
@@ -99,16 +109,19 @@ def _dest_box(entry: dict, whole: Box, where: str) -> Box:
         return whole
     start, stop = entry["range"]
     if not (0 <= dim < len(whole) and 0 <= start <= stop <= whole[dim][1]):
-        raise ValueError(f"{where}: dim {dim} range [{start}, {stop}) is outside global_shape "
-                         f"{[s for _, s in whole]}")
-    return whole[:dim] + ((start, stop),) + whole[dim + 1:]
+        raise ValueError(f"{where}: dim {dim} range [{start}, {stop}) is outside global_shape {[s for _, s in whole]}")
+    return whole[:dim] + ((start, stop),) + whole[dim + 1 :]
 
 
 def dest_boxes(layout: dict) -> list[dict[str, Box]]:
     """Per rank of one engine (index = rank), the box of every HF tensor the rank holds."""
-    return [{name: _dest_box(entry, full_box(entry["global_shape"]), f"{name} on rank {rank}")
-             for name, entry in params.items()}
-            for rank, params in enumerate(_rank_params(layout, 0))]
+    return [
+        {
+            name: _dest_box(entry, full_box(entry["global_shape"]), f"{name} on rank {rank}")
+            for name, entry in params.items()
+        }
+        for rank, params in enumerate(_rank_params(layout, 0))
+    ]
 
 
 # ---- the plan --------------------------------------------------------------------------------------
@@ -218,8 +231,9 @@ class ReshardPlan:
         messages with boxes in the receiving shard's coordinates. `src` is the sender's rank in the
         update group, which is its trainer rank. Large for large models: build it once per plan."""
         with _gc_paused():
-            return [[_message_json(m) for m in self.receives_of(engine, rank)]
-                    for rank in range(self.engine_sizes[engine])]
+            return [
+                [_message_json(m) for m in self.receives_of(engine, rank)] for rank in range(self.engine_sizes[engine])
+            ]
 
 
 def _message(record: tuple) -> Message:
@@ -228,9 +242,15 @@ def _message(record: tuple) -> Message:
 
 
 def _message_json(message: Message) -> dict:
-    return {"src": message.src_rank, "tag": message.tag, "nbytes": message.nbytes,
-            "entries": [{"name": e.name, "dtype": e.dtype, "box": [[a, b] for a, b in e.dst_box_local],
-                         "offset": e.offset} for e in message.entries]}
+    return {
+        "src": message.src_rank,
+        "tag": message.tag,
+        "nbytes": message.nbytes,
+        "entries": [
+            {"name": e.name, "dtype": e.dtype, "box": [[a, b] for a, b in e.dst_box_local], "offset": e.offset}
+            for e in message.entries
+        ],
+    }
 
 
 # ---- planning --------------------------------------------------------------------------------------
@@ -251,16 +271,20 @@ def plan_reshard(sources: list[TensorSource], engine_layouts: list[dict], bucket
     by_name: dict[str, TensorSource] = {}
     for source in sources:
         if source.name in by_name:
-            raise ValueError(f"{source.name}: listed twice in the sources; give each tensor one TensorSource "
-                             "whose pieces name every rank that holds part of it")
+            raise ValueError(
+                f"{source.name}: listed twice in the sources; give each tensor one TensorSource "
+                "whose pieces name every rank that holds part of it"
+            )
         by_name[source.name] = source
     for e, ranks in enumerate(engines):
         for rank, params in enumerate(ranks):
             missing = params.keys() - by_name.keys()
             if missing:
-                raise ValueError(f"engine {e} rank {rank} holds {_some(missing)} but no trainer rank exports "
-                                 "them: the trainer's HF names must match the rollout model's (a tied weight "
-                                 "needs its pieces under both names)")
+                raise ValueError(
+                    f"engine {e} rank {rank} holds {_some(missing)} but no trainer rank exports "
+                    "them: the trainer's HF names must match the rollout model's (a tied weight "
+                    "needs its pieces under both names)"
+                )
     with _gc_paused():
         records, sent, received = _intersect(sources, engines)
         engine_sizes = tuple(len(ranks) for ranks in engines)
@@ -313,8 +337,10 @@ def _intersect(sources: list[TensorSource], engines: list[list[dict]]):
                 wanted = True
                 global_shape = entry["global_shape"]
                 if global_shape != shape and list(global_shape) != shape:
-                    raise ValueError(f"{name}: engine {e} rank {rank} has global_shape {list(global_shape)} but "
-                                     f"the trainer exports shape {shape}; both sides must load the same model")
+                    raise ValueError(
+                        f"{name}: engine {e} rank {rank} has global_shape {list(global_shape)} but "
+                        f"the trainer exports shape {shape}; both sides must load the same model"
+                    )
                 dim = entry["dim"]
                 key = None if dim is None else (dim, *entry["range"])
                 geometry = by_slice.get(key)
@@ -326,14 +352,17 @@ def _intersect(sources: list[TensorSource], engines: list[list[dict]]):
                     holders = groups[g][1]
                     src = holders[0] if len(holders) == 1 else min(holders, key=lambda r: (sent.get(r, 0), r))
                     sent[src] = sent.get(src, 0) + n * size
-                    records.append((name, src, e, rank, box, src_boxes[g], dst_box, n * size,
-                                    dtype, src_local, dst_local))
+                    records.append(
+                        (name, src, e, rank, box, src_boxes[g], dst_box, n * size, dtype, src_local, dst_local)
+                    )
                 received_e[rank] += need * size
         if not wanted:
             unwanted.append(name)
     if unwanted:
-        raise ValueError(f"the trainer exports {_some(unwanted)} but no engine holds them; leave them out of "
-                         "the sources if the rollout model has no such parameter, else fix the name mapping")
+        raise ValueError(
+            f"the trainer exports {_some(unwanted)} but no engine holds them; leave them out of "
+            "the sources if the rollout model has no such parameter, else fix the name mapping"
+        )
     return records, sent, {(e, rank): n for e, row in enumerate(received) for rank, n in enumerate(row)}
 
 
@@ -375,8 +404,10 @@ def _pack(records: list[tuple], bucket_bytes: int, engine_sizes: tuple[int, ...]
             pieces = ((dst_local, src_local, nbytes),)
         else:
             size = itemsize(dtype)
-            pieces = [(relative(block, dst_box), relative(block, src_box), box_numel(block) * size)
-                      for block in _row_blocks(box, size, bucket_bytes)]
+            pieces = [
+                (relative(block, dst_box), relative(block, src_box), box_numel(block) * size)
+                for block in _row_blocks(box, size, bucket_bytes)
+            ]
         for dst_local, src_local, nbytes in pieces:
             bucket = open_buckets.get(key)
             if bucket is None:

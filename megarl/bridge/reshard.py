@@ -74,9 +74,12 @@ class ReshardTransport(WeightTransport):
             addr = [(self.address, store.port)]
         dist.broadcast_object_list(addr, src=0)
         if self.rank == 0:
-            joins = [self.engines.submit(e.client.init_weights_update_group, self.address, store.port,
-                                         self._offsets[i], world, name, backend)
-                     for i, e in enumerate(self.engines.engines)]
+            joins = [
+                self.engines.submit(
+                    e.client.init_weights_update_group, self.address, store.port, self._offsets[i], world, name, backend
+                )
+                for i, e in enumerate(self.engines.engines)
+            ]
         else:
             store = update_group.connect_store(*addr[0], self.spec.timeout_s)
         try:
@@ -108,9 +111,16 @@ class ReshardTransport(WeightTransport):
         self._begin(urls, version)
         try:
             if self.rank == 0:
-                requests = [self.engines.submit(e.client.update_weights_from_reshard, self._group.name,
-                                                self._requests[i], weight_version=version, defer=e.stages)
-                            for i, e in enumerate(self.engines.engines)]
+                requests = [
+                    self.engines.submit(
+                        e.client.update_weights_from_reshard,
+                        self._group.name,
+                        self._requests[i],
+                        weight_version=version,
+                        defer=e.stages,
+                    )
+                    for i, e in enumerate(self.engines.engines)
+                ]
             sent = self._send_mine(plan)
             if self.rank == 0:
                 wait_all(requests, [e.url for e in self.engines.engines], "update_weights_from_reshard")
@@ -120,8 +130,9 @@ class ReshardTransport(WeightTransport):
         stats = {"bridge/bytes_sent": float(sent), "bridge/messages": float(len(plan.sends_of(self.rank)))}
         if self.rank == 0:
             stats["bridge/bytes"] = float(plan.total_bytes)
-            stats["bridge/bytes_per_rollout_rank_max"] = float(max(
-                plan.bytes_received(e, r) for e, size in enumerate(plan.engine_sizes) for r in range(size)))
+            stats["bridge/bytes_per_rollout_rank_max"] = float(
+                max(plan.bytes_received(e, r) for e, size in enumerate(plan.engine_sizes) for r in range(size))
+            )
         return stats
 
     def _send_mine(self, plan) -> int:
@@ -161,8 +172,7 @@ class ReshardTransport(WeightTransport):
         buf = self._slots[slot]
         if buf is None or buf.numel() < nbytes or buf.device != device:
             self._slots[slot] = None
-            buf = self._slots[slot] = torch.empty(max(nbytes, self.spec.bucket_bytes), dtype=torch.uint8,
-                                                  device=device)
+            buf = self._slots[slot] = torch.empty(max(nbytes, self.spec.bucket_bytes), dtype=torch.uint8, device=device)
         return buf[:nbytes]
 
     def close(self) -> None:
@@ -175,9 +185,9 @@ def _pack(buf: torch.Tensor, offset: int, part: torch.Tensor) -> None:
     buffer (entries start aligned, boxes.ALIGN), no contiguous temporary."""
     nbytes = part.numel() * part.element_size()
     if offset % part.element_size() == 0:
-        buf[offset:offset + nbytes].view(part.dtype).view(part.shape).copy_(part)
+        buf[offset : offset + nbytes].view(part.dtype).view(part.shape).copy_(part)
     else:
-        buf[offset:offset + nbytes].copy_(part.contiguous().reshape(-1).view(torch.uint8))
+        buf[offset : offset + nbytes].copy_(part.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _tensor_sources(per_rank: list[list]) -> list[TensorSource]:
@@ -187,7 +197,9 @@ def _tensor_sources(per_rank: list[list]) -> list[TensorSource]:
         for name, shape, dtype, box in entries:
             entry = by_name.setdefault(name, {"shape": tuple(shape), "dtype": dtype, "pieces": []})
             if entry["shape"] != tuple(shape) or entry["dtype"] != dtype:
-                raise WeightSyncError(f"{name}: trainer ranks disagree on its shape/dtype "
-                                      f"({entry['shape']}/{entry['dtype']} vs {tuple(shape)}/{dtype})")
+                raise WeightSyncError(
+                    f"{name}: trainer ranks disagree on its shape/dtype "
+                    f"({entry['shape']}/{entry['dtype']} vs {tuple(shape)}/{dtype})"
+                )
             entry["pieces"].append(SourcePiece(rank, tuple(tuple(b) for b in box)))
     return [TensorSource(name, e["shape"], e["dtype"], tuple(e["pieces"])) for name, e in by_name.items()]

@@ -42,6 +42,6 @@ class BridgeSpec:
             raise ValueError("bridge: no rollout server URLs to send weights to")
         object.__setattr__(self, "server_urls", tuple(self.server_urls))
 
-    def same_transport(self, other: "BridgeSpec | None") -> bool:
+    def same_transport(self, other: BridgeSpec | None) -> bool:
         """True when `other` differs at most in its engine URLs (the transport can be kept)."""
         return other is not None and replace(other, server_urls=self.server_urls) == self

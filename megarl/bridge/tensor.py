@@ -57,8 +57,12 @@ class TensorTransport(WeightTransport):
                 # nothing under its model lock, and the commit's round trip (~4 ms) is saved
                 defer = engine.stages and not whole
                 result = engine.client.update_weights_from_tensor(
-                    payloads, load_format="flattened_bucket", flush_cache=last and not engine.stages,
-                    weight_version=version if (defer or last) else None, defer=defer)
+                    payloads,
+                    load_format="flattened_bucket",
+                    flush_cache=last and not engine.stages,
+                    weight_version=version if (defer or last) else None,
+                    defer=defer,
+                )
                 engine.applied = engine.stages and whole
                 return result
 

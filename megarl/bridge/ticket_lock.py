@@ -58,7 +58,8 @@ class TicketLock:
             elif time.monotonic() - changed > self.stale_s:
                 raise WeightSyncError(
                     f"trainer rank {holder} stopped while sending a weight bucket (no heartbeat for "
-                    f"{self.stale_s:.0f} s); the sync is abandoned and the engines keep their weights")
+                    f"{self.stale_s:.0f} s); the sync is abandoned and the engines keep their weights"
+                )
 
     # ---- heartbeat: on while this rank takes part in a sync --------------------------------------
     def start_heartbeat(self) -> None:

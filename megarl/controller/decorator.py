@@ -6,8 +6,9 @@ The decorator only records the dispatch mode on the function; RayWorkerGroup rea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from megarl.controller.dispatch import Dispatch
 
@@ -25,9 +26,9 @@ class Registration:
 def register(dispatch: Dispatch, *, blocking: bool = True) -> Callable[[F], F]:
     """Expose a Worker method on its worker group.
 
-        class Actor(Worker):
-            @register(dispatch=Dispatch.DP_COMPUTE)
-            def compute_log_prob(self, batch: Batch) -> Batch: ...
+    class Actor(Worker):
+        @register(dispatch=Dispatch.DP_COMPUTE)
+        def compute_log_prob(self, batch: Batch) -> Batch: ...
     """
     if not isinstance(dispatch, Dispatch):
         hint = " (write @register(dispatch=Dispatch.X), not bare @register)" if callable(dispatch) else ""

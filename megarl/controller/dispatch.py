@@ -12,8 +12,9 @@ Pure Python (no Ray): the worker group is only the transport. A call goes throug
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from megarl.data.batch import Batch
 

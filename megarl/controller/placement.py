@@ -30,7 +30,7 @@ CRITIC_DEVICE_SHARE = 0.05
 class Slot:
     pool: str
     device: int  # index within the pool
-    node: int    # node (placement group) index within the pool
+    node: int  # node (placement group) index within the pool
     bundle: int  # bundle index within that node's placement group
 
 
@@ -69,8 +69,10 @@ class PlacementPlan:
     colocated: bool
 
     def describe(self) -> str:
-        pools = ", ".join(f"{p.name}: {p.num_devices} devices ({'+'.join(map(str, p.node_sizes))} per node)"
-                          for p in self.pools.values())
+        pools = ", ".join(
+            f"{p.name}: {p.num_devices} devices ({'+'.join(map(str, p.node_sizes))} per node)"
+            for p in self.pools.values()
+        )
         mode = "colocated" if self.colocated else "disaggregated"
         shape = f"{len(self.engines)} engine(s) x {sum(len(n.slots) for n in self.engines[0])} devices"
         return f"{mode}; {pools}; rollout {shape}"
@@ -89,11 +91,16 @@ def plan_placement(cfg) -> PlacementPlan:
         rollout = PoolSpec("rollout", c.num_rollout_devices or r.num_servers * r.tp, per_node)
         pools["rollout"] = rollout
     ranks_per_node = r.tp // r.nnodes
-    engines = [[EngineNode(e, k, tuple(rollout.slot(e * r.tp + k * ranks_per_node + i)
-                                       for i in range(ranks_per_node)))
-                for k in range(r.nnodes)] for e in range(r.num_servers)]
-    return PlacementPlan(pools, [actor.slot(i) for i in range(actor_pool_size)], engines,
-                         colocated=c.placement == "colocated")
+    engines = [
+        [
+            EngineNode(e, k, tuple(rollout.slot(e * r.tp + k * ranks_per_node + i) for i in range(ranks_per_node)))
+            for k in range(r.nnodes)
+        ]
+        for e in range(r.num_servers)
+    ]
+    return PlacementPlan(
+        pools, [actor.slot(i) for i in range(actor_pool_size)], engines, colocated=c.placement == "colocated"
+    )
 
 
 def device_resource() -> str:
@@ -111,9 +118,12 @@ class ResourcePool:
         from ray.util.placement_group import placement_group
 
         self.spec, self.resource = spec, resource
-        self.groups = [placement_group([{resource: 1.0} for _ in range(size)], strategy="STRICT_PACK",
-                                       name=f"megarl_{spec.name}_node{i}")
-                       for i, size in enumerate(spec.node_sizes)]
+        self.groups = [
+            placement_group(
+                [{resource: 1.0} for _ in range(size)], strategy="STRICT_PACK", name=f"megarl_{spec.name}_node{i}"
+            )
+            for i, size in enumerate(spec.node_sizes)
+        ]
         try:
             ray.get([pg.ready() for pg in self.groups], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -122,7 +132,8 @@ class ResourcePool:
                 f"could not reserve the {spec.name} pool ({spec.num_devices} x {resource!r} over nodes of "
                 f"{spec.devices_per_node}) within {timeout_s:.0f}s; the cluster has "
                 f"{ray.cluster_resources()}. On a CPU cluster start Ray with "
-                f"--resources '{{\"{CPU_DEVICE_RESOURCE}\": N}}' on every node.") from None
+                f"--resources '{{\"{CPU_DEVICE_RESOURCE}\": N}}' on every node."
+            ) from None
 
     def bundle_of(self, slot: Slot):
         if slot.pool != self.spec.name:

@@ -104,6 +104,7 @@ def remove_recorded_leftovers(path: Path, node: str, shm_dir: str = SHM_DIR) -> 
             continue
         removed += _remove_files_of(pid, shm_dir)
     if removed:
-        logger.info("removed %d torch shared-memory files in %s left by the killed ranks of an earlier run",
-                    removed, shm_dir)
+        logger.info(
+            "removed %d torch shared-memory files in %s left by the killed ranks of an earlier run", removed, shm_dir
+        )
     return running

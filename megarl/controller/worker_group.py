@@ -15,8 +15,9 @@ import inspect
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import ray
@@ -49,8 +50,9 @@ class WorkerError(RuntimeError):
     for a user ("actor rank 1 (pid 4242, node 10.0.0.3) died during update_actor(): ..."); the
     message has the details (Ray's report, the remote traceback)."""
 
-    def __init__(self, message: str, *, rank: int, method: str, cause: BaseException | None,
-                 summary: str | None = None):
+    def __init__(
+        self, message: str, *, rank: int, method: str, cause: BaseException | None, summary: str | None = None
+    ):
         super().__init__(message)
         self.rank = rank
         self.method = method
@@ -208,8 +210,7 @@ class RayWorkerGroup:
         built-in no-op (`__ray_ready__`) at once when idle; a rank busy or slow past `timeout_s`
         counts as alive (this looks for deaths, not hangs)."""
         try:
-            self._gather([a.__ray_ready__.remote() for a in self.actors], "check_alive",
-                         timeout_s=timeout_s)
+            self._gather([a.__ray_ready__.remote() for a in self.actors], "check_alive", timeout_s=timeout_s)
         except TimeoutError:
             pass
 
@@ -307,8 +308,10 @@ def _death_cause(error: BaseException) -> str:
     unexpectedly exits with a connection error code 2. End of file")."""
     detail = re.search(r"Worker exit detail: (.+?)(?:\. Some common causes|$)", str(error), re.S)
     if detail:
-        return (f"its process ended unexpectedly (killed, e.g. by the OOM killer, or crashed); "
-                f"Ray: {' '.join(detail.group(1).split())}")
+        return (
+            f"its process ended unexpectedly (killed, e.g. by the OOM killer, or crashed); "
+            f"Ray: {' '.join(detail.group(1).split())}"
+        )
     return _one_line(error)
 
 

@@ -75,5 +75,5 @@ def balance_across_ranks(lengths: Sequence[int], n_ranks: int) -> list[int]:
         loads[r] += lengths[i]
     order = [i for part in ranks for i in sorted(part)]
     starts = [sum(sizes[:r]) for r in range(n_ranks)]
-    naive = max((sum(lengths[s:s + size]) for s, size in zip(starts, sizes)), default=0)
+    naive = max((sum(lengths[s : s + size]) for s, size in zip(starts, sizes)), default=0)
     return order if max(loads, default=0) < naive * (1 - REBALANCE_GAIN) else list(range(n))

@@ -54,8 +54,17 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 
 
 # dtypes numpy holds exactly; bfloat16 and the rest travel as torch storages
-_WIRE_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-                torch.uint8, torch.bool}
+_WIRE_DTYPES = {
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+}
 
 
 def _to_wire(t: torch.Tensor) -> torch.Tensor | np.ndarray:
@@ -80,20 +89,23 @@ def _from_wire(v: torch.Tensor | np.ndarray) -> torch.Tensor:
 class Batch:
     """Equally long tensor and non-tensor columns plus batch-level meta (see module doc)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor] | None = None,
-                 non_tensors: dict[str, np.ndarray | list] | None = None,
-                 meta: dict | None = None):
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor] | None = None,
+        non_tensors: dict[str, np.ndarray | list] | None = None,
+        meta: dict | None = None,
+    ):
         self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
-        self.non_tensors: dict[str, np.ndarray] = {
-            k: as_object_array(v) for k, v in (non_tensors or {}).items()}
+        self.non_tensors: dict[str, np.ndarray] = {k: as_object_array(v) for k, v in (non_tensors or {}).items()}
         self.meta: dict = dict(meta or {})
         overlap = set(self.tensors) & set(self.non_tensors)
         if overlap:
             raise BatchError(f"keys {sorted(overlap)} are both tensor and non-tensor columns")
         for k, v in self.tensors.items():
             if not isinstance(v, torch.Tensor):
-                raise BatchError(f"tensor column {k!r} is a {type(v).__name__}; pass non-tensor "
-                                 "columns in `non_tensors`")
+                raise BatchError(
+                    f"tensor column {k!r} is a {type(v).__name__}; pass non-tensor columns in `non_tensors`"
+                )
         lengths = {k: _column_length(k, v) for k, v in self._columns()}
         if len(set(lengths.values())) > 1:
             raise BatchError(f"columns have different lengths: {lengths}")
@@ -142,8 +154,11 @@ class Batch:
     def select(self, *keys: str) -> Batch:
         """A Batch with only `keys` (columns shared, not copied) and the same meta."""
         self._missing(keys)
-        return Batch({k: v for k, v in self.tensors.items() if k in keys},
-                     {k: v for k, v in self.non_tensors.items() if k in keys}, self.meta)
+        return Batch(
+            {k: v for k, v in self.tensors.items() if k in keys},
+            {k: v for k, v in self.non_tensors.items() if k in keys},
+            self.meta,
+        )
 
     def pop(self, *keys: str) -> Batch:
         """Remove `keys` from this batch (in place) and return them as a Batch with the same meta."""
@@ -188,7 +203,7 @@ class Batch:
             raise BatchError(f"split sizes {list(sizes)} must be >= 0 and sum to {len(self)}")
         out, start = [], 0
         for size in sizes:
-            out.append(self[start:start + size])
+            out.append(self[start : start + size])
             start += size
         return out
 
@@ -210,18 +225,19 @@ class Batch:
         keys = set(batches[0].keys())
         for i, b in enumerate(batches[1:], start=1):
             if set(b.keys()) != keys:
-                raise BatchError(f"Batch.concat: batch {i} has columns {sorted(b.keys())} but "
-                                 f"batch 0 has {sorted(keys)}")
+                raise BatchError(
+                    f"Batch.concat: batch {i} has columns {sorted(b.keys())} but batch 0 has {sorted(keys)}"
+                )
         tensors = {}
         for k in batches[0].tensors:
             parts = [b.tensors[k] for b in batches]
             shapes = {tuple(p.shape[1:]) for p in parts}
             if len(shapes) > 1:
-                raise BatchError(f"Batch.concat: column {k!r} has different per-row shapes "
-                                 f"{sorted(shapes)}; pad to one length first")
+                raise BatchError(
+                    f"Batch.concat: column {k!r} has different per-row shapes {sorted(shapes)}; pad to one length first"
+                )
             tensors[k] = torch.cat(parts, dim=0)
-        non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches])
-                       for k in batches[0].non_tensors}
+        non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in batches[0].non_tensors}
         meta: dict = {}
         for b in batches:
             for k, v in b.meta.items():
@@ -232,17 +248,22 @@ class Batch:
         """Each row repeated n times in place: rows a, b -> a, a, b, b (n=2)."""
         if n < 1:
             raise BatchError(f"repeat_interleave(n) needs n >= 1, got {n}")
-        return Batch({k: v.repeat_interleave(n, dim=0) for k, v in self.tensors.items()},
-                     {k: np.repeat(v, n) for k, v in self.non_tensors.items()}, self.meta)
+        return Batch(
+            {k: v.repeat_interleave(n, dim=0) for k, v in self.tensors.items()},
+            {k: np.repeat(v, n) for k, v in self.non_tensors.items()},
+            self.meta,
+        )
 
     def to(self, device: str | torch.device) -> Batch:
-        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors,
-                     self.meta)
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors, self.meta)
 
     # ---------------------------------------------------------------- pickling / display
     def __getstate__(self) -> dict:
-        return {"tensors": {k: _to_wire(v) for k, v in self.tensors.items()},
-                "non_tensors": self.non_tensors, "meta": self.meta}
+        return {
+            "tensors": {k: _to_wire(v) for k, v in self.tensors.items()},
+            "non_tensors": self.non_tensors,
+            "meta": self.meta,
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.tensors = {k: _from_wire(v) for k, v in state["tensors"].items()}
@@ -272,8 +293,9 @@ def _normalize_index(index: RowIndex, length: int) -> slice | torch.Tensor:
     if rows.numel() == 0:
         return torch.zeros(0, dtype=torch.long)
     if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dim() != 1:
-        raise BatchError(f"row index must be a 1-D integer or bool sequence, got {rows.dtype} "
-                         f"of shape {tuple(rows.shape)}")
+        raise BatchError(
+            f"row index must be a 1-D integer or bool sequence, got {rows.dtype} of shape {tuple(rows.shape)}"
+        )
     rows = rows.long()
     if bool(((rows < -length) | (rows >= length)).any()):
         raise IndexError(f"row index out of range for a batch of {length} rows")
@@ -281,8 +303,7 @@ def _normalize_index(index: RowIndex, length: int) -> slice | torch.Tensor:
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or (a.shape == b.shape and a.dtype == b.dtype
-                      and bool(torch.equal(a.cpu(), b.cpu())))
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu())))
 
 
 def _same_objects(a: np.ndarray, b: np.ndarray) -> bool:
@@ -291,8 +312,7 @@ def _same_objects(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _same_meta(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and _same_tensor(a, b))
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_tensor(a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object)))
     try:

@@ -38,27 +38,30 @@ def load_class(spec: str) -> type:
     """The class named by `spec`, imported; DatasetError naming data.custom_cls otherwise."""
     module_name, sep, cls_name = spec.rpartition(":")
     if not sep or not module_name or not cls_name.isidentifier():
-        raise DatasetError(f"{KEY}={spec!r} must look like 'path/to/file.py:ClassName' or "
-                           "'package.module:ClassName'")
+        raise DatasetError(f"{KEY}={spec!r} must look like 'path/to/file.py:ClassName' or 'package.module:ClassName'")
     try:
         if module_name.endswith(".py"):
             path = Path(module_name)
             if not path.is_file():
-                raise DatasetError(f"{KEY}={spec!r}: file {path} does not exist; give a path "
-                                   "relative to the directory the run starts in, or an absolute one")
+                raise DatasetError(
+                    f"{KEY}={spec!r}: file {path} does not exist; give a path "
+                    "relative to the directory the run starts in, or an absolute one"
+                )
             module_spec = importlib.util.spec_from_file_location(f"megarl_custom_data_{path.stem}", path)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)  # type: ignore[union-attr]
         else:
             module = importlib.import_module(module_name)
     except ImportError as e:
-        raise DatasetError(f"{KEY}={spec!r}: cannot import {module_name!r} ({e}); is the package "
-                           "installed, or on PYTHONPATH?") from e
+        raise DatasetError(
+            f"{KEY}={spec!r}: cannot import {module_name!r} ({e}); is the package installed, or on PYTHONPATH?"
+        ) from e
     cls = getattr(module, cls_name, None)
     if cls is None:
         known = sorted(n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_"))
-        raise DatasetError(f"{KEY}={spec!r}: {module_name!r} has no {cls_name!r} "
-                           f"(its classes: {', '.join(known) or 'none'})")
+        raise DatasetError(
+            f"{KEY}={spec!r}: {module_name!r} has no {cls_name!r} (its classes: {', '.join(known) or 'none'})"
+        )
     if not callable(cls):
         raise DatasetError(f"{KEY}={spec!r}: {cls_name!r} is a {type(cls).__name__}, not a class")
     return cls
@@ -77,9 +80,11 @@ def custom_rows(cls: type, spec: str, path: str | None, tokenizer, config, split
     try:
         return list(made)
     except TypeError:
-        raise DatasetError(f"{KEY}={spec!r}: {call} gave a {type(made).__name__}, which is not a "
-                           "sequence of rows; the class must define __len__ and __getitem__ (or "
-                           "__iter__) returning canonical row dicts (megarl/data/custom.py)") from None
+        raise DatasetError(
+            f"{KEY}={spec!r}: {call} gave a {type(made).__name__}, which is not a "
+            "sequence of rows; the class must define __len__ and __getitem__ (or "
+            "__iter__) returning canonical row dicts (megarl/data/custom.py)"
+        ) from None
 
 
 def custom_dataset(cls: type, spec: str, path: str | None, tokenizer, config, split: str) -> RLDataset:
@@ -87,8 +92,6 @@ def custom_dataset(cls: type, spec: str, path: str | None, tokenizer, config, sp
     rows = custom_rows(cls, spec, path, tokenizer, config, split)
     where = f"{KEY} {getattr(cls, '__name__', spec)}({Path(path).name if path else split})"
     try:
-        return RLDataset(rows, tokenizer, config.max_prompt_length, config.prompt_key, where,
-                         config.overlong_prompts)
+        return RLDataset(rows, tokenizer, config.max_prompt_length, config.prompt_key, where, config.overlong_prompts)
     except DatasetError as e:
-        raise DatasetError(f"{e} (rows made by {KEY}={spec!r}; the row format is in "
-                           "megarl/data/dataset.py)") from None
+        raise DatasetError(f"{e} (rows made by {KEY}={spec!r}; the row format is in megarl/data/dataset.py)") from None

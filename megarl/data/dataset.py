@@ -85,8 +85,7 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> dict:
     _field(row, "reward_model.ground_truth", str, where)
     style = _field(row, "reward_model.style", str, where)
     if style not in REWARD_STYLES:
-        raise DatasetError(f"{where}: field 'reward_model.style' is {style!r}, expected one of "
-                           f"{REWARD_STYLES}")
+        raise DatasetError(f"{where}: field 'reward_model.style' is {style!r}, expected one of {REWARD_STYLES}")
     if "extra_info" not in row:
         raise DatasetError(f"{where}: missing field 'extra_info'")
     extra = row["extra_info"] if row["extra_info"] is not None else {}
@@ -106,8 +105,15 @@ def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
 class RLDataset:
     """Validated, tokenized prompt rows; row i is a dict with canonical fields + raw_prompt_ids."""
 
-    def __init__(self, rows: list[dict], tokenizer, max_prompt_length: int,
-                 prompt_key: str = "prompt", source: str = "<rows>", overlong: str = "error"):
+    def __init__(
+        self,
+        rows: list[dict],
+        tokenizer,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        source: str = "<rows>",
+        overlong: str = "error",
+    ):
         if overlong not in OVERLONG:
             raise DatasetError(f"overlong={overlong!r} must be one of {OVERLONG}")
         self.source = source
@@ -120,27 +126,38 @@ class RLDataset:
             ids = tokenize_prompt(tokenizer, row[prompt_key])
             if len(ids) > max_prompt_length:
                 if overlong == "error":
-                    raise DatasetError(f"{where}: prompt is {len(ids)} tokens, longer than "
-                                       f"data.max_prompt_length={max_prompt_length}; raise the "
-                                       "limit, drop the row or set data.overlong_prompts=filter")
+                    raise DatasetError(
+                        f"{where}: prompt is {len(ids)} tokens, longer than "
+                        f"data.max_prompt_length={max_prompt_length}; raise the "
+                        "limit, drop the row or set data.overlong_prompts=filter"
+                    )
                 filtered.append(f"row {index} ({len(ids)} tokens)")
                 continue
             self.rows.append({**row, "raw_prompt_ids": ids})
         self.num_filtered = len(filtered)
         if filtered:
-            log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_length=%d: %s%s",
-                        source, len(filtered), len(rows), max_prompt_length,
-                        ", ".join(filtered[:5]), ", ..." if len(filtered) > 5 else "")
+            log.warning(
+                "%s: dropped %d of %d prompts longer than data.max_prompt_length=%d: %s%s",
+                source,
+                len(filtered),
+                len(rows),
+                max_prompt_length,
+                ", ".join(filtered[:5]),
+                ", ..." if len(filtered) > 5 else "",
+            )
         if not self.rows:
-            reason = (f" (all {len(filtered)} were longer than data.max_prompt_length="
-                      f"{max_prompt_length})" if filtered else "")
+            reason = (
+                f" (all {len(filtered)} were longer than data.max_prompt_length={max_prompt_length})"
+                if filtered
+                else ""
+            )
             raise DatasetError(f"{source} has no rows{reason}")
 
     @classmethod
-    def from_file(cls, path: str | Path, tokenizer, max_prompt_length: int,
-                  prompt_key: str = "prompt", overlong: str = "error") -> RLDataset:
-        return cls(read_rows(path), tokenizer, max_prompt_length, prompt_key, Path(path).name,
-                   overlong)
+    def from_file(
+        cls, path: str | Path, tokenizer, max_prompt_length: int, prompt_key: str = "prompt", overlong: str = "error"
+    ) -> RLDataset:
+        return cls(read_rows(path), tokenizer, max_prompt_length, prompt_key, Path(path).name, overlong)
 
     @classmethod
     def concat(cls, parts: list[RLDataset]) -> RLDataset:
@@ -170,13 +187,16 @@ class PromptBatches:
     per epoch: "e<epoch>-r<row>").
     """
 
-    def __init__(self, dataset: RLDataset, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = True):
+    def __init__(
+        self, dataset: RLDataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+    ):
         if batch_size < 1:
             raise DatasetError(f"batch_size must be >= 1, got {batch_size}")
         if drop_last and len(dataset) < batch_size:
-            raise DatasetError(f"{dataset.source} has {len(dataset)} rows, fewer than one batch "
-                               f"of {batch_size}; lower data.train_batch_size or add rows")
+            raise DatasetError(
+                f"{dataset.source} has {len(dataset)} rows, fewer than one batch "
+                f"of {batch_size}; lower data.train_batch_size or add rows"
+            )
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.drop_last = drop_last
         full, rest = divmod(len(dataset), batch_size)
@@ -190,12 +210,16 @@ class PromptBatches:
     def batch_at(self, step: int) -> Batch:
         epoch, position = divmod(step, self.steps_per_epoch)
         order = self.epoch_order(epoch)
-        rows = order[position * self.batch_size:(position + 1) * self.batch_size]
+        rows = order[position * self.batch_size : (position + 1) * self.batch_size]
         return self._make_batch([int(r) for r in rows], epoch, step)
 
     def _make_batch(self, indices: list[int], epoch: int, step: int) -> Batch:
-        return prompt_batch([self.dataset[i] for i in indices], self.dataset.prompt_key,
-                            [f"e{epoch}-r{i}" for i in indices], {"epoch": epoch, "step": step})
+        return prompt_batch(
+            [self.dataset[i] for i in indices],
+            self.dataset.prompt_key,
+            [f"e{epoch}-r{i}" for i in indices],
+            {"epoch": epoch, "step": step},
+        )
 
     def iterate(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:
         """Batches for steps start_step, start_step+1, ... (forever when num_steps is None)."""
@@ -211,15 +235,18 @@ class PromptBatches:
 
 def prompt_batch(rows: list[dict], prompt_key: str, uids: list[str], meta: dict) -> Batch:
     """The prompt columns of a batch of dataset rows (PromptBatches' contract)."""
-    return Batch(non_tensors={
-        "raw_prompt_ids": [r["raw_prompt_ids"] for r in rows],
-        "raw_prompt": [r[prompt_key] for r in rows],
-        "data_source": [r["data_source"] for r in rows],
-        "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
-        "reward_style": [r["reward_model"]["style"] for r in rows],
-        "extra_info": [r["extra_info"] for r in rows],
-        "uid": uids,
-    }, meta=meta)
+    return Batch(
+        non_tensors={
+            "raw_prompt_ids": [r["raw_prompt_ids"] for r in rows],
+            "raw_prompt": [r[prompt_key] for r in rows],
+            "data_source": [r["data_source"] for r in rows],
+            "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
+            "reward_style": [r["reward_model"]["style"] for r in rows],
+            "extra_info": [r["extra_info"] for r in rows],
+            "uid": uids,
+        },
+        meta=meta,
+    )
 
 
 def as_paths(files: str | list[str] | None) -> list[str]:
@@ -246,16 +273,16 @@ def build_datasets(data_cfg, tokenizer, work_dir: str | Path):
 
     def read(path: str | Path | None, split: str) -> RLDataset:
         if custom is not None:
-            return custom_dataset(custom, data_cfg.custom_cls, None if path is None else str(path),
-                                  tokenizer, data_cfg, split)
+            return custom_dataset(
+                custom, data_cfg.custom_cls, None if path is None else str(path), tokenizer, data_cfg, split
+            )
         return RLDataset.from_file(path, *args)
 
     work = Path(work_dir)
     stem = data_cfg.task.replace(":", "_")  # rg:countdown -> rg_countdown_train.parquet
     train_paths = as_paths(data_cfg.train_files)
     if not train_paths and custom is None:
-        train_paths = [write_task(data_cfg.task, data_cfg.num_train, data_cfg.seed,
-                                  work / f"{stem}_train.parquet")]
+        train_paths = [write_task(data_cfg.task, data_cfg.num_train, data_cfg.seed, work / f"{stem}_train.parquet")]
     parts = [read(p, "train") for p in train_paths] or [read(None, "train")]
     if data_cfg.train_weights is not None:
         train = MixedDataset(parts, data_cfg.train_weights, source_names(train_paths))
@@ -265,7 +292,6 @@ def build_datasets(data_cfg, tokenizer, work_dir: str | Path):
     if not val_paths and data_cfg.num_val > 0:
         if custom is not None:
             return train, read(None, "val")
-        val_paths = [write_task(data_cfg.task, data_cfg.num_val, data_cfg.seed + 1,
-                                work / f"{stem}_val.parquet")]
+        val_paths = [write_task(data_cfg.task, data_cfg.num_val, data_cfg.seed + 1, work / f"{stem}_val.parquet")]
     val = RLDataset.concat([read(p, "val") for p in val_paths]) if val_paths else None
     return train, val

@@ -26,7 +26,7 @@ from megarl.data.batch import Batch
 from megarl.data.dataset import DatasetError, PromptBatches, RLDataset, prompt_batch
 
 _MIX = 0x6D6978  # "mix": keeps these streams apart from PromptBatches' (seed, epoch) permutations
-_BLOCK = 1024    # steps whose counts are drawn together (one generator per block of steps)
+_BLOCK = 1024  # steps whose counts are drawn together (one generator per block of steps)
 
 
 def source_names(paths: list) -> list[str]:
@@ -46,11 +46,15 @@ class MixedDataset:
 
     def __init__(self, parts: list[RLDataset], weights: list[float], names: list[str]):
         if len(weights) != len(parts):
-            raise DatasetError(f"data.train_weights has {len(weights)} weights for {len(parts)} "
-                               "data.train_files; give one weight per file")
+            raise DatasetError(
+                f"data.train_weights has {len(weights)} weights for {len(parts)} "
+                "data.train_files; give one weight per file"
+            )
         if any(not np.isfinite(w) or w <= 0 for w in weights):
-            raise DatasetError(f"data.train_weights={list(weights)} must all be > 0 (leave a file "
-                               "out of data.train_files instead of giving it weight 0)")
+            raise DatasetError(
+                f"data.train_weights={list(weights)} must all be > 0 (leave a file "
+                "out of data.train_files instead of giving it weight 0)"
+            )
         self.parts, self.names = parts, list(names)
         self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
         self.prompt_key = parts[0].prompt_key
@@ -62,8 +66,7 @@ class MixedDataset:
 
     def identity(self) -> dict:
         """What a checkpoint records of the mix: a resume with other files or weights is refused."""
-        return {"mix": [[name, len(part), float(w)]
-                        for name, part, w in zip(self.names, self.parts, self.weights)]}
+        return {"mix": [[name, len(part), float(w)] for name, part, w in zip(self.names, self.parts, self.weights)]}
 
 
 class MixedPromptBatches:
@@ -95,7 +98,7 @@ class MixedPromptBatches:
         known = len(self._before) - 1
         if step > known:
             counts = np.concatenate([self._block(b) for b in range(known // _BLOCK, (step - 1) // _BLOCK + 1)])
-            counts = counts[known - (known // _BLOCK) * _BLOCK:][:step - known]
+            counts = counts[known - (known // _BLOCK) * _BLOCK :][: step - known]
             self._before = np.concatenate([self._before, self._before[-1] + np.cumsum(counts, 0)])
         return self._before[step]
 
@@ -123,8 +126,9 @@ class MixedPromptBatches:
         if self.shuffle:  # files interleaved in the batch, not in blocks
             order = np.random.default_rng([self.seed, _MIX, step, 1]).permutation(len(rows))
             rows, uids = [rows[i] for i in order], [uids[i] for i in order]
-        fractions = {f"data/source_frac/{name}": c / self.batch_size
-                     for name, c in zip(self.mixed.names, counts.tolist())}
+        fractions = {
+            f"data/source_frac/{name}": c / self.batch_size for name, c in zip(self.mixed.names, counts.tolist())
+        }
         return prompt_batch(rows, self.mixed.prompt_key, uids, {"step": step, "metrics": fractions})
 
     def iterate(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:

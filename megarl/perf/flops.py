@@ -26,8 +26,8 @@ attention is not modelled: a config that enables it is refused rather than over-
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
@@ -54,8 +54,10 @@ def _model_type(cfg: dict) -> str:
     if mt not in SUPPORTED:
         raise ValueError(f"FLOPs model: model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
     if cfg.get("use_sliding_window"):
-        raise ValueError(f"FLOPs model: {mt} with use_sliding_window=true is not modelled "
-                         "(full causal attention would over-count); set use_sliding_window=false")
+        raise ValueError(
+            f"FLOPs model: {mt} with use_sliding_window=true is not modelled "
+            "(full causal attention would over-count); set use_sliding_window=false"
+        )
     return mt
 
 
@@ -66,8 +68,7 @@ def _head_dim(cfg: dict) -> int:
 def _attention_dims(cfg: dict) -> tuple[int, int, int]:
     """(n_heads, qk_head_dim, v_head_dim) of the score and value products."""
     if cfg["model_type"] == "deepseek_v3":
-        return (cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
-                cfg["v_head_dim"])
+        return (cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"])
     hd = _head_dim(cfg)
     return cfg["num_attention_heads"], hd, hd
 
@@ -100,11 +101,17 @@ def _attention_params(cfg: dict) -> tuple[int, int]:
 def _is_moe_layer(cfg: dict, i: int) -> bool:
     mt = cfg["model_type"]
     if mt == "qwen3_moe":
-        return (i not in (cfg.get("mlp_only_layers") or []) and cfg.get("num_experts", 0) > 0
-                and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+        return (
+            i not in (cfg.get("mlp_only_layers") or [])
+            and cfg.get("num_experts", 0) > 0
+            and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+        )
     if mt == "deepseek_v3":
-        return (cfg.get("n_routed_experts") is not None and i >= cfg.get("first_k_dense_replace", 0)
-                and i % cfg.get("moe_layer_freq", 1) == 0)
+        return (
+            cfg.get("n_routed_experts") is not None
+            and i >= cfg.get("first_k_dense_replace", 0)
+            and i % cfg.get("moe_layer_freq", 1) == 0
+        )
     return False
 
 

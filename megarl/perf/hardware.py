@@ -25,21 +25,21 @@ from dataclasses import dataclass, replace
 
 from megarl.perf.peak import PEAK_TFLOPS
 
-GiB = 1024 ** 3
-MiB = 1024 ** 2
+GiB = 1024**3
+MiB = 1024**2
 GB = 1e9
 
 
 @dataclass(frozen=True)
 class Device:
-    name: str                    # table entry (PEAK_TFLOPS key) or "CPU"
-    memory: float                # bytes
-    hbm_bw: float                # device memory bandwidth, bytes/s
-    nvlink_bw: float             # inside a node, per direction, bytes/s
-    net_bw: float                # between nodes, per device, bytes/s
-    pcie_bw: float               # host <-> device (offload), bytes/s
-    runtime_reserve: float       # per process: CUDA context, NCCL and cuBLAS workspaces, allocator slack
-    peak: dict                   # dtype -> FLOP/s (dense)
+    name: str  # table entry (PEAK_TFLOPS key) or "CPU"
+    memory: float  # bytes
+    hbm_bw: float  # device memory bandwidth, bytes/s
+    nvlink_bw: float  # inside a node, per direction, bytes/s
+    net_bw: float  # between nodes, per device, bytes/s
+    pcie_bw: float  # host <-> device (offload), bytes/s
+    runtime_reserve: float  # per process: CUDA context, NCCL and cuBLAS workspaces, allocator slack
+    peak: dict  # dtype -> FLOP/s (dense)
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.peak:
@@ -47,13 +47,22 @@ class Device:
         return self.peak[dtype]
 
 
-def _gpu(name: str, memory_mib: float, hbm_tb_s: float, nvlink_gb_s: float, net_gb_s: float,
-         pcie_gb_s: float) -> Device:
+def _gpu(
+    name: str, memory_mib: float, hbm_tb_s: float, nvlink_gb_s: float, net_gb_s: float, pcie_gb_s: float
+) -> Device:
     # runtime reserve per GPU process: ~0.5 GiB CUDA context, ~1 GiB NCCL buffers (more channels on
     # bigger jobs), cuBLAS workspaces, and caching-allocator fragmentation, which Megatron users
     # budget at a few GiB; 4 GiB is the planner's stated figure (its calibration is in RESULTS.md)
-    return Device(name, memory_mib * MiB, hbm_tb_s * 1e12, nvlink_gb_s * GB, net_gb_s * GB,
-                  pcie_gb_s * GB, 4 * GiB, {k: v * 1e12 for k, v in PEAK_TFLOPS[name].items()})
+    return Device(
+        name,
+        memory_mib * MiB,
+        hbm_tb_s * 1e12,
+        nvlink_gb_s * GB,
+        net_gb_s * GB,
+        pcie_gb_s * GB,
+        4 * GiB,
+        {k: v * 1e12 for k, v in PEAK_TFLOPS[name].items()},
+    )
 
 
 GPUS: dict[str, Device] = {
@@ -64,8 +73,18 @@ GPUS: dict[str, Device] = {
     "H20": _gpu("H20", 97871, 4.0, 450, 50, 64),
     "A100": _gpu("A100", 81920, 2.04, 300, 25, 32),
 }
-_ALIASES = {"h100": "H100", "h100-sxm": "H100", "h100sxm": "H100", "h100-pcie": "H100 PCIe",
-            "h100pcie": "H100 PCIe", "h200": "H200", "b200": "B200", "h20": "H20", "a100": "A100", "a100-80gb": "A100"}
+_ALIASES = {
+    "h100": "H100",
+    "h100-sxm": "H100",
+    "h100sxm": "H100",
+    "h100-pcie": "H100 PCIe",
+    "h100pcie": "H100 PCIe",
+    "h200": "H200",
+    "b200": "B200",
+    "h20": "H20",
+    "a100": "A100",
+    "a100-80gb": "A100",
+}
 
 # CPU: a memcpy between processes' shared memory moves ~5 GB/s per core on the 2-core machine
 # this project is built on (benchmarks/bench_bridge.py's raw transport peer measures it)
@@ -82,8 +101,16 @@ def cpu_device(devices_on_node: int, host_memory: float | None = None, peak: flo
         peak = cpu_peak_flops("fp32")
     # per process: Python + torch + Megatron imports, ~0.6 GiB resident (a quickstart rank: 590-626 MiB
     # peak RSS, benchmarks/bench_plan.py --cpu)
-    return Device("CPU", host_memory / max(devices_on_node, 1), CPU_COPY_BW, CPU_COPY_BW, CPU_COPY_BW,
-                  CPU_COPY_BW, 0.6 * GiB, {"fp32": peak, "bf16": peak})
+    return Device(
+        "CPU",
+        host_memory / max(devices_on_node, 1),
+        CPU_COPY_BW,
+        CPU_COPY_BW,
+        CPU_COPY_BW,
+        CPU_COPY_BW,
+        0.6 * GiB,
+        {"fp32": peak, "bf16": peak},
+    )
 
 
 def canonical_device(kind: str) -> str | None:
@@ -117,8 +144,7 @@ def parse_devices(spec: str, devices_on_node: int | None = None) -> tuple[int, D
         return n, cpu_device(devices_on_node or n)
     key = canonical_device(kind)
     if key is None:
-        raise ValueError(f"--devices {spec!r}: unknown device {kind!r}; known: "
-                         f"{', '.join(list(GPUS) + ['CPU'])}")
+        raise ValueError(f"--devices {spec!r}: unknown device {kind!r}; known: {', '.join(list(GPUS) + ['CPU'])}")
     if count is None:
         raise ValueError(f"--devices {spec!r}: say how many, e.g. 256x{key}")
     return count, GPUS[key]

@@ -52,8 +52,8 @@ LOGIT_BYTES = {"bf16": 18, "fp32": 16}
 
 @dataclass(frozen=True)
 class StageParams:
-    dense: float    # parameters of one rank of this stage sharded with the data-parallel group
-    expert: float   # routed-expert parameters of one rank (sharded with the expert data-parallel group)
+    dense: float  # parameters of one rank of this stage sharded with the data-parallel group
+    expert: float  # routed-expert parameters of one rank (sharded with the expert data-parallel group)
     layers: range
 
 
@@ -111,15 +111,15 @@ def activation_elements_per_token(hf: dict, i: int, tp: int, sp: bool) -> float:
 
 @dataclass(frozen=True)
 class TrainMemory:
-    stage: int              # the pipeline stage with the largest peak
+    stage: int  # the pipeline stage with the largest peak
     params: float
     grads: float
     optimizer: float
-    activations: float      # micro-batches in flight, all layers of the stage
+    activations: float  # micro-batches in flight, all layers of the stage
     logits: float
     reserve: float
-    in_flight: float        # micro-batches whose activations the stage keeps
-    tokens: int             # tokens of one micro-batch
+    in_flight: float  # micro-batches whose activations the stage keeps
+    tokens: int  # tokens of one micro-batch
 
     @property
     def static(self) -> float:
@@ -131,8 +131,12 @@ class TrainMemory:
 
     def resident(self, offload) -> float:
         """What stays on the device between calls (offload config: params / grads / optimizer)."""
-        return ((0 if offload.params else self.params) + (0 if offload.grads else self.grads)
-                + (0 if offload.optimizer else self.optimizer) + self.reserve)
+        return (
+            (0 if offload.params else self.params)
+            + (0 if offload.grads else self.grads)
+            + (0 if offload.optimizer else self.optimizer)
+            + self.reserve
+        )
 
 
 def micro_batch_tokens(cfg, section: str = "actor") -> int:
@@ -170,7 +174,7 @@ def train_memory(cfg, hf: dict, device: Device, section: str = "actor") -> Train
     pbytes, abytes = (2, 2) if bf16 else (4, 4)
     opt_bytes = 8 + (4 if bf16 else 0)
     dist = sec.optim.use_distributed_optimizer
-    dp_dense = max(world // (p.tp * p.pp), 1)          # dp * cp: Megatron shards dense state over both
+    dp_dense = max(world // (p.tp * p.pp), 1)  # dp * cp: Megatron shards dense state over both
     dp_expert = max(world // (p.ep * p.etp * p.pp), 1)
     recompute = getattr(sec, "recompute", "none")
     sp = bool(p.sequence_parallel) if p.sequence_parallel is not None else p.tp > 1
@@ -214,12 +218,12 @@ def reference_params_bytes(cfg, hf: dict) -> float:
 
 @dataclass(frozen=True)
 class RolloutMemory:
-    weights: float          # per device
-    kv_per_token: float     # bytes per token of one sequence, on each device that holds it
-    pool: float             # weights + KV cache budget per device
-    kv_capacity: int        # tokens the engine's KV cache holds (all its devices)
-    kv_needed: int          # tokens for the engine's concurrent sequences at full length
-    reserve: float          # the engine process's runtime outside the pool
+    weights: float  # per device
+    kv_per_token: float  # bytes per token of one sequence, on each device that holds it
+    pool: float  # weights + KV cache budget per device
+    kv_capacity: int  # tokens the engine's KV cache holds (all its devices)
+    kv_needed: int  # tokens for the engine's concurrent sequences at full length
+    reserve: float  # the engine process's runtime outside the pool
 
     @property
     def peak(self) -> float:

@@ -54,11 +54,21 @@ _NAME_RULES: list[tuple[tuple[str, ...], str]] = [
 ]
 
 _DTYPE_ALIASES = {
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "fp16": "bf16", "float16": "bf16", "half": "bf16", "torch.float16": "bf16",  # same tensor-core rate
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "fp16": "bf16",
+    "float16": "bf16",
+    "half": "bf16",
+    "torch.float16": "bf16",  # same tensor-core rate
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
     "tf32": "tf32",
-    "fp8": "fp8", "e4m3": "fp8", "float8_e4m3fn": "fp8",
+    "fp8": "fp8",
+    "e4m3": "fp8",
+    "float8_e4m3fn": "fp8",
 }
 
 # The CPU benchmark: square matmuls of these sizes, round after round, for at least CPU_MIN_ROUNDS
@@ -87,16 +97,19 @@ def gpu_table_entry(gpu_name: str) -> str:
     for needles, entry in _NAME_RULES:
         if all(n in upper for n in needles):
             return entry
-    raise ValueError(f"no peak-FLOPs entry for GPU {gpu_name!r}; known: {', '.join(PEAK_TFLOPS)}. "
-                     "Add its datasheet numbers to megarl/perf/peak.py PEAK_TFLOPS")
+    raise ValueError(
+        f"no peak-FLOPs entry for GPU {gpu_name!r}; known: {', '.join(PEAK_TFLOPS)}. "
+        "Add its datasheet numbers to megarl/perf/peak.py PEAK_TFLOPS"
+    )
 
 
 def gpu_peak_flops(gpu_name: str, dtype) -> float:
     """Dense datasheet FLOP/s of one GPU of this name in this dtype."""
     entry, dt = gpu_table_entry(gpu_name), normalize_dtype(dtype)
     if dt not in PEAK_TFLOPS[entry]:
-        raise ValueError(f"{gpu_name!r} ({entry}) has no {dt} tensor cores; "
-                         f"its table has {', '.join(PEAK_TFLOPS[entry])}")
+        raise ValueError(
+            f"{gpu_name!r} ({entry}) has no {dt} tensor cores; its table has {', '.join(PEAK_TFLOPS[entry])}"
+        )
     return PEAK_TFLOPS[entry][dt] * T
 
 
@@ -138,7 +151,7 @@ def _best_gemm(mats, seconds: float) -> float:
         for n, a, b, out in mats:
             t0 = time.perf_counter()
             torch.mm(a, b, out=out)
-            best = max(best, 2.0 * n ** 3 / (time.perf_counter() - t0))
+            best = max(best, 2.0 * n**3 / (time.perf_counter() - t0))
         rounds += 1
     return best
 
@@ -166,9 +179,13 @@ def measure_cpu_gemm_flops(dtype: str = "fp32") -> dict:
             single = _best_gemm(mats, CPU_BUDGET_S / 2)
         finally:
             torch.set_num_threads(threads)
-    return {"flops": max(threaded, threads * single), "threaded_flops": threaded,
-            "single_thread_flops": single, "threads": threads,
-            "benchmark_s": round(time.perf_counter() - start, 3)}
+    return {
+        "flops": max(threaded, threads * single),
+        "threaded_flops": threaded,
+        "single_thread_flops": single,
+        "threads": threads,
+        "benchmark_s": round(time.perf_counter() - start, 3),
+    }
 
 
 def cpu_peak_flops(dtype="fp32", cache_dir: str | os.PathLike | None = None) -> float:

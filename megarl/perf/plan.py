@@ -17,8 +17,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from megarl.perf.hardware import GiB, Device
-from megarl.perf.memory import TrainMemory, rollout_memory, reference_params_bytes, train_memory
+from megarl.perf.hardware import Device, GiB
+from megarl.perf.memory import TrainMemory, reference_params_bytes, rollout_memory, train_memory
 from megarl.perf.steptime import StepTime, _dtype, step_time
 
 
@@ -26,7 +26,7 @@ from megarl.perf.steptime import StepTime, _dtype, step_time
 class Plan:
     devices: int
     device: Device
-    phases: dict[str, dict[str, float]]    # phase -> item -> bytes per device
+    phases: dict[str, dict[str, float]]  # phase -> item -> bytes per device
     train: TrainMemory
     time: StepTime | None
     kv_capacity: int
@@ -52,8 +52,14 @@ def pool_sizes(cfg) -> tuple[int, int]:
     return c.num_actor_ranks, rollout
 
 
-def make_plan(cfg, hf: dict, device: Device, mean_response: float | None = None, timed: bool = True,
-              mean_prompt: float | None = None) -> Plan:
+def make_plan(
+    cfg,
+    hf: dict,
+    device: Device,
+    mean_response: float | None = None,
+    timed: bool = True,
+    mean_prompt: float | None = None,
+) -> Plan:
     """The plan of a validated config `cfg` for model `hf` on `device` (cfg.cluster's pools);
     timed=False leaves the step time out (memory only: what `megarl train` checks). Memory is
     planned at the length limits; time at the mean lengths (default: the limits too)."""
@@ -65,26 +71,49 @@ def make_plan(cfg, hf: dict, device: Device, mean_response: float | None = None,
     critic = train_memory(cfg, hf, device, "critic") if cfg.critic.enabled else None
     if critic is not None:
         resident["critic resident"] = critic.resident(cfg.critic.offload)
-    trainer = {"actor params": actor.params, "actor grads": actor.grads, "actor optimizer": actor.optimizer,
-               "actor activations": actor.activations, "actor logits": actor.logits,
-               "trainer runtime": actor.reserve, **resident}
+    trainer = {
+        "actor params": actor.params,
+        "actor grads": actor.grads,
+        "actor optimizer": actor.optimizer,
+        "actor activations": actor.activations,
+        "actor logits": actor.logits,
+        "trainer runtime": actor.reserve,
+        **resident,
+    }
     off = cfg.actor.offload
-    kept = {"actor params": 0 if off.params else actor.params, "actor grads": 0 if off.grads else actor.grads,
-            "actor optimizer": 0 if off.optimizer else actor.optimizer, "trainer runtime": actor.reserve, **resident}
+    kept = {
+        "actor params": 0 if off.params else actor.params,
+        "actor grads": 0 if off.grads else actor.grads,
+        "actor optimizer": 0 if off.optimizer else actor.optimizer,
+        "trainer runtime": actor.reserve,
+        **resident,
+    }
     engine = {"rollout weights + KV": rollout.pool, "rollout runtime": rollout.reserve}
     if cfg.cluster.placement == "colocated":
         released = {"rollout runtime": rollout.reserve} if cfg.rollout.release_memory else engine
-        bucket = 2 * cfg.bridge.bucket_size_mb * 2 ** 20
-        phases = {"train": {**trainer, **released},
-                  "generate": {**{k: v for k, v in kept.items() if v}, **engine},
-                  "sync": {"actor params": actor.params, "trainer runtime": actor.reserve, **resident,
-                           "rollout weights": rollout.weights, "rollout runtime": rollout.reserve,
-                           "buckets in flight": bucket}}
+        bucket = 2 * cfg.bridge.bucket_size_mb * 2**20
+        phases = {
+            "train": {**trainer, **released},
+            "generate": {**{k: v for k, v in kept.items() if v}, **engine},
+            "sync": {
+                "actor params": actor.params,
+                "trainer runtime": actor.reserve,
+                **resident,
+                "rollout weights": rollout.weights,
+                "rollout runtime": rollout.reserve,
+                "buckets in flight": bucket,
+            },
+        }
         if critic is not None:
-            phases["critic train"] = {"critic params": critic.params, "critic grads": critic.grads,
-                                      "critic optimizer": critic.optimizer, "critic activations": critic.activations,
-                                      "critic runtime": critic.reserve, **{k: v for k, v in kept.items() if v},
-                                      **released}
+            phases["critic train"] = {
+                "critic params": critic.params,
+                "critic grads": critic.grads,
+                "critic optimizer": critic.optimizer,
+                "critic activations": critic.activations,
+                "critic runtime": critic.reserve,
+                **{k: v for k, v in kept.items() if v},
+                **released,
+            }
     else:
         phases = {"train": trainer, "generate": engine}
     mean = float(mean_response if mean_response is not None else cfg.rollout.max_new_tokens)
@@ -97,9 +126,11 @@ def make_plan(cfg, hf: dict, device: Device, mean_response: float | None = None,
         t = step_time(timing_cfg, hf, device, actor, rollout, mean)
     plan = Plan(sum(pool_sizes(cfg)), device, phases, actor, t, rollout.kv_capacity, rollout.kv_needed, mean)
     if rollout.kv_capacity < rollout.kv_needed:
-        plan.notes.append(f"the KV cache holds {rollout.kv_capacity:,} tokens per engine, "
-                          f"{rollout.kv_capacity / max(rollout.kv_needed, 1):.0%} of the {rollout.kv_needed:,} "
-                          "that rollout.max_batch_size full-length sequences need: the engine runs fewer at once")
+        plan.notes.append(
+            f"the KV cache holds {rollout.kv_capacity:,} tokens per engine, "
+            f"{rollout.kv_capacity / max(rollout.kv_needed, 1):.0%} of the {rollout.kv_needed:,} "
+            "that rollout.max_batch_size full-length sequences need: the engine runs fewer at once"
+        )
     return plan
 
 
@@ -171,14 +202,23 @@ def _fallback_knob(cfg, phase: str, items: dict) -> str:
         return f"actor.offload.{max(kept, key=kept.get).split()[1]}"
     item = max(items, key=items.get)
     ep_room = p.ep * p.etp * p.pp < cfg.cluster.num_actor_ranks
-    options = {"actor optimizer": ["actor.optim.use_distributed_optimizer" if not a.optim.use_distributed_optimizer
-                                   else None, "actor.parallel.ep" if ep_room else None],
-               "actor activations": ["actor.recompute" if getattr(a, "recompute", "full") != "full" else None,
-                                     "actor.max_tokens_per_micro_batch", "actor.parallel.pp"],
-               "actor logits": ["actor.max_tokens_per_micro_batch", "actor.parallel.tp"],
-               "actor params": ["actor.parallel.pp"], "actor grads": ["actor.parallel.pp"],
-               "rollout weights + KV": ["rollout.mem_fraction_static"], "rollout weights": ["rollout.tp"],
-               "reference params": ["ref.offload"]}.get(item, [])
+    options = {
+        "actor optimizer": [
+            "actor.optim.use_distributed_optimizer" if not a.optim.use_distributed_optimizer else None,
+            "actor.parallel.ep" if ep_room else None,
+        ],
+        "actor activations": [
+            "actor.recompute" if getattr(a, "recompute", "full") != "full" else None,
+            "actor.max_tokens_per_micro_batch",
+            "actor.parallel.pp",
+        ],
+        "actor logits": ["actor.max_tokens_per_micro_batch", "actor.parallel.tp"],
+        "actor params": ["actor.parallel.pp"],
+        "actor grads": ["actor.parallel.pp"],
+        "rollout weights + KV": ["rollout.mem_fraction_static"],
+        "rollout weights": ["rollout.tp"],
+        "reference params": ["ref.offload"],
+    }.get(item, [])
     return next((k for k in options if k), "cluster.num_actor_ranks")
 
 
@@ -190,19 +230,22 @@ def refusal(cfg, hf: dict, plan: Plan) -> str | None:
         return None
     dev = plan.device
     if phase == "kv":
-        what = (f"the rollout engine's weights ({plan.phases['generate'].get('rollout weights + KV', 0) / GiB:.1f} "
-                f"GiB pool) leave no room for a KV cache on {dev.name}")
+        what = (
+            f"the rollout engine's weights ({plan.phases['generate'].get('rollout weights + KV', 0) / GiB:.1f} "
+            f"GiB pool) leave no room for a KV cache on {dev.name}"
+        )
     else:
         items = plan.phases[phase]
         top = max(items, key=items.get)
-        what = (f"the {phase} phase needs {plan.peak(phase) / GiB:.1f} GiB per device of {dev.memory / GiB:.1f} GiB "
-                f"on {dev.name} ({top} {items[top] / GiB:.1f} GiB is the largest)")
+        what = (
+            f"the {phase} phase needs {plan.peak(phase) / GiB:.1f} GiB per device of {dev.memory / GiB:.1f} GiB "
+            f"on {dev.name} ({top} {items[top] / GiB:.1f} GiB is the largest)"
+        )
     for key, value in _candidates(cfg, hf, phase):
         other = _with_change(cfg, hf, dev, key, value, plan.mean_response)
         if other is not None and other.fits:
             worst = max(other.phases, key=other.peak)
-            return (f"{what}; set {key}={_show(value)} (then {other.peak(worst) / GiB:.1f} GiB at the "
-                    f"{worst} phase)")
+            return f"{what}; set {key}={_show(value)} (then {other.peak(worst) / GiB:.1f} GiB at the {worst} phase)"
     knob = "rollout.tp" if phase == "kv" else _fallback_knob(cfg, phase, plan.phases[phase])
     if knob == "cluster.num_actor_ranks":
         return f"{what}; no single change fits and the layout shards it as far as it goes: more devices (cluster.num_actor_ranks)"
@@ -216,12 +259,15 @@ def _show(value) -> str:
 def format_plan(cfg, plan: Plan) -> str:
     dev, t = plan.device, plan.time
     small = max(plan.peak(p) for p in plan.phases) < 4 * GiB
-    unit, div = ("MiB", 2 ** 20) if small else ("GiB", GiB)
-    lines = [f"plan: {plan.devices} x {dev.name} ({dev.memory / GiB:.1f} GiB each), "
-             f"{cfg.cluster.placement}; mean response {plan.mean_response:.0f} tokens "
-             f"(max {cfg.rollout.max_new_tokens})", "",
-             f"memory per device ({unit}; the actor's worst pipeline stage is stage {plan.train.stage}, "
-             f"{plan.train.in_flight:g} micro-batches of {plan.train.tokens:,} tokens in flight):"]
+    unit, div = ("MiB", 2**20) if small else ("GiB", GiB)
+    lines = [
+        f"plan: {plan.devices} x {dev.name} ({dev.memory / GiB:.1f} GiB each), "
+        f"{cfg.cluster.placement}; mean response {plan.mean_response:.0f} tokens "
+        f"(max {cfg.rollout.max_new_tokens})",
+        "",
+        f"memory per device ({unit}; the actor's worst pipeline stage is stage {plan.train.stage}, "
+        f"{plan.train.in_flight:g} micro-batches of {plan.train.tokens:,} tokens in flight):",
+    ]
     for phase, items in plan.phases.items():
         peak = plan.peak(phase)
         mark = "ok" if peak <= dev.memory else "DOES NOT FIT"
@@ -229,18 +275,25 @@ def format_plan(cfg, plan: Plan) -> str:
         for name, value in items.items():
             if value:
                 lines.append(f"      {name:<24} {value / div:8.2f}")
-    lines.append(f"  KV cache: {plan.kv_capacity:,} tokens per engine, {plan.kv_needed:,} wanted "
-                 "(rollout.max_batch_size sequences at full length)")
+    lines.append(
+        f"  KV cache: {plan.kv_capacity:,} tokens per engine, {plan.kv_needed:,} wanted "
+        "(rollout.max_batch_size sequences at full length)"
+    )
     lines += [f"note: {n}" for n in plan.notes]
     if t is None:
         return "\n".join(lines)
     mfu = update_mfu(cfg, plan) if t.update else 0.0
-    lines = lines[:len(lines) - len(plan.notes)]
+    lines = lines[: len(lines) - len(plan.notes)]
     digits = 2 if t.total < 10 else 1
-    lines += ["", "step time (s):",
-              f"  generation   {t.generation:10.{digits}f}", f"  log-probs    {t.log_prob:10.{digits}f}",
-              f"  update       {t.update:10.{digits}f}   (predicted update MFU {mfu:.2f})",
-              f"  weight sync  {t.weight_sync:10.{digits}f}", f"  total        {t.total:10.{digits}f}"]
+    lines += [
+        "",
+        "step time (s):",
+        f"  generation   {t.generation:10.{digits}f}",
+        f"  log-probs    {t.log_prob:10.{digits}f}",
+        f"  update       {t.update:10.{digits}f}   (predicted update MFU {mfu:.2f})",
+        f"  weight sync  {t.weight_sync:10.{digits}f}",
+        f"  total        {t.total:10.{digits}f}",
+    ]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -262,8 +315,10 @@ def run_device(cfg) -> tuple[Device | None, str | None]:
         if torch.cuda.is_available():
             kind = torch.cuda.get_device_name(0)
         elif cfg.cluster.address is not None:
-            return None, ("memory check skipped: this head node has no GPU to say which devices the cluster "
-                          "has; set cluster.device_type (e.g. H100) to check before start")
+            return None, (
+                "memory check skipped: this head node has no GPU to say which devices the cluster "
+                "has; set cluster.device_type (e.g. H100) to check before start"
+            )
         else:
             kind = "CPU"
     key = canonical_device(kind)

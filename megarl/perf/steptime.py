@@ -37,36 +37,46 @@ from megarl.perf.hardware import Device
 
 @dataclass(frozen=True)
 class Efficiency:
-    gemm: float = 0.5            # training / log-prob GEMMs, fraction of peak (Megatron, bf16, h >= 2048)
-    prefill: float = 0.5         # rollout prefill, fraction of peak
-    decode_bw: float = 0.6       # decode: fraction of HBM bandwidth reached
+    gemm: float = 0.5  # training / log-prob GEMMs, fraction of peak (Megatron, bf16, h >= 2048)
+    prefill: float = 0.5  # rollout prefill, fraction of peak
+    decode_bw: float = 0.6  # decode: fraction of HBM bandwidth reached
     decode_compute: float = 0.3  # decode: fraction of peak when a step is compute-bound
-    link: float = 0.7            # NVLink / network / PCIe: fraction of the datasheet bandwidth
-    step_overhead_s: float = 0.010   # per decode step: scheduler, sampling, launches, stragglers
-    collective_s: float = 10e-6      # latency of one tensor-parallel all-reduce inside a node
-    layer_pass_s: float = 0.0        # fixed cost per layer and micro-batch forward (launches, Python);
-                                     # backward as much again. A stage runs its own layers only
-    optimizer_step_s: float = 0.0    # fixed cost per optimizer step (clip, step, gathers)
-    phase_s: float = 0.0             # fixed cost per phase (RPCs to the ranks, gathers of results)
-    tensor_s: float = 0.75e-3        # weight sync: per checkpoint tensor (gather, handle, engine load)
+    link: float = 0.7  # NVLink / network / PCIe: fraction of the datasheet bandwidth
+    step_overhead_s: float = 0.010  # per decode step: scheduler, sampling, launches, stragglers
+    collective_s: float = 10e-6  # latency of one tensor-parallel all-reduce inside a node
+    layer_pass_s: float = 0.0  # fixed cost per layer and micro-batch forward (launches, Python);
+    # backward as much again. A stage runs its own layers only
+    optimizer_step_s: float = 0.0  # fixed cost per optimizer step (clip, step, gathers)
+    phase_s: float = 0.0  # fixed cost per phase (RPCs to the ranks, gathers of results)
+    tensor_s: float = 0.75e-3  # weight sync: per checkpoint tensor (gather, handle, engine load)
 
 
 GPU_EFFICIENCY = Efficiency()
 # CPU: the quickstart's tiny model is all fixed costs; these come from timing the quickstart's
 # default layout on this 2-core machine (benchmarks/bench_plan.py, RESULTS.md "Planner on CPU")
-CPU_EFFICIENCY = Efficiency(gemm=0.5, prefill=0.3, decode_bw=0.5, decode_compute=0.3, link=0.5,
-                            step_overhead_s=0.02, collective_s=1e-4, layer_pass_s=0.017,
-                            optimizer_step_s=0.045, phase_s=0.03, tensor_s=3e-4)
+CPU_EFFICIENCY = Efficiency(
+    gemm=0.5,
+    prefill=0.3,
+    decode_bw=0.5,
+    decode_compute=0.3,
+    link=0.5,
+    step_overhead_s=0.02,
+    collective_s=1e-4,
+    layer_pass_s=0.017,
+    optimizer_step_s=0.045,
+    phase_s=0.03,
+    tensor_s=3e-4,
+)
 
 
 @dataclass(frozen=True)
 class StepTime:
     generation: float
-    log_prob: float         # old log-probs (+ ref, + critic values)
-    update: float           # actor (+ critic) update
+    log_prob: float  # old log-probs (+ ref, + critic values)
+    update: float  # actor (+ critic) update
     weight_sync: float
-    train_flops: float      # model FLOPs of the actor update (MFU's numerator)
-    update_compute: float   # the update's GEMM time alone (before bubble and communication)
+    train_flops: float  # model FLOPs of the actor update (MFU's numerator)
+    update_compute: float  # the update's GEMM time alone (before bubble and communication)
 
     @property
     def total(self) -> float:
@@ -98,8 +108,10 @@ def generation_time(cfg, hf: dict, device: Device, rollout_mem, mean_response: f
     moe_layers, experts, k = _moe_layers(hf)
     weights = rollout_mem.weights * r.tp  # the engine's weights, all its devices
     if moe_layers:  # routed experts a step touches: each is hit with probability 1 - (1 - k/E)^B
-        expert_share = sum(lp.experts * lp.expert for lp in map(lambda i: layer_params(hf, i),
-                                                                 range(hf["num_hidden_layers"]))) / c.total
+        expert_share = (
+            sum(lp.experts * lp.expert for lp in map(lambda i: layer_params(hf, i), range(hf["num_hidden_layers"])))
+            / c.total
+        )
         weights *= 1 - expert_share * (1 - k / experts) ** running
     kv = running * ctx * rollout_mem.kv_per_token * (r.tp // r.dp)  # every attention rank reads its share
     step_bytes = weights + kv
@@ -110,8 +122,11 @@ def generation_time(cfg, hf: dict, device: Device, rollout_mem, mean_response: f
     attn_tp = max(r.tp // r.dp, 1)
     reduce_bytes = running / r.dp * hf["hidden_size"] * 2 * 2 * (attn_tp - 1) / attn_tp
     comm = 2 * layers * (eff.collective_s * (1 if r.nnodes == 1 else 3) + reduce_bytes / link)
-    t_step = max(step_bytes / (r.tp * device.hbm_bw * eff.decode_bw),
-                 step_flops / (peak * eff.decode_compute)) + eff.step_overhead_s + comm
+    t_step = (
+        max(step_bytes / (r.tp * device.hbm_bw * eff.decode_bw), step_flops / (peak * eff.decode_compute))
+        + eff.step_overhead_s
+        + comm
+    )
     steps = max(r.max_new_tokens, seqs * mean_response / running + (r.max_new_tokens - mean_response))
     return prefill + steps * t_step + eff.phase_s
 
@@ -133,8 +148,16 @@ def _bubble(p, micro_batches: int) -> float:
     return (p.pp - 1) / (p.vpp * max(micro_batches, 1))
 
 
-def update_time(cfg, hf: dict, device: Device, train_mem, mean_response: float, eff: Efficiency,
-                devices_per_node: int, micro_batches: int) -> tuple[float, float, float]:
+def update_time(
+    cfg,
+    hf: dict,
+    device: Device,
+    train_mem,
+    mean_response: float,
+    eff: Efficiency,
+    devices_per_node: int,
+    micro_batches: int,
+) -> tuple[float, float, float]:
     """(update seconds, its model FLOPs, its GEMM seconds alone) of the actor."""
     hf = _as_dict(hf)
     a, p = cfg.actor, cfg.actor.parallel
@@ -170,8 +193,11 @@ def update_time(cfg, hf: dict, device: Device, train_mem, mean_response: float, 
         t += steps * dp_bytes / (bw * eff.link)
     t += steps * (train_mem.optimizer * 2 + train_mem.grads) / device.hbm_bw  # the optimizer step
     off = a.offload
-    moved = (train_mem.params if off.params else 0) + (train_mem.grads if off.grads else 0) \
+    moved = (
+        (train_mem.params if off.params else 0)
+        + (train_mem.grads if off.grads else 0)
         + (train_mem.optimizer if off.optimizer else 0)
+    )
     t += 2 * moved / (device.pcie_bw * eff.link)
     stage_layers = hf["num_hidden_layers"] / p.pp
     t += micro_batches * steps * 2 * stage_layers * eff.layer_pass_s + steps * eff.optimizer_step_s + eff.phase_s
@@ -223,8 +249,16 @@ def sync_time(cfg, hf: dict, device: Device, rollout_mem, eff: Efficiency) -> fl
     return gather + load + tensors * eff.tensor_s + eff.phase_s
 
 
-def step_time(cfg, hf: dict, device: Device, train_mem, rollout_mem, mean_response: float | None = None,
-              eff: Efficiency | None = None, devices_per_node: int | None = None) -> StepTime:
+def step_time(
+    cfg,
+    hf: dict,
+    device: Device,
+    train_mem,
+    rollout_mem,
+    mean_response: float | None = None,
+    eff: Efficiency | None = None,
+    devices_per_node: int | None = None,
+) -> StepTime:
     from megarl.perf.memory import micro_batches_per_rank
 
     eff = eff or (CPU_EFFICIENCY if device.name == "CPU" else GPU_EFFICIENCY)
@@ -234,8 +268,9 @@ def step_time(cfg, hf: dict, device: Device, train_mem, rollout_mem, mean_respon
     m_all = max(1, m * rows // max(cfg.actor.ppo_mini_batch_size, 1))  # micro-batches of one pass, all rows
     gen = generation_time(cfg, hf, device, rollout_mem, mean, eff)
     lp = log_prob_time(cfg, hf, device, mean, eff, m_all)
-    upd, flops, compute = update_time(cfg, hf, device, train_mem, mean, eff,
-                                      devices_per_node or cfg.cluster.devices_per_node, m)
+    upd, flops, compute = update_time(
+        cfg, hf, device, train_mem, mean, eff, devices_per_node or cfg.cluster.devices_per_node, m
+    )
     if cfg.critic.enabled:
         upd *= 2
     return StepTime(gen, lp, upd, sync_time(cfg, hf, device, rollout_mem, eff), flops, compute)

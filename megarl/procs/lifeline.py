@@ -59,8 +59,11 @@ def guarded(cmd: list[str]) -> list[str]:
     if not supported():
         return list(cmd)
     if threading.current_thread() is not threading.main_thread():
-        log.debug("not guarding %s: spawned from thread %s, whose exit would kill it",
-                  cmd[:3], threading.current_thread().name)
+        log.debug(
+            "not guarding %s: spawned from thread %s, whose exit would kill it",
+            cmd[:3],
+            threading.current_thread().name,
+        )
         return list(cmd)
     # run by path, isolated (-I: no PYTHONPATH, no script dir on sys.path; -S: no site), so it
     # needs no environment and starts in milliseconds; the command gets the environment as given

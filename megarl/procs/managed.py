@@ -80,7 +80,7 @@ class HealthProbe:
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> "HealthProbe":
+    def __enter__(self) -> HealthProbe:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -41,13 +41,22 @@ class Reaper:
         self.process, self._write_fd = process, write_fd
 
     @classmethod
-    def start(cls, exclude: set[int] = frozenset(), poll_s: float = POLL_S) -> "Reaper":
+    def start(cls, exclude: set[int] = frozenset(), poll_s: float = POLL_S) -> Reaper:
         read_fd, write_fd = os.pipe()  # the write end stays in this process only (not inheritable)
         try:
             process = subprocess.Popen(
-                [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()),
-                 ",".join(str(p) for p in sorted(exclude)), str(poll_s)],
-                stdin=read_fd, stdout=subprocess.PIPE, start_new_session=True)
+                [
+                    sys.executable,
+                    "-I",
+                    os.path.abspath(__file__),
+                    str(os.getpid()),
+                    ",".join(str(p) for p in sorted(exclude)),
+                    str(poll_s),
+                ],
+                stdin=read_fd,
+                stdout=subprocess.PIPE,
+                start_new_session=True,
+            )
         except BaseException:
             os.close(write_fd)
             raise
@@ -59,8 +68,7 @@ class Reaper:
             os.close(write_fd)
             process.kill()
             process.wait()
-            raise RuntimeError(f"the reaper process ({__file__}) did not start (it said {ready!r}); "
-                               "its error is above")
+            raise RuntimeError(f"the reaper process ({__file__}) did not start (it said {ready!r}); its error is above")
         return cls(process, write_fd)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -80,11 +88,15 @@ class Reaper:
             self.process.kill()
             code = self.process.wait()
         if code != 0:
-            logger.warning("the reaper process exited with status %s (its error is above): a SIGKILL of this "
-                           "process would have left Ray's agents running for a minute", code)
+            logger.warning(
+                "the reaper process exited with status %s (its error is above): a SIGKILL of this "
+                "process would have left Ray's agents running for a minute",
+                code,
+            )
 
 
 # ---- the reaper process ----------------------------------------------------------------------------
+
 
 def _watch(driver_pid: int, exclude: set[int], poll_s: float) -> None:
     import psutil
@@ -150,7 +162,7 @@ def _proc_table() -> dict[int, tuple[int, int]]:
                 stat = f.read()
         except OSError:
             continue  # exited between the listing and the read
-        fields = stat[stat.rindex(b")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
         parent_of[int(name)] = (int(fields[1]), int(fields[19]))  # ppid, starttime (stat fields 4, 22)
     return parent_of
 
@@ -159,8 +171,11 @@ def _psutil_table() -> dict[int, tuple[int, int]]:
     """The same without /proc (macOS): one psutil pass, ~4x the CPU of the /proc read."""
     import psutil
 
-    return {p.pid: (p.info["ppid"], int(p.info["create_time"] * 1000))
-            for p in psutil.process_iter(["ppid", "create_time"]) if p.info["ppid"] is not None}
+    return {
+        p.pid: (p.info["ppid"], int(p.info["create_time"] * 1000))
+        for p in psutil.process_iter(["ppid", "create_time"])
+        if p.info["ppid"] is not None
+    }
 
 
 def _alive(process) -> bool:

@@ -30,7 +30,8 @@ DEFAULT_TEMPLATE = (
     "Reference answer:\n{ground_truth}\n\n"
     "Answer to grade:\n{response}\n\n"
     "How correct is the answer, from 0 (wrong) to 10 (fully correct)? Give a one-sentence reason, "
-    "then the score alone as \\boxed{N}.")
+    "then the score alone as \\boxed{N}."
+)
 PLACEHOLDERS = ("{prompt}", "{response}", "{ground_truth}")
 
 
@@ -43,21 +44,21 @@ def fill_template(template: str, row: dict) -> str:
 
 def parse_score(answer: str, pattern: re.Pattern, low: float, high: float) -> float | Failure:
     """The judge's score mapped to [0, 1] (see the module doc), or a Failure saying why not."""
-    match = None
-    for match in pattern.finditer(answer):
-        pass
+    matches = list(pattern.finditer(answer))
+    match = matches[-1] if matches else None
     if match is None:
-        return Failure(f"no match of score_pattern {pattern.pattern!r} in the judge's answer "
-                       f"{answer[-160:]!r}", unparsable=True)
+        return Failure(
+            f"no match of score_pattern {pattern.pattern!r} in the judge's answer {answer[-160:]!r}", unparsable=True
+        )
     text = match.group(1) if pattern.groups else match.group(0)
     try:
         value = float(text)
     except (TypeError, ValueError):
-        return Failure(f"the judge's score {text!r} is not a number (answer ends {answer[-160:]!r})",
-                       unparsable=True)
+        return Failure(f"the judge's score {text!r} is not a number (answer ends {answer[-160:]!r})", unparsable=True)
     if not low <= value <= high:
-        return Failure(f"the judge's score {value:g} is outside its scale [{low:g}, {high:g}] "
-                       "(reward.model.score_min / score_max)")
+        return Failure(
+            f"the judge's score {value:g} is outside its scale [{low:g}, {high:g}] (reward.model.score_min / score_max)"
+        )
     return (value - low) / (high - low)
 
 
@@ -66,11 +67,22 @@ class GenerativeReward:
 
     kind = "genrm"
 
-    def __init__(self, url: str, *, template: str | None = None,
-                 score_pattern: str = r"\\boxed\{\s*([-+]?\d+(?:\.\d+)?)\s*\}", score_min: float = 0.0,
-                 score_max: float = 10.0, max_new_tokens: int = 256, batch_size: int = 64,
-                 concurrency: int = 4, timeout_s: float = 60.0, max_retries: int = 3,
-                 tokenizer_path: str | None = None, api_key: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        template: str | None = None,
+        score_pattern: str = r"\\boxed\{\s*([-+]?\d+(?:\.\d+)?)\s*\}",
+        score_min: float = 0.0,
+        score_max: float = 10.0,
+        max_new_tokens: int = 256,
+        batch_size: int = 64,
+        concurrency: int = 4,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        tokenizer_path: str | None = None,
+        api_key: str | None = None,
+    ):
         if not score_min < score_max:
             raise ValueError(f"score_min={score_min} must be < score_max={score_max}")
         self.template = template or DEFAULT_TEMPLATE
@@ -79,8 +91,9 @@ class GenerativeReward:
         self.params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
         # never the rollout engines' key (RolloutClient's default): the judge may be a third party
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
-        self.client = RolloutClient(url, timeout_s=timeout_s, max_retries=max_retries,
-                                    max_concurrency=concurrency, api_key=api_key)
+        self.client = RolloutClient(
+            url, timeout_s=timeout_s, max_retries=max_retries, max_concurrency=concurrency, api_key=api_key
+        )
         self._pool = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="genrm")
         self._chat = None
         if tokenizer_path is not None:
@@ -95,12 +108,13 @@ class GenerativeReward:
         text = fill_template(self.template, row)
         if self._chat is None:
             return text
-        return self._chat.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                              add_generation_prompt=True)
+        return self._chat.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
 
     def score(self, rows: list[dict]) -> list[float | Failure]:
         """One score in [0, 1] or Failure per row, in order."""
-        batches = [rows[k:k + self.batch_size] for k in range(0, len(rows), self.batch_size)]
+        batches = [rows[k : k + self.batch_size] for k in range(0, len(rows), self.batch_size)]
         return [s for part in self._pool.map(self._batch, batches) for s in part]
 
     def _batch(self, rows: list[dict]) -> list[float | Failure]:

@@ -37,8 +37,14 @@ from megarl.reward.rule import RewardError, count, register_scorer, register_sco
 
 DEFAULT_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 120.0  # importing sympy and math-verify on a loaded machine
-MATH_SOURCES = ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
-                "HuggingFaceH4/MATH-500", "math_dapo", "math_dapo_reasoning")
+MATH_SOURCES = (
+    "math",
+    "lighteval/MATH",
+    "DigitalLearningGmbH/MATH-lighteval",
+    "HuggingFaceH4/MATH-500",
+    "math_dapo",
+    "math_dapo_reasoning",
+)
 MATH_PREFIXES = ("aime", "numina_")
 GSM8K_SOURCE = "openai/gsm8k"
 
@@ -52,8 +58,9 @@ class _Worker:
         root = str(Path(__file__).resolve().parents[2])  # the directory holding the megarl package
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "megarl.reward.math_worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "megarl.reward.math_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
         if self._reply(START_TIMEOUT_S) is None:
             self.kill()
             raise RewardError(f"the math verifier's worker did not start within {START_TIMEOUT_S:.0f} s")
@@ -74,8 +81,10 @@ class _Worker:
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
-            raise RewardError(f"the math verifier's worker exited with code {code} (its stderr is "
-                              "above; is math-verify installed? scripts/setup_env.sh installs it)")
+            raise RewardError(
+                f"the math verifier's worker exited with code {code} (its stderr is "
+                "above; is math-verify installed? scripts/setup_env.sh installs it)"
+            )
         return json.loads(line)
 
     def alive(self) -> bool:
@@ -93,8 +102,7 @@ class MathVerifier:
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, max_workers: int = 4):
         if timeout_s <= 0 or max_workers < 1:
-            raise ValueError(f"MathVerifier needs timeout_s > 0 and max_workers >= 1, got "
-                             f"{timeout_s}, {max_workers}")
+            raise ValueError(f"MathVerifier needs timeout_s > 0 and max_workers >= 1, got {timeout_s}, {max_workers}")
         self.timeout_s, self.max_workers = timeout_s, max_workers
         self.pid = os.getpid()  # a forked child must not use its parent's pipes
         self._idle: list[_Worker] = []
@@ -179,8 +187,12 @@ def _close() -> None:
         _verifier.close()
 
 
-_COUNTER = {"timeout": "reward/timeouts", "unparsable": "reward/unparsable",
-            "gold_unparsable": "reward/gold_unparsable", "error": "reward/verifier_errors"}
+_COUNTER = {
+    "timeout": "reward/timeouts",
+    "unparsable": "reward/unparsable",
+    "gold_unparsable": "reward/gold_unparsable",
+    "error": "reward/verifier_errors",
+}
 _warned: set[str] = set()
 
 
@@ -194,9 +206,13 @@ def verify_math(response: str, ground_truth: str) -> float:
         count(_COUNTER[status])
         if status not in _warned and status != "unparsable":  # a model's non-answer is routine
             _warned.add(status)
-            log.warning("math verifier: %s after %.1f s (%s); scored 0 and counted as %s "
-                        "(logged once per kind)", status, time.perf_counter() - started,
-                        reply["detail"], _COUNTER[status])
+            log.warning(
+                "math verifier: %s after %.1f s (%s); scored 0 and counted as %s (logged once per kind)",
+                status,
+                time.perf_counter() - started,
+                reply["detail"],
+                _COUNTER[status],
+            )
     return 1.0 if status == "correct" else 0.0
 
 

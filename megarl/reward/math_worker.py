@@ -40,6 +40,7 @@ def _load():
             return {"status": "unparsable", "detail": ""}
         correct = verify(gold_parsed, answer, timeout_seconds=None)
         return {"status": "correct" if correct else "wrong", "detail": str(answer[-1])[:200]}
+
     return check
 
 

@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RowColumns:
-    rows: list[int]            # the rows' numbers in the step's batch (named in errors)
+    rows: list[int]  # the rows' numbers in the step's batch (named in errors)
     data_sources: list[str]
-    prompts: list              # chat messages (a list of {role, content}) or text
+    prompts: list  # chat messages (a list of {role, content}) or text
     responses: list[str]
     ground_truths: list[str]
     extra_infos: list[dict]
@@ -62,8 +62,7 @@ def prompt_text(prompt) -> str:
 
 def make_reward_model(m, judge_url: str | None = None):
     """The model reward of reward.model `m` (RewardModelConfig), or None for kind=none."""
-    common = dict(batch_size=m.batch_size, concurrency=m.concurrency, timeout_s=m.timeout_s,
-                  max_retries=m.max_retries)
+    common = dict(batch_size=m.batch_size, concurrency=m.concurrency, timeout_s=m.timeout_s, max_retries=m.max_retries)
     if m.kind == "none":
         return None
     if m.kind == "remote":
@@ -74,11 +73,20 @@ def make_reward_model(m, judge_url: str | None = None):
 
     url = m.url or judge_url
     if url is None:
-        raise RewardError("reward.model.kind=genrm needs a judge: set reward.model.url (an SGLang-API "
-                          "server) or reward.model.path (an embedded judge is started on it)")
-    return GenerativeReward(url, template=m.prompt_template, score_pattern=m.score_pattern,
-                            score_min=m.score_min, score_max=m.score_max, max_new_tokens=m.max_new_tokens,
-                            tokenizer_path=m.path, **common)
+        raise RewardError(
+            "reward.model.kind=genrm needs a judge: set reward.model.url (an SGLang-API "
+            "server) or reward.model.path (an embedded judge is started on it)"
+        )
+    return GenerativeReward(
+        url,
+        template=m.prompt_template,
+        score_pattern=m.score_pattern,
+        score_min=m.score_min,
+        score_max=m.score_max,
+        max_new_tokens=m.max_new_tokens,
+        tokenizer_path=m.path,
+        **common,
+    )
 
 
 @contextlib.contextmanager
@@ -90,8 +98,9 @@ def reward_model_server(m, run_dir):
         return
     from megarl.rollout.fleet.server_process import RolloutServerProcess
 
-    with RolloutServerProcess(m.path, max_batch_size=max(m.batch_size, 1), torch_threads=1,
-                              log_path=run_dir / "judge_server.log") as server:
+    with RolloutServerProcess(
+        m.path, max_batch_size=max(m.batch_size, 1), torch_threads=1, log_path=run_dir / "judge_server.log"
+    ) as server:
         yield server.url
 
 
@@ -100,14 +109,16 @@ class RowScorer:
 
     def __init__(self, reward_cfg, judge_url: str | None = None):
         r, m = reward_cfg, reward_cfg.model
-        self.reward_fn = make_reward_function(r.custom_function, math_timeout_s=r.math_timeout_s,
-                                              math_workers=r.math_workers)
+        self.reward_fn = make_reward_function(
+            r.custom_function, math_timeout_s=r.math_timeout_s, math_workers=r.math_workers
+        )
         self.model = make_reward_model(m, judge_url)
         self.use_rule = self.model is None or m.combine == "add"
         self.on_failure, self.fallback_score = m.on_failure, m.fallback_score
         self.overlap = r.overlap if r.overlap is not None else self.model is not None
-        self._pool = (concurrent.futures.ThreadPoolExecutor(m.concurrency, thread_name_prefix="reward")
-                      if self.overlap else None)
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(m.concurrency, thread_name_prefix="reward") if self.overlap else None
+        )
         self._lock = threading.Lock()
         self._warned = False
         self._reset()
@@ -121,9 +132,14 @@ class RowScorer:
     # ---- scoring --------------------------------------------------------------------------------
     def score_batch(self, rows) -> torch.Tensor:
         """Every row of a rollout Batch, after generation (no overlap)."""
-        cols = RowColumns(list(range(len(rows))), list(rows["data_source"]), list(rows["raw_prompt"])
-                          if "raw_prompt" in rows.non_tensors else [""] * len(rows),
-                          list(rows["response_text"]), list(rows["ground_truth"]), list(rows["extra_info"]))
+        cols = RowColumns(
+            list(range(len(rows))),
+            list(rows["data_source"]),
+            list(rows["raw_prompt"]) if "raw_prompt" in rows.non_tensors else [""] * len(rows),
+            list(rows["response_text"]),
+            list(rows["ground_truth"]),
+            list(rows["extra_info"]),
+        )
         return torch.as_tensor(self.score_columns(cols))
 
     def score_columns(self, cols: RowColumns) -> np.ndarray:
@@ -138,15 +154,29 @@ class RowScorer:
         n = len(cols.rows)
         rule = np.zeros(n, dtype=np.float32)
         if self.use_rule:
-            rule[:] = score_rows(self.reward_fn, cols.data_sources, cols.responses, cols.ground_truths,
-                                 cols.extra_infos, row_ids=cols.rows)
+            rule[:] = score_rows(
+                self.reward_fn,
+                cols.data_sources,
+                cols.responses,
+                cols.ground_truths,
+                cols.extra_infos,
+                row_ids=cols.rows,
+            )
         if self.model is None:
             return rule
-        payload = [{"data_source": d, "prompt": prompt_text(p),
-                    "messages": [dict(m) for m in p] if not isinstance(p, str) else [{"role": "user", "content": p}],
-                    "response": s, "ground_truth": g, "extra_info": e or {}}
-                   for d, p, s, g, e in zip(cols.data_sources, cols.prompts, cols.responses,
-                                            cols.ground_truths, cols.extra_infos)]
+        payload = [
+            {
+                "data_source": d,
+                "prompt": prompt_text(p),
+                "messages": [dict(m) for m in p] if not isinstance(p, str) else [{"role": "user", "content": p}],
+                "response": s,
+                "ground_truth": g,
+                "extra_info": e or {},
+            }
+            for d, p, s, g, e in zip(
+                cols.data_sources, cols.prompts, cols.responses, cols.ground_truths, cols.extra_infos
+            )
+        ]
         values = self.model.score(payload)
         if len(values) != n:
             raise RewardError(f"reward model ({self.model.kind}) returned {len(values)} scores for {n} rows")
@@ -154,12 +184,16 @@ class RowScorer:
         failures = unparsable = 0
         for k, value in enumerate(values):
             if isinstance(value, Failure):
-                where = (f"row {cols.rows[k]} (data_source {cols.data_sources[k]!r}, ground_truth "
-                         f"{_short(cols.ground_truths[k])})")
+                where = (
+                    f"row {cols.rows[k]} (data_source {cols.data_sources[k]!r}, ground_truth "
+                    f"{_short(cols.ground_truths[k])})"
+                )
                 if self.on_failure == "raise":
-                    raise RewardError(f"{where}: the reward model ({self.model.kind}) failed: {value.reason}. "
-                                      "Set reward.model.on_failure=fallback to score such rows "
-                                      "reward.model.fallback_score and count them instead")
+                    raise RewardError(
+                        f"{where}: the reward model ({self.model.kind}) failed: {value.reason}. "
+                        "Set reward.model.on_failure=fallback to score such rows "
+                        "reward.model.fallback_score and count them instead"
+                    )
                 self._warn_once(f"{where}: the reward model ({self.model.kind}) failed: {value.reason}")
                 failures, unparsable = failures + 1, unparsable + value.unparsable
                 model[k] = self.fallback_score
@@ -176,11 +210,13 @@ class RowScorer:
     def _warn_once(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            log.warning("%s; scored reward.model.fallback_score and counted in reward/model_failures "
-                        "(logged once per run)", message)
+            log.warning(
+                "%s; scored reward.model.fallback_score and counted in reward/model_failures (logged once per run)",
+                message,
+            )
 
     # ---- overlap --------------------------------------------------------------------------------
-    def start_overlap(self, prompts, n: int) -> "OverlapScoring | None":
+    def start_overlap(self, prompts, n: int) -> OverlapScoring | None:
         """An OverlapScoring for one generate call of `prompts` (n samples each); None when off."""
         return OverlapScoring(self, prompts, n) if self.overlap else None
 
@@ -192,9 +228,13 @@ class RowScorer:
         with self._lock:
             out: dict[str, float] = {}
             if self.model is not None:
-                out.update({"reward/model_failures": float(self._failures),
-                            "reward/model_unparsable": float(self._unparsable),
-                            **self.model.take_stats()})
+                out.update(
+                    {
+                        "reward/model_failures": float(self._failures),
+                        "reward/model_unparsable": float(self._unparsable),
+                        **self.model.take_stats(),
+                    }
+                )
                 if self._model_n:
                     out["reward/model_mean"] = self._model_sum / self._model_n
             out["perf/reward_scoring_s"] = _union(self._intervals)
@@ -217,8 +257,9 @@ class OverlapScoring:
     def __init__(self, scorer: RowScorer, prompts, n: int):
         self.scorer, self.n = scorer, n
         self.columns = {k: list(prompts[k]) for k in ("data_source", "ground_truth", "extra_info")}
-        self.columns["raw_prompt"] = (list(prompts["raw_prompt"]) if "raw_prompt" in prompts.non_tensors
-                                      else [""] * len(prompts))
+        self.columns["raw_prompt"] = (
+            list(prompts["raw_prompt"]) if "raw_prompt" in prompts.non_tensors else [""] * len(prompts)
+        )
         self.delivered = [False] * len(prompts)
         self.jobs: list[tuple[list[int], list[str], concurrent.futures.Future]] = []
 
@@ -231,8 +272,14 @@ class OverlapScoring:
             self.delivered[i] = True
         pick = lambda name: [c[name][i] for i in prompt_indices for _ in range(n)]  # noqa: E731
         responses = [out.text for outs in outputs for out in outs]
-        cols = RowColumns([i * n + j for i in prompt_indices for j in range(n)], pick("data_source"),
-                          pick("raw_prompt"), responses, pick("ground_truth"), pick("extra_info"))
+        cols = RowColumns(
+            [i * n + j for i in prompt_indices for j in range(n)],
+            pick("data_source"),
+            pick("raw_prompt"),
+            responses,
+            pick("ground_truth"),
+            pick("extra_info"),
+        )
         self.jobs.append((cols.rows, responses, self.scorer._pool.submit(self.scorer.score_columns, cols)))
 
     @property
@@ -252,8 +299,7 @@ class OverlapScoring:
         for idx, responses, future in self.jobs:
             values = future.result()  # a RewardError naming the row is raised here
             if [texts[i] for i in idx] != responses:
-                raise RuntimeError(f"rows {idx[:4]}...: the overlap scorer scored other responses than "
-                                   "the batch holds")
+                raise RuntimeError(f"rows {idx[:4]}...: the overlap scorer scored other responses than the batch holds")
             scores[idx] = values
         if np.isnan(scores).any():
             raise RuntimeError(f"rows {np.flatnonzero(np.isnan(scores))[:8].tolist()} were not scored")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_len: int,
-                     penalty_factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_new_tokens: int, buffer_len: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
     if not 0 < buffer_len <= max_new_tokens:
         raise ValueError(f"overlong buffer length {buffer_len} must be in (0, max_new_tokens={max_new_tokens}]")
     expected = max_new_tokens - buffer_len

@@ -69,9 +69,11 @@ def entry_of(extra_info: dict, data_source: str) -> dict:
     if isinstance(entry, str):
         entry = decode_entry(entry)
     if not isinstance(entry, dict) or "answer" not in entry:
-        raise RewardError(f"a {data_source} row needs extra_info['rg_entry'], the generated entry "
-                          f"as JSON (got {type(entry).__name__}); make the rows with "
-                          "megarl.data.tasks.make_reasoning_gym_rows or data.task=rg:<name>")
+        raise RewardError(
+            f"a {data_source} row needs extra_info['rg_entry'], the generated entry "
+            f"as JSON (got {type(entry).__name__}); make the rows with "
+            "megarl.data.tasks.make_reasoning_gym_rows or data.task=rg:<name>"
+        )
     return entry
 
 
@@ -79,14 +81,17 @@ def make_scorer(data_source: str) -> Scorer:
     """The scorer of data_source "reasoning_gym/<name>": the dataset's score_answer."""
     import reasoning_gym
 
-    name = data_source[len(PREFIX):]
+    name = data_source[len(PREFIX) :]
     if name not in reasoning_gym.factory.DATASETS:
-        raise RewardError(f"data_source {data_source!r}: reasoning-gym has no dataset {name!r}; "
-                          f"known: {sorted(reasoning_gym.factory.DATASETS)}")
+        raise RewardError(
+            f"data_source {data_source!r}: reasoning-gym has no dataset {name!r}; "
+            f"known: {sorted(reasoning_gym.factory.DATASETS)}"
+        )
     score_answer: Callable = reasoning_gym.get_score_answer_fn(name)
 
     def scorer(solution_str: str, ground_truth: str, extra_info: dict) -> float:
         return float(score_answer(response_answer(solution_str), entry_of(extra_info, data_source)))
+
     scorer.__qualname__ = f"reasoning_gym[{name}].score_answer"
     return scorer
 

@@ -42,6 +42,7 @@ API_KEY_ENV = "MEGARL_REWARD_API_KEY"
 @dataclass(frozen=True)
 class Failure:
     """A row the model could not score; `reason` says why (shown in errors and warnings)."""
+
     reason: str
     unparsable: bool = False  # genrm: the judge answered, but no score could be read from it
 
@@ -61,27 +62,41 @@ class RemoteReward:
 
     kind = "remote"
 
-    def __init__(self, url: str, *, batch_size: int = 64, concurrency: int = 4, timeout_s: float = 60.0,
-                 max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        batch_size: int = 64,
+        concurrency: int = 4,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        api_key: str | None = None,
+    ):
         if batch_size < 1 or concurrency < 1 or timeout_s <= 0 or max_retries < 0:
-            raise ValueError(f"RemoteReward needs batch_size, concurrency >= 1, timeout_s > 0 and "
-                             f"max_retries >= 0; got {batch_size}, {concurrency}, {timeout_s}, {max_retries}")
+            raise ValueError(
+                f"RemoteReward needs batch_size, concurrency >= 1, timeout_s > 0 and "
+                f"max_retries >= 0; got {batch_size}, {concurrency}, {timeout_s}, {max_retries}"
+            )
         self.url, self.batch_size, self.max_retries = url, batch_size, max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         headers = {"Content-Type": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
-        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-                                  headers=headers, limits=httpx.Limits(max_connections=concurrency))
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            headers=headers,
+            limits=httpx.Limits(max_connections=concurrency),
+        )
         self._pool = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="remote-reward")
         self._lock = threading.Lock()
         self.retries = 0  # POSTs re-sent (transport errors, timeouts, 5xx)
 
     def score(self, rows: list[dict]) -> list[float | Failure]:
         """One score or Failure per row, in order. `rows`: dicts with the contract's row fields."""
-        batches = [rows[k:k + self.batch_size] for k in range(0, len(rows), self.batch_size)]
+        batches = [rows[k : k + self.batch_size] for k in range(0, len(rows), self.batch_size)]
         if len(batches) <= 1:
             return self._batch(batches[0]) if batches else []
         return [s for part in self._pool.map(self._batch, batches) for s in part]
@@ -109,14 +124,21 @@ class RemoteReward:
             if attempt < self.max_retries:
                 with self._lock:
                     self.retries += 1
-                time.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s))
+                time.sleep(min(self.backoff_s * 2**attempt, self.max_backoff_s))
         else:
             tries = self.max_retries + 1
-            return [Failure(f"POST {self.url} failed {tries} time(s) for a batch of {len(rows)} rows; "
-                            f"last error: {last_error}")] * len(rows)
+            return [
+                Failure(
+                    f"POST {self.url} failed {tries} time(s) for a batch of {len(rows)} rows; last error: {last_error}"
+                )
+            ] * len(rows)
         if response.status_code >= 400:
-            return [Failure(f"POST {self.url} rejected a batch of {len(rows)} rows: HTTP "
-                            f"{response.status_code}: {response.text[:300]}")] * len(rows)
+            return [
+                Failure(
+                    f"POST {self.url} rejected a batch of {len(rows)} rows: HTTP "
+                    f"{response.status_code}: {response.text[:300]}"
+                )
+            ] * len(rows)
         return parse_answer(response, len(rows), self.url)
 
 
@@ -130,8 +152,7 @@ def parse_answer(response: httpx.Response, n: int, url: str) -> list[float | Fai
     errors = body.get("errors") if isinstance(body, dict) else None
     if not isinstance(scores, list) or len(scores) != n:
         got = f"{len(scores)} scores" if isinstance(scores, list) else f"{str(body)[:200]!r}"
-        return [Failure(f"{url} answered {got} for a batch of {n} rows; expected {{\"scores\": "
-                        f"[{n} numbers]}}")] * n
+        return [Failure(f'{url} answered {got} for a batch of {n} rows; expected {{"scores": [{n} numbers]}}')] * n
     if not isinstance(errors, list) or len(errors) != n:
         errors = [None] * n
     out: list[float | Failure] = []

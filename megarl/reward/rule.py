@@ -40,12 +40,15 @@ class RewardError(ValueError):
 
 def register_scorer(data_source: str) -> Callable[[Scorer], Scorer]:
     """Decorator: make `fn` the verifier of rows whose data_source is `data_source`."""
+
     def decorate(fn: Scorer) -> Scorer:
         if data_source in _SCORERS and _SCORERS[data_source] is not fn:
-            raise RewardError(f"data_source {data_source!r} already has a scorer "
-                              f"({_SCORERS[data_source].__qualname__})")
+            raise RewardError(
+                f"data_source {data_source!r} already has a scorer ({_SCORERS[data_source].__qualname__})"
+            )
         _SCORERS[data_source] = fn
         return fn
+
     return decorate
 
 
@@ -85,9 +88,11 @@ def _scorer_for(data_source: str) -> Scorer:
     for prefix, factory in _FAMILIES.items():
         if data_source.startswith(prefix):
             return _MEMBERS.setdefault(data_source, factory(data_source))
-    raise RewardError(f"no reward rule for data_source {data_source!r}; known data sources: "
-                      f"{known_data_sources()}. Register one with @register_scorer or set "
-                      "reward.custom_function")
+    raise RewardError(
+        f"no reward rule for data_source {data_source!r}; known data sources: "
+        f"{known_data_sources()}. Register one with @register_scorer or set "
+        "reward.custom_function"
+    )
 
 
 def _checked(value: object, what: str, unit_interval: bool) -> float:
@@ -101,8 +106,7 @@ def _checked(value: object, what: str, unit_interval: bool) -> float:
     return number
 
 
-def score(data_source: str, solution_str: str, ground_truth: str,
-          extra_info: dict | None = None) -> float:
+def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """The registered rule verifier's score for one response, in [0, 1]."""
     value = _scorer_for(data_source)(solution_str, ground_truth, extra_info or {})
     return _checked(value, f"scorer for {data_source!r}", unit_interval=True)
@@ -127,14 +131,13 @@ def load_custom_function(spec: str) -> RewardFunction:
         raise RewardError(f"reward.custom_function={spec!r}: cannot import {module_name!r} ({e})") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise RewardError(f"reward.custom_function={spec!r}: {module_name!r} has no function "
-                          f"{fn_name!r}")
+        raise RewardError(f"reward.custom_function={spec!r}: {module_name!r} has no function {fn_name!r}")
     return fn
 
 
-def make_reward_function(custom_function: str | None = None, *,
-                         math_timeout_s: float | None = None,
-                         math_workers: int | None = None) -> RewardFunction:
+def make_reward_function(
+    custom_function: str | None = None, *, math_timeout_s: float | None = None, math_workers: int | None = None
+) -> RewardFunction:
     """The run's reward: the custom function if configured, else the rule registry.
 
     math_timeout_s / math_workers (reward.math_timeout_s / reward.math_workers) set this process's
@@ -148,16 +151,21 @@ def make_reward_function(custom_function: str | None = None, *,
         return score
     fn = load_custom_function(custom_function)
 
-    def custom(data_source: str, solution_str: str, ground_truth: str,
-               extra_info: dict | None = None) -> float:
+    def custom(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
         value = fn(data_source, solution_str, ground_truth, extra_info or {})
         return _checked(value, f"reward.custom_function {custom_function!r}", unit_interval=False)
+
     return custom
 
 
-def score_rows(reward_fn: RewardFunction, data_sources: Sequence[str], solutions: Sequence[str],
-               ground_truths: Sequence[str], extra_infos: Sequence[dict | None],
-               row_ids: Sequence[int] | None = None) -> list[float]:
+def score_rows(
+    reward_fn: RewardFunction,
+    data_sources: Sequence[str],
+    solutions: Sequence[str],
+    ground_truths: Sequence[str],
+    extra_infos: Sequence[dict | None],
+    row_ids: Sequence[int] | None = None,
+) -> list[float]:
     """reward_fn applied row by row (the columns must be equally long).
 
     A reward that raises or returns something other than a number is re-raised as a RewardError

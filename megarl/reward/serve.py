@@ -28,8 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from megarl.reward.remote import API_KEY_ENV
 from megarl.procs.managed import HealthProbe
+from megarl.reward.remote import API_KEY_ENV
 from megarl.reward.rule import RewardError, make_reward_function
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,9 @@ def _score_all(reward_fn, rows: list[dict]) -> tuple[list, list]:
     scores, errors = [], []
     for row in rows:
         try:
-            value = float(reward_fn(row["data_source"], row["response"], row["ground_truth"],
-                                    row.get("extra_info") or {}))
+            value = float(
+                reward_fn(row["data_source"], row["response"], row["ground_truth"], row.get("extra_info") or {})
+            )
             scores.append(value)
             errors.append(None)
         except Exception as exc:  # noqa: BLE001  (the contract: a row's failure is reported, per row)
@@ -90,9 +91,16 @@ class RewardServerProcess:
     """Start `python -m megarl.reward.serve` as a subprocess and wait (polling /health) until it
     serves; stop() ends it. For tests and for runs that host their reward next to the trainer."""
 
-    def __init__(self, port: int, *, host: str = "127.0.0.1", function: str | None = None,
-                 log_path: str | os.PathLike | None = None, startup_timeout_s: float = 60.0,
-                 env: dict | None = None):
+    def __init__(
+        self,
+        port: int,
+        *,
+        host: str = "127.0.0.1",
+        function: str | None = None,
+        log_path: str | os.PathLike | None = None,
+        startup_timeout_s: float = 60.0,
+        env: dict | None = None,
+    ):
         self.host, self.port, self.function = host, port, function
         self.log_path, self.startup_timeout_s, self.env = log_path, startup_timeout_s, env
         self.process: subprocess.Popen | None = None
@@ -101,7 +109,7 @@ class RewardServerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/score"
 
-    def start(self) -> "RewardServerProcess":
+    def start(self) -> RewardServerProcess:
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -118,14 +126,18 @@ class RewardServerProcess:
         with HealthProbe() as probe:  # one client for the wait (procs.HealthProbe says why)
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"the reward server exited with code {self.process.returncode} while "
-                                       f"starting (command: {' '.join(cmd)}; log: {self.log_path})")
+                    raise RuntimeError(
+                        f"the reward server exited with code {self.process.returncode} while "
+                        f"starting (command: {' '.join(cmd)}; log: {self.log_path})"
+                    )
                 if probe.ok(f"http://{self.host}:{self.port}/health"):
                     return self
                 time.sleep(0.1)
         self.stop()
-        raise TimeoutError(f"the reward server on port {self.port} did not serve within "
-                           f"{self.startup_timeout_s:.0f} s (log: {self.log_path})")
+        raise TimeoutError(
+            f"the reward server on port {self.port} did not serve within "
+            f"{self.startup_timeout_s:.0f} s (log: {self.log_path})"
+        )
 
     def stop(self) -> None:
         process, self.process = self.process, None
@@ -137,7 +149,7 @@ class RewardServerProcess:
                 process.kill()
                 process.wait()
 
-    def __enter__(self) -> "RewardServerProcess":
+    def __enter__(self) -> RewardServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -152,8 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m megarl.reward.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--function", default=None, help="package.module:fn or path/to/file.py:fn "
-                        "(default: the rule verifiers by data_source)")
+    parser.add_argument(
+        "--function",
+        default=None,
+        help="package.module:fn or path/to/file.py:fn (default: the rule verifiers by data_source)",
+    )
     parser.add_argument("--api-key", default=None, help=f"default: ${API_KEY_ENV}")
     parser.add_argument("--math-timeout-s", type=float, default=None)
     parser.add_argument("--math-workers", type=int, default=None)
@@ -162,8 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     if not api_key and not is_loopback(args.host):
         parser.error(f"--host {args.host} is reachable from other machines: set --api-key or ${API_KEY_ENV}")
     try:
-        reward_fn = make_reward_function(args.function, math_timeout_s=args.math_timeout_s,
-                                         math_workers=args.math_workers)
+        reward_fn = make_reward_function(
+            args.function, math_timeout_s=args.math_timeout_s, math_workers=args.math_workers
+        )
     except RewardError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO)

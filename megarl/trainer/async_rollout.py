@@ -41,15 +41,26 @@ from megarl.rollout.client.manager import SamplingSpec, rows_to_batch
 
 @dataclasses.dataclass
 class _Group:
-    prompt: Batch        # the prompt's row (non-tensor columns)
+    prompt: Batch  # the prompt's row (non-tensor columns)
     prompt_ids: list[int]
-    outputs: list        # n GenerateOutputs
-    version: int         # trainer version when it was sent
+    outputs: list  # n GenerateOutputs
+    version: int  # trainer version when it was sent
 
 
 class RolloutProducer:
-    def __init__(self, runtime, batches, cursor: int, sampling: SamplingSpec, *, groups_per_step: int,
-                 max_staleness: int, version: int, steps: int | None = None, make_client=None):
+    def __init__(
+        self,
+        runtime,
+        batches,
+        cursor: int,
+        sampling: SamplingSpec,
+        *,
+        groups_per_step: int,
+        max_staleness: int,
+        version: int,
+        steps: int | None = None,
+        make_client=None,
+    ):
         """`steps`: how many batches the trainer will take (None: no end); the producer sends no
         group that no step would train. `make_client(url)`: the client for one engine or router
         URL (default: a RolloutClient)."""
@@ -88,13 +99,15 @@ class RolloutProducer:
                     self._buffer = fresh
                     self._notify()  # dropped groups free admission
                 if len(self._buffer) >= self.groups_per_step:
-                    groups = self._buffer[:self.groups_per_step]
-                    del self._buffer[:self.groups_per_step]
+                    groups = self._buffer[: self.groups_per_step]
+                    del self._buffer[: self.groups_per_step]
                     break
                 self._cond.wait(timeout=1.0)
-            stats = {"async/dropped_stale": float(self._dropped - dropped_before),
-                     "async/buffered_groups": float(len(self._buffer)),
-                     "async/sent_groups": float(self._sent)}
+            stats = {
+                "async/dropped_stale": float(self._dropped - dropped_before),
+                "async/buffered_groups": float(len(self._buffer)),
+                "async/sent_groups": float(self._sent),
+            }
         timing["perf/wait_s"] = time.perf_counter() - t0
         rows = self._rows(groups)
         stats["async/group_staleness_max"] = float(max(version - g.version for g in groups))
@@ -191,7 +204,7 @@ class RolloutProducer:
             batch = self.batches.batch_at(k)
             keys = list(batch.non_tensors)
             for i in range(len(batch)):
-                yield batch[i:i + 1].select(*keys), list(map(int, batch["raw_prompt_ids"][i]))
+                yield batch[i : i + 1].select(*keys), list(map(int, batch["raw_prompt_ids"][i]))
 
     def _client(self):
         fleet = self.rt.fleet
@@ -205,15 +218,15 @@ class RolloutProducer:
         from megarl.rollout.client.client import RolloutClient
 
         r = self.rt.cfg.rollout
-        return RolloutClient(url, batched=False, timeout_s=r.request_timeout_s, max_retries=r.max_retries,
-                             api_key=self.rt.fleet.api_key)
+        return RolloutClient(
+            url, batched=False, timeout_s=r.request_timeout_s, max_retries=r.max_retries, api_key=self.rt.fleet.api_key
+        )
 
     def _rows(self, groups: list[_Group]) -> Batch:
         n = self.sampling.n
         rows = rows_to_batch([(g.prompt_ids, out) for g in groups for out in g.outputs])
         prompts = Batch.concat([g.prompt for g in groups]).repeat_interleave(n)
-        rows["rollout_start_version"] = np.array([_label(g.version) for g in groups for _ in g.outputs],
-                                                 dtype=object)
+        rows["rollout_start_version"] = np.array([_label(g.version) for g in groups for _ in g.outputs], dtype=object)
         return prompts.union(rows)
 
 

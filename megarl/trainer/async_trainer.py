@@ -54,8 +54,10 @@ class _AsyncBase(SyncTrainer):
         older versions cannot agree with it: their difference is logged, not checked."""
         served = [version_number(v) for v in rows["rollout_weight_version"]]
         if "rollout_start_version" in rows.non_tensors:  # fully_async: a row spans the versions from
-            served = [None if v is None else min(v, version_number(s))  # the one it started under
-                      for v, s in zip(served, rows["rollout_start_version"])]
+            served = [
+                None if v is None else min(v, version_number(s))  # the one it started under
+                for v, s in zip(served, rows["rollout_start_version"])
+            ]
         behind = [self.weight_version - v for v in served if v is not None]
         current = bool(behind) and max(behind) == 0 and len(behind) == len(served)
         bridge = self.cfg.bridge if current else dataclasses.replace(self.cfg.bridge, check_parity=False)
@@ -99,8 +101,9 @@ class OneStepOffTrainer(_AsyncBase):
                 waited = time.perf_counter() - t_wait
                 self._trained_cursor = cursor
                 self._pending = self._start_rollout(step + 1) if step < t.total_steps else None
-                self.finish_step(step, {**self.train_step(step, generated=generated), **gen_timing,
-                                        "perf/gen_wait_s": waited})
+                self.finish_step(
+                    step, {**self.train_step(step, generated=generated), **gen_timing, "perf/gen_wait_s": waited}
+                )
         finally:
             if self._pending is not None:
                 self._pending.cancel()
@@ -114,6 +117,7 @@ class OneStepOffTrainer(_AsyncBase):
             prompts = self._next_prompts()
             generated = self.rollout(step, prompts, timing)
             return generated, timing, self.data_cursor
+
         return self._pool.submit(work)
 
     def _before_sync(self, timing: dict) -> None:
@@ -146,9 +150,16 @@ class FullyAsyncTrainer(_AsyncBase):
         self.mfu = StepMfu.for_run(self.rt.model_path, self.rt.actor, self.cfg)
         if self.resume_from is not None:
             self.restore(*self.resume_from)
-        self.producer = RolloutProducer(self.rt, self._batches, self.data_cursor, self._sampling(0, train=True),
-                                        groups_per_step=d.train_batch_size, max_staleness=t.max_staleness,
-                                        version=self.weight_version, steps=t.total_steps - self.start_step)
+        self.producer = RolloutProducer(
+            self.rt,
+            self._batches,
+            self.data_cursor,
+            self._sampling(0, train=True),
+            groups_per_step=d.train_batch_size,
+            max_staleness=t.max_staleness,
+            version=self.weight_version,
+            steps=t.total_steps - self.start_step,
+        )
         try:
             for step in range(self.start_step + 1, t.total_steps + 1):
                 timing: dict = {}
@@ -176,8 +187,9 @@ class FullyAsyncTrainer(_AsyncBase):
 
     def _bridge_spec(self) -> BridgeSpec:
         """Requests are in flight while weights change: the engines pause them around the update."""
-        return dataclasses.replace(super()._bridge_spec(), pause_generation=True,
-                                   pause_mode=self.cfg.trainer.pause_mode)
+        return dataclasses.replace(
+            super()._bridge_spec(), pause_generation=True, pause_mode=self.cfg.trainer.pause_mode
+        )
 
 
 def make_trainer(runtime, logger, resume=None) -> SyncTrainer:

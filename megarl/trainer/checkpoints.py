@@ -62,8 +62,7 @@ def read_run_checkpoint(path: Path) -> dict:
         raise CheckpointNotFound(f"{path} does not exist")
     state_file = path / STATE_FILE
     if not state_file.is_file():
-        raise CheckpointNotFound(f"{path} has no {STATE_FILE}: not a run checkpoint, or its save did "
-                                 "not finish")
+        raise CheckpointNotFound(f"{path} has no {STATE_FILE}: not a run checkpoint, or its save did not finish")
     try:
         state = json.loads(state_file.read_text())
     except ValueError as err:
@@ -104,7 +103,8 @@ def resume_point(run_dir: Path, resume: str) -> tuple[Path, dict] | None:
             raise ResumeRefused(
                 f"trainer.resume=never, but {run_dir} holds checkpoints of an earlier run (newest "
                 f"{newest.name}); continue it with trainer.resume=auto, or start elsewhere with a new "
-                f"trainer.experiment_name (or delete {checkpoints_dir(run_dir)})")
+                f"trainer.experiment_name (or delete {checkpoints_dir(run_dir)})"
+            )
         return None
     path = latest_checkpoint(run_dir) if resume == "auto" else Path(resume)
     if path is None:
@@ -116,9 +116,11 @@ def driver_rng_state() -> dict:
     """The controller's own random generators (a custom reward function may draw from them)."""
     version, words, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(words), gauss],
-            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch": torch.get_rng_state().tolist()}
+    return {
+        "python": [version, list(words), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().tolist(),
+    }
 
 
 def set_driver_rng_state(state: dict) -> None:
@@ -145,8 +147,10 @@ class RunCheckpointer:
     def commit(self, step: int, partial: Path, state: dict, config_yaml: str) -> Path:
         """Make the staged checkpoint complete and current; returns its final directory."""
         (partial / "config.yaml").write_text(config_yaml)
-        _write_atomic(partial / STATE_FILE, json.dumps(
-            {"format": FORMAT_VERSION, "complete": True, "step": step, **state}, indent=1))
+        _write_atomic(
+            partial / STATE_FILE,
+            json.dumps({"format": FORMAT_VERSION, "complete": True, "step": step, **state}, indent=1),
+        )
         final = step_dir(self.run_dir, step)
         if final.exists():  # a re-save of the same step (a resumed run saving where it started)
             shutil.rmtree(final)
@@ -157,7 +161,7 @@ class RunCheckpointer:
         return final
 
     def _prune(self) -> None:
-        for _, path in complete_checkpoints(self.run_dir)[:-self.keep]:
+        for _, path in complete_checkpoints(self.run_dir)[: -self.keep]:
             shutil.rmtree(path, ignore_errors=True)
         for stale in checkpoints_dir(self.run_dir).glob("step_*.partial"):
             shutil.rmtree(stale, ignore_errors=True)  # interrupted saves of earlier attempts
@@ -170,4 +174,3 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-

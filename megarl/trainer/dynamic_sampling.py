@@ -46,8 +46,9 @@ def _concat(parts: list[Batch]) -> Batch:
     def pad(k: str, v: torch.Tensor) -> torch.Tensor:
         if k not in widths:
             return v
-        return torch.nn.functional.pad(v.movedim(1, -1), (0, widths[k] - v.shape[1]),
-                                       value=-1 if k == "routed_experts" else 0).movedim(-1, 1)
+        return torch.nn.functional.pad(
+            v.movedim(1, -1), (0, widths[k] - v.shape[1]), value=-1 if k == "routed_experts" else 0
+        ).movedim(-1, 1)
 
     padded = []
     for part in parts:
@@ -56,8 +57,9 @@ def _concat(parts: list[Batch]) -> Batch:
     return Batch.concat(padded)
 
 
-def fill_informative(generate: Callable[[int], Batch], groups_wanted: int, max_rounds: int,
-                     raw_key: str = "raw_scores", pad: bool = True) -> tuple[Batch, dict]:
+def fill_informative(
+    generate: Callable[[int], Batch], groups_wanted: int, max_rounds: int, raw_key: str = "raw_scores", pad: bool = True
+) -> tuple[Batch, dict]:
     """Call generate(k) for rounds k = 0, 1, ... (each a scored batch of groups with `raw_key` and
     `uid`) until `groups_wanted` informative groups are in; the first `groups_wanted` of them, in
     order, are returned with the metrics. When max_rounds (> 0) do not suffice: with `pad`, the
@@ -76,7 +78,8 @@ def fill_informative(generate: Callable[[int], Batch], groups_wanted: int, max_r
                 f"with different scores after {k} generation rounds ({generated} groups generated); every "
                 "other group scored the same for all its responses. Raise "
                 "algorithm.filter_groups.max_num_gen_batches (0: no bound), or set "
-                "algorithm.filter_groups.on_exhausted=pad")
+                "algorithm.filter_groups.on_exhausted=pad"
+            )
         rows = generate(k)
         uids = list(rows["uid"])
         generated += len(dict.fromkeys(uids))
@@ -93,5 +96,9 @@ def fill_informative(generate: Callable[[int], Batch], groups_wanted: int, max_r
     uids = list(rows["uid"])
     chosen = set(list(dict.fromkeys(uids))[:groups_wanted])
     rows = rows[torch.tensor([i for i, u in enumerate(uids) if u in chosen])]
-    return rows, {"rollout/gen_batches": float(k), "rollout/groups_generated": float(generated),
-                  "rollout/groups_kept_frac": have / max(generated, 1), "rollout/groups_padded": float(padded)}
+    return rows, {
+        "rollout/gen_batches": float(k),
+        "rollout/groups_generated": float(generated),
+        "rollout/groups_kept_frac": have / max(generated, 1),
+        "rollout/groups_padded": float(padded),
+    }

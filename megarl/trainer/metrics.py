@@ -31,6 +31,7 @@ def is_wall_clock(key: str) -> bool:
 def compare_runs(a: Path, b: Path) -> tuple[int, list[str]]:
     """(steps compared, differences) of two metrics.jsonl files, wall-clock keys left out; every
     other value must be identical, float for float, and both files must have the same steps."""
+
     def load(path: Path) -> dict[int, dict]:
         return {r["step"]: r for r in map(json.loads, Path(path).read_text().splitlines())}
 
@@ -39,14 +40,24 @@ def compare_runs(a: Path, b: Path) -> tuple[int, list[str]]:
     diffs += [f"steps only in {b}: {sorted(set(rb) - set(ra))}"] if set(rb) - set(ra) else []
     for step in sorted(set(ra) & set(rb)):
         keys = {k for k in (*ra[step], *rb[step]) if not is_wall_clock(k)}
-        diffs += [f"step {step} {k}: {ra[step].get(k)!r} vs {rb[step].get(k)!r}"
-                  for k in sorted(keys) if ra[step].get(k) != rb[step].get(k)]
+        diffs += [
+            f"step {step} {k}: {ra[step].get(k)!r} vs {rb[step].get(k)!r}"
+            for k in sorted(keys)
+            if ra[step].get(k) != rb[step].get(k)
+        ]
     return len(set(ra) & set(rb)), diffs
 
 
 class MetricsLogger:
-    def __init__(self, log_dir: str | Path | None, total_steps: int, log_every: int = 1,
-                 stream=sys.stdout, jsonl_path: str | Path | None = None, resume_step: int = 0):
+    def __init__(
+        self,
+        log_dir: str | Path | None,
+        total_steps: int,
+        log_every: int = 1,
+        stream=sys.stdout,
+        jsonl_path: str | Path | None = None,
+        resume_step: int = 0,
+    ):
         """resume_step > 0: a run continuing after step `resume_step` of a checkpoint: the records
         of steps up to it are kept (metrics.jsonl, tensorboard, the curve summary), those a killed
         run wrote after it are dropped, as if it had never got there."""
@@ -122,9 +133,15 @@ class MetricsLogger:
             return {}
         w = min(window, len(vals))
         first, last = sum(vals[:w]) / w, sum(vals[-w:]) / w
-        return {"key": key, "steps": len(vals), "window": w, "first_mean": first,
-                "last_mean": last, "ratio": last / first if first > 0 else math.inf,
-                "max": max(vals)}
+        return {
+            "key": key,
+            "steps": len(vals),
+            "window": w,
+            "first_mean": first,
+            "last_mean": last,
+            "ratio": last / first if first > 0 else math.inf,
+            "max": max(vals),
+        }
 
     def close(self) -> None:
         if self.writer is not None:

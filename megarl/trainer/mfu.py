@@ -30,9 +30,11 @@ class StepMfu:
         from megarl.perf.flops import forward_flops, train_flops
 
         forward = forward_flops(self.config, lengths)
-        phases = {"update": (train_flops(self.config, lengths) * self.epochs, timing.get("perf/update_s")),
-                  "log_prob": (forward, timing.get("perf/old_log_prob_s")),
-                  "ref": (forward, timing.get("perf/ref_s"))}
+        phases = {
+            "update": (train_flops(self.config, lengths) * self.epochs, timing.get("perf/update_s")),
+            "log_prob": (forward, timing.get("perf/old_log_prob_s")),
+            "ref": (forward, timing.get("perf/ref_s")),
+        }
         out = {}
         for name, (flops, seconds) in phases.items():
             if seconds:

@@ -39,13 +39,16 @@ def check_parity_stats(stats: dict, step: int, bridge, weight_version: int, deta
             f"(bridge.parity_atol={bridge.parity_atol}) in {rows_off} rows, more than the "
             f"{allowed} bridge.parity_rows_off={bridge.parity_rows_off} allows (of {int(stats['rows'])} "
             f"rows checked), for weight version {weight_version}; the weight sync did not reproduce "
-            "the trainer's weights. " + detail())
-    return {"rollout/logprob_diff_max": worst, "rollout/logprob_rows_off": float(rows_off),
-            "rollout/logprob_diff_mean": stats["diff_sum"] / stats["tokens"] if stats["tokens"] else 0.0}
+            "the trainer's weights. " + detail()
+        )
+    return {
+        "rollout/logprob_diff_max": worst,
+        "rollout/logprob_rows_off": float(rows_off),
+        "rollout/logprob_diff_mean": stats["diff_sum"] / stats["tokens"] if stats["tokens"] else 0.0,
+    }
 
 
-def check_parity(rows: Batch, step: int, bridge, weight_version: int,
-                 engine_versions: Callable[[], list[str]]) -> dict:
+def check_parity(rows: Batch, step: int, bridge, weight_version: int, engine_versions: Callable[[], list[str]]) -> dict:
     """rollout/logprob_* metrics of `rows` (old_log_probs vs rollout_log_probs on the response);
     raises ParityError when more rows than bridge.parity_rows_off allows are off (and
     bridge.check_parity is on). `engine_versions()`: "url: version" of every engine, asked only
@@ -60,13 +63,14 @@ def check_parity(rows: Batch, step: int, bridge, weight_version: int,
     return check_parity_stats(stats, step, bridge, weight_version, detail)
 
 
-def check_update_parity(per_rank: list[dict], step: int, bridge, weight_version: int,
-                        engine_versions: Callable[[], list[str]]) -> dict:
+def check_update_parity(
+    per_rank: list[dict], step: int, bridge, weight_version: int, engine_versions: Callable[[], list[str]]
+) -> dict:
     """The check and rollout/entropy from the update's first mini-batch, whose forward ran on the
     weights the rollout sampled with (actor.old_log_prob=rollout): the parity/* sums leave each
     rank's metrics (`per_rank`, changed in place) and are merged here. Half the step's rows or
     fewer are checked (reshuffled every step); a failure raises after the update, before the sync."""
-    sums = [{k[len("parity/"):]: d.pop(k) for k in list(d) if k.startswith("parity/")} for d in per_rank if d]
+    sums = [{k[len("parity/") :]: d.pop(k) for k in list(d) if k.startswith("parity/")} for d in per_rank if d]
     sums = [s for s in sums if s]
     if not sums:
         raise RuntimeError("actor.old_log_prob=rollout: the update returned no parity sums")
@@ -74,11 +78,16 @@ def check_update_parity(per_rank: list[dict], step: int, bridge, weight_version:
     entropy = sum(s["entropy_sum"] for s in sums) / max(sum(s["entropy_tokens"] for s in sums), 1.0)
 
     def detail() -> str:
-        return ("Checked on the update's first mini-batch; actor.old_log_prob=recompute checks every "
-                "row and names the worst. Engines report weight versions " + ", ".join(engine_versions()))
+        return (
+            "Checked on the update's first mini-batch; actor.old_log_prob=recompute checks every "
+            "row and names the worst. Engines report weight versions " + ", ".join(engine_versions())
+        )
 
-    return {**check_parity_stats(stats, step, bridge, weight_version, detail),
-            "rollout/entropy": entropy, "rollout/logprob_rows_checked": stats["rows"]}
+    return {
+        **check_parity_stats(stats, step, bridge, weight_version, detail),
+        "rollout/entropy": entropy,
+        "rollout/logprob_rows_checked": stats["rows"],
+    }
 
 
 def parity_detail(rows: Batch, per_token: torch.Tensor, atol: float, engines: list[str]) -> str:
@@ -89,15 +98,17 @@ def parity_detail(rows: Batch, per_token: torch.Tensor, atol: float, engines: li
     row, token = divmod(int(per_token.argmax()), per_token.shape[1])
     served = rows["rollout_weight_version"][row] if "rollout_weight_version" in rows.non_tensors else None
     off = per_token > atol
-    return (f"Worst: row {row} ({rows['prompt_lengths'][row].item()}-token prompt, response token {token}: "
-            f"trainer {rows['old_log_probs'][row, token].item():.6f}, server "
-            f"{rows['rollout_log_probs'][row, token].item():.6f}), served with weight_version {served!r}; "
-            f"{int(off.sum())} tokens in {int(off.any(1).sum())} of {len(rows)} rows exceed the "
-            f"tolerance; engines report weight versions {', '.join(engines) or 'none'}")
+    return (
+        f"Worst: row {row} ({rows['prompt_lengths'][row].item()}-token prompt, response token {token}: "
+        f"trainer {rows['old_log_probs'][row, token].item():.6f}, server "
+        f"{rows['rollout_log_probs'][row, token].item():.6f}), served with weight_version {served!r}; "
+        f"{int(off.sum())} tokens in {int(off.any(1).sum())} of {len(rows)} rows exceed the "
+        f"tolerance; engines report weight versions {', '.join(engines) or 'none'}"
+    )
 
 
 def engine_versions(fleet) -> list[str]:
-    """"url: 'version'" for every engine of `fleet`, or "url: unreachable (Error)"."""
+    """ "url: 'version'" for every engine of `fleet`, or "url: unreachable (Error)"."""
     out = []
     for url in fleet.engine_urls:
         try:

@@ -33,10 +33,9 @@ def prompt_rows(rows: Batch) -> tuple[Batch, np.ndarray]:
     return prompts, np.asarray([where[u] for u in uids], dtype=np.int64)
 
 
-
-
-def greedy_baselines(rows: Batch, generate: Callable[[Batch], Batch],
-                     score: Callable[[Batch], torch.Tensor]) -> tuple[torch.Tensor, dict]:
+def greedy_baselines(
+    rows: Batch, generate: Callable[[Batch], Batch], score: Callable[[Batch], torch.Tensor]
+) -> tuple[torch.Tensor, dict]:
     """`generate(prompts)`: the greedy responses (n=1) of those prompts, in order; `score(rows)`:
     their scores (the same reward as the samples, overlong shaping included). Returns each row's
     baseline score and metrics."""
@@ -46,6 +45,8 @@ def greedy_baselines(rows: Batch, generate: Callable[[Batch], Batch],
         raise RuntimeError(f"remax: the greedy rollout returned {len(greedy)} rows for {len(prompts)} prompts")
     baseline = score(greedy).to(torch.float32)
     per_row = baseline[torch.as_tensor(index)]
-    return per_row, {"remax/baseline_mean": float(baseline.mean()),
-                     "remax/greedy_length_mean": float(greedy["response_mask"].sum(1).float().mean()),
-                     "remax/beats_baseline_frac": float((rows["scores"] > per_row).float().mean())}
+    return per_row, {
+        "remax/baseline_mean": float(baseline.mean()),
+        "remax/greedy_length_mean": float(greedy["response_mask"].sum(1).float().mean()),
+        "remax/beats_baseline_frac": float((rows["scores"] > per_row).float().mean()),
+    }

@@ -51,24 +51,35 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
 
 def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None) -> dict:
     from megarl.trainer import checkpoints
+    from megarl.trainer.async_trainer import make_trainer
     from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import StartupClock, start_runtime
-    from megarl.trainer.async_trainer import make_trainer
 
     point = checkpoints.resume_point(run_dir, cfg.trainer.resume)
     (run_dir / "config.yaml").write_text(dump(cfg))
     tb_dir = run_dir / "tensorboard" if cfg.trainer.tensorboard else None
-    logger = MetricsLogger(tb_dir, cfg.trainer.total_steps, cfg.trainer.log_every, stream,
-                           jsonl_path=run_dir / "metrics.jsonl", resume_step=point[1]["step"] if point else 0)
+    logger = MetricsLogger(
+        tb_dir,
+        cfg.trainer.total_steps,
+        cfg.trainer.log_every,
+        stream,
+        jsonl_path=run_dir / "metrics.jsonl",
+        resume_step=point[1]["step"] if point else 0,
+    )
     try:
         with start_runtime(cfg, cluster) as runtime:
-            critic = (f"; critic mesh {runtime.critic.mesh[0].describe()} x{len(runtime.critic.mesh)}"
-                      if runtime.critic is not None else "")
+            critic = (
+                f"; critic mesh {runtime.critic.mesh[0].describe()} x{len(runtime.critic.mesh)}"
+                if runtime.critic is not None
+                else ""
+            )
             router = f" behind router {runtime.fleet.router_url}" if runtime.fleet.router_url else ""
-            stream.write(f"megarl: run dir {run_dir}; {runtime.placement.describe()}; rollout engines "
-                         f"{runtime.server_urls}{router}; actor mesh {runtime.actor.mesh[0].describe()} "
-                         f"x{len(runtime.actor.mesh)}{critic}; loop {cfg.trainer.mode}; start-up "
-                         f"{StartupClock.describe(runtime.startup or {})}\n")
+            stream.write(
+                f"megarl: run dir {run_dir}; {runtime.placement.describe()}; rollout engines "
+                f"{runtime.server_urls}{router}; actor mesh {runtime.actor.mesh[0].describe()} "
+                f"x{len(runtime.actor.mesh)}{critic}; loop {cfg.trainer.mode}; start-up "
+                f"{StartupClock.describe(runtime.startup or {})}\n"
+            )
             make_trainer(runtime, logger, resume=point).fit()
     finally:
         logger.close()
@@ -79,5 +90,6 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None) -> dict:
         stream.write(
             f"reward curve: first {summary['window']} steps mean {summary['first_mean']:.3f} -> "
             f"last {summary['window']} steps mean {summary['last_mean']:.3f} "
-            f"(x{summary['ratio']:.1f}, max {summary['max']:.3f}) over {summary['steps']} steps\n")
+            f"(x{summary['ratio']:.1f}, max {summary['max']:.3f}) over {summary['steps']} steps\n"
+        )
     return summary

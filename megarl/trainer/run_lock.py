@@ -46,11 +46,20 @@ class RunDirLock:
             os.close(fd)
             raise RunDirBusy(
                 f"run dir {self.path.parent} is in use by another live run: {holder}; wait for it or "
-                "stop it, or give this run its own trainer.experiment_name / trainer.output_dir") from None
+                "stop it, or give this run its own trainer.experiment_name / trainer.output_dir"
+            ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                 "command": " ".join(sys.argv)}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "command": " ".join(sys.argv),
+                }
+            ).encode(),
+        )
         os.fsync(fd)
         self._fd = fd
 
@@ -69,5 +78,4 @@ def _read_holder(fd: int) -> str:
         info = {}
     if not info:
         return "a process that has not written its name yet"
-    return (f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}: "
-            f"{info.get('command')}")
+    return f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}: {info.get('command')}"

@@ -72,8 +72,9 @@ def run_dir_of(cfg: RunConfig) -> Path:
 def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
     if cfg.model.path is not None:
         if not (Path(cfg.model.path) / "config.json").exists():
-            raise FileNotFoundError(f"model.path={cfg.model.path}: no config.json there; point it "
-                                    "at a Hugging Face checkpoint directory")
+            raise FileNotFoundError(
+                f"model.path={cfg.model.path}: no config.json there; point it at a Hugging Face checkpoint directory"
+            )
         return cfg.model.path
     from megarl.models import smollm2
 
@@ -81,60 +82,106 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
         return str(smollm2.materialize())
     from megarl.models.tiny import build_tiny_checkpoint, preset_overrides
 
-    return str(build_tiny_checkpoint(run_dir / "init_model", seed=cfg.model.seed, preset=cfg.model.preset,
-                                     **preset_overrides(cfg.model)))
+    return str(
+        build_tiny_checkpoint(
+            run_dir / "init_model", seed=cfg.model.seed, preset=cfg.model.preset, **preset_overrides(cfg.model)
+        )
+    )
 
 
 def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
-    return EngineSpec(model_path=model_path, parallel=cfg.actor.parallel, optim=cfg.actor.optim,
-                      micro_batch_size=cfg.actor.micro_batch_size, seed=cfg.actor.seed,
-                      moe_dispatcher=cfg.actor.moe.dispatcher,
-                      pack_sequences=cfg.actor.pack_sequences,
-                      max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
-                      precision=cfg.actor.precision, recompute=cfg.actor.recompute,
-                      routing_replay=cfg.actor.moe.routing_replay)
+    return EngineSpec(
+        model_path=model_path,
+        parallel=cfg.actor.parallel,
+        optim=cfg.actor.optim,
+        micro_batch_size=cfg.actor.micro_batch_size,
+        seed=cfg.actor.seed,
+        moe_dispatcher=cfg.actor.moe.dispatcher,
+        pack_sequences=cfg.actor.pack_sequences,
+        max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
+        precision=cfg.actor.precision,
+        recompute=cfg.actor.recompute,
+        routing_replay=cfg.actor.moe.routing_replay,
+    )
 
 
 def critic_engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
     """The value model starts from critic.model.path, else from the actor's checkpoint."""
     c = cfg.critic
-    return EngineSpec(model_path=c.model.path or model_path, parallel=c.parallel, optim=c.optim,
-                      micro_batch_size=c.micro_batch_size, seed=c.seed,
-                      moe_dispatcher=cfg.actor.moe.dispatcher, value_head=True, recompute=c.recompute)
+    return EngineSpec(
+        model_path=c.model.path or model_path,
+        parallel=c.parallel,
+        optim=c.optim,
+        micro_batch_size=c.micro_batch_size,
+        seed=c.seed,
+        moe_dispatcher=cfg.actor.moe.dispatcher,
+        value_head=True,
+        recompute=c.recompute,
+    )
 
 
 def critic_loss_spec(cfg: RunConfig) -> CriticLossSpec:
-    return CriticLossSpec(cliprange_value=cfg.critic.cliprange_value,
-                          loss_agg_mode=cfg.critic.loss_agg_mode)
+    return CriticLossSpec(cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic.loss_agg_mode)
 
 
 def loss_spec(cfg: RunConfig) -> ActorLossSpec:
     a = cfg.actor
     policy = PolicyLossConfig(
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-        gspo_clip_ratio_low=a.gspo_clip_ratio_low, gspo_clip_ratio_high=a.gspo_clip_ratio_high,
-        cispo_clip_ratio_low=a.cispo_clip_ratio_low, cispo_clip_ratio_high=a.cispo_clip_ratio_high)
-    return ActorLossSpec(policy_loss=a.policy_loss, policy=policy, rollout_is_level=a.rollout_is.level,
-                         rollout_is_threshold=a.rollout_is.threshold, loss_agg_mode=a.loss_agg_mode,
-                         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-                         entropy_coeff=a.entropy_coeff)
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        gspo_clip_ratio_low=a.gspo_clip_ratio_low,
+        gspo_clip_ratio_high=a.gspo_clip_ratio_high,
+        cispo_clip_ratio_low=a.cispo_clip_ratio_low,
+        cispo_clip_ratio_high=a.cispo_clip_ratio_high,
+    )
+    return ActorLossSpec(
+        policy_loss=a.policy_loss,
+        policy=policy,
+        rollout_is_level=a.rollout_is.level,
+        rollout_is_threshold=a.rollout_is.threshold,
+        loss_agg_mode=a.loss_agg_mode,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+        entropy_coeff=a.entropy_coeff,
+    )
 
 
 def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[list]:
     from megarl.rollout.fleet.engine_launcher import EngineNodeSpec
 
     r = cfg.rollout
-    return [[EngineNodeSpec(
-        backend=r.backend, model_path=model_path, engine=e, node_rank=k, nnodes=r.nnodes, tp=r.tp, ep=r.ep,
-        dp=r.dp, host=r.host, port=r.port + e * r.nnodes + k if r.port else 0, max_batch_size=r.max_batch_size,
-        seed=cfg.trainer.seed + e, colocated=cfg.cluster.placement == "colocated",
-        mem_fraction_static=r.mem_fraction_static, routed_experts=cfg.actor.moe.routing_replay,
-        log_path=str(run_dir / (f"rollout_server_{e}.log" if r.nnodes == 1 else f"rollout_server_{e}_node{k}.log")),
-        startup_timeout_s=r.startup_timeout_s, env={"TOKENIZERS_PARALLELISM": "false"},
-        # where the disk transport writes (sync_trainer._bridge_spec): the only dir disk updates may read
-        weight_dirs=(str(run_dir / "weights"),))
-        for k in range(r.nnodes)] for e in range(r.num_servers)]
-
+    return [
+        [
+            EngineNodeSpec(
+                backend=r.backend,
+                model_path=model_path,
+                engine=e,
+                node_rank=k,
+                nnodes=r.nnodes,
+                tp=r.tp,
+                ep=r.ep,
+                dp=r.dp,
+                host=r.host,
+                port=r.port + e * r.nnodes + k if r.port else 0,
+                max_batch_size=r.max_batch_size,
+                seed=cfg.trainer.seed + e,
+                colocated=cfg.cluster.placement == "colocated",
+                mem_fraction_static=r.mem_fraction_static,
+                routed_experts=cfg.actor.moe.routing_replay,
+                log_path=str(
+                    run_dir / (f"rollout_server_{e}.log" if r.nnodes == 1 else f"rollout_server_{e}_node{k}.log")
+                ),
+                startup_timeout_s=r.startup_timeout_s,
+                env={"TOKENIZERS_PARALLELISM": "false"},
+                # where the disk transport writes (sync_trainer._bridge_spec): the only dir disk updates may read
+                weight_dirs=(str(run_dir / "weights"),),
+            )
+            for k in range(r.nnodes)
+        ]
+        for e in range(r.num_servers)
+    ]
 
 
 def build_fleet(cfg: RunConfig, plan, pools: dict, model_path: str, run_dir: Path):
@@ -144,24 +191,31 @@ def build_fleet(cfg: RunConfig, plan, pools: dict, model_path: str, run_dir: Pat
     from megarl.rollout.fleet.fleet import RolloutFleet, RouterSpec
 
     pool = pool_for_engines(pools)
-    share = {"num_gpus": LAUNCHER_DEVICE_SHARE} if pool.resource == "GPU" else {
-        "resources": {pool.resource: LAUNCHER_DEVICE_SHARE}}
+    share = (
+        {"num_gpus": LAUNCHER_DEVICE_SHARE}
+        if pool.resource == "GPU"
+        else {"resources": {pool.resource: LAUNCHER_DEVICE_SHARE}}
+    )
 
     def placement(e: int, k: int) -> dict:
         return {"scheduling_strategy": scheduling(pool, plan.engines[e][k].slots[0]), **share}
 
     router = None
     if cfg.rollout.router:
-        router = RouterSpec(policy=cfg.rollout.router_policy, host=cfg.rollout.host,
-                            log_path=str(run_dir / "router.log"))
-    return RolloutFleet(engine_node_specs(cfg, model_path, run_dir),
-                        # every run gets its own key, whatever the host: engines bound beyond loopback
-                        # require one, and one code path for all runs keeps that path tested
-                        api_key=secrets.token_urlsafe(32),
-                        router=router, placement=placement,
-                        gpu_ids=lambda e, k: gpu_ids_of(pool, plan.engines[e][k].slots),
-                        request_timeout_s=cfg.rollout.request_timeout_s,
-                        max_restarts=cfg.rollout.max_engine_restarts)
+        router = RouterSpec(
+            policy=cfg.rollout.router_policy, host=cfg.rollout.host, log_path=str(run_dir / "router.log")
+        )
+    return RolloutFleet(
+        engine_node_specs(cfg, model_path, run_dir),
+        # every run gets its own key, whatever the host: engines bound beyond loopback
+        # require one, and one code path for all runs keeps that path tested
+        api_key=secrets.token_urlsafe(32),
+        router=router,
+        placement=placement,
+        gpu_ids=lambda e, k: gpu_ids_of(pool, plan.engines[e][k].slots),
+        request_timeout_s=cfg.rollout.request_timeout_s,
+        max_restarts=cfg.rollout.max_engine_restarts,
+    )
 
 
 def cluster_for(cfg: RunConfig, plan=None):
@@ -181,8 +235,13 @@ def cluster_for(cfg: RunConfig, plan=None):
 def start_runtime(cfg: RunConfig, cluster=None):
     """Yield a Runtime for `cfg`; on exit stop every process it started. `cluster`: a
     cluster_for(cfg) already starting in the background (train), else one is started here."""
-    from megarl.controller.placement import (CRITIC_DEVICE_SHARE, RANK_DEVICE_SHARE, ResourcePool,
-                                             device_resource, plan_placement)
+    from megarl.controller.placement import (
+        CRITIC_DEVICE_SHARE,
+        RANK_DEVICE_SHARE,
+        ResourcePool,
+        device_resource,
+        plan_placement,
+    )
 
     clock = StartupClock()
     run_dir = run_dir_of(cfg)
@@ -219,30 +278,41 @@ def start_runtime(cfg: RunConfig, cluster=None):
         stack.callback(fleet.close)
         fleet.launch()  # engines start while the Megatron ranks initialise
         with_ref = bool(cfg.ref.enabled)
-        def device_share(share: float) -> dict:
-            return ({"num_gpus_per_worker": share} if resource == "GPU" else
-                    {"resources_per_worker": {resource: share}})
 
-        rank_env = {"MEGARL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}
+        def device_share(share: float) -> dict:
+            return {"num_gpus_per_worker": share} if resource == "GPU" else {"resources_per_worker": {resource: share}}
+
+        rank_env = {
+            "MEGARL_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
+        }
         actor_bundles = [pools["actor"].bundle_of(s) for s in plan.actor_slots]
         actor = RayWorkerGroup(
-            MegatronActor, cfg.cluster.num_actor_ranks,
+            MegatronActor,
+            cfg.cluster.num_actor_ranks,
             init_args=(engine_spec(cfg, model_path), loss_spec(cfg), with_ref),
             init_kwargs={"offload": cfg.actor.offload, "ref_offload": cfg.ref.offload},
-            num_cpus_per_worker=0, bundles=actor_bundles, env_vars=rank_env,
-            name_prefix="actor", **device_share(RANK_DEVICE_SHARE),
+            num_cpus_per_worker=0,
+            bundles=actor_bundles,
+            env_vars=rank_env,
+            name_prefix="actor",
+            **device_share(RANK_DEVICE_SHARE),
         )
         stack.callback(actor.shutdown)
         clock.mark("actor_ranks")
         critic = None
         if cfg.critic.enabled:  # on the actor ranks' devices, a mesh of its own
             critic = RayWorkerGroup(
-                MegatronCritic, cfg.cluster.num_actor_ranks,
+                MegatronCritic,
+                cfg.cluster.num_actor_ranks,
                 init_args=(critic_engine_spec(cfg, model_path), critic_loss_spec(cfg)),
                 init_kwargs={"offload": cfg.critic.offload},
-                num_cpus_per_worker=0, bundles=actor_bundles, env_vars=rank_env,
-                name_prefix="critic", **device_share(CRITIC_DEVICE_SHARE),
+                num_cpus_per_worker=0,
+                bundles=actor_bundles,
+                env_vars=rank_env,
+                name_prefix="critic",
+                **device_share(CRITIC_DEVICE_SHARE),
             )
             stack.callback(critic.shutdown)
         record_ranks(ranks_file, actor.processes + (critic.processes if critic else []), here, still_running)
@@ -254,11 +324,26 @@ def start_runtime(cfg: RunConfig, cluster=None):
         clock.mark("engines_after_ranks")
         from megarl.rollout.agent.rollout import AgentRollout
 
-        rollout = RolloutManager(fleet=fleet, timeout_s=cfg.rollout.request_timeout_s,
-                                 max_retries=cfg.rollout.max_retries, api_key=fleet.api_key,
-                                 agent=AgentRollout.from_config(cfg.rollout, tokenizer))
+        rollout = RolloutManager(
+            fleet=fleet,
+            timeout_s=cfg.rollout.request_timeout_s,
+            max_retries=cfg.rollout.max_retries,
+            api_key=fleet.api_key,
+            agent=AgentRollout.from_config(cfg.rollout, tokenizer),
+        )
         stack.callback(rollout.close)
-        yield Runtime(cfg=cfg, run_dir=run_dir, model_path=model_path, tokenizer=tokenizer,
-                      train_data=train_data, val_data=val_data, actor=actor, rollout=rollout,
-                      fleet=fleet, placement=plan, critic=critic, reward_model_url=reward_model_url,
-                      startup=clock.phases)
+        yield Runtime(
+            cfg=cfg,
+            run_dir=run_dir,
+            model_path=model_path,
+            tokenizer=tokenizer,
+            train_data=train_data,
+            val_data=val_data,
+            actor=actor,
+            rollout=rollout,
+            fleet=fleet,
+            placement=plan,
+            critic=critic,
+            reward_model_url=reward_model_url,
+            startup=clock.phases,
+        )

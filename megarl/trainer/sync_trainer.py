@@ -39,13 +39,13 @@ from megarl.data.balance import balance_across_ranks
 from megarl.data.batch import Batch
 from megarl.reward import take_counts
 from megarl.reward.model import RowScorer
+from megarl.reward.overlong import overlong_penalty
 from megarl.rollout.client.manager import SamplingSpec
 from megarl.trainer import checkpoints
+from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
 from megarl.trainer.parity import check_parity, check_update_parity, engine_versions
-from megarl.reward.overlong import overlong_penalty
-from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.rank_watch import RankWatch
 
 
@@ -69,8 +69,11 @@ class SyncTrainer:
         # prompt batches taken so far (one per step, more with dynamic sampling); checkpointed
         self.data_cursor, self._batches = 0, None
         k = self.cfg.algorithm.kl_ctrl  # KL in the reward: its coefficient (adaptive: checkpointed)
-        self.kl_ctrl = (make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
-                        if self.cfg.algorithm.use_kl_in_reward else None)
+        self.kl_ctrl = (
+            make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+            if self.cfg.algorithm.use_kl_in_reward
+            else None
+        )
         self.mfu: StepMfu | None = None  # made by fit(): it asks rank 0 for its device's peak
         runtime.fleet.on_restart = self._resync
 
@@ -107,15 +110,19 @@ class SyncTrainer:
         self.rt.actor.save_checkpoint(str(partial / "actor"))
         if self.rt.critic is not None:
             self.rt.critic.save_checkpoint(str(partial / "critic"))
-        state = {"weight_version": self.weight_version, "data": self._data_identity(), "data_cursor": self.data_cursor,
-                 "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None,
-                 "driver_rng": checkpoints.driver_rng_state(), "model_path": self.rt.model_path}
+        state = {
+            "weight_version": self.weight_version,
+            "data": self._data_identity(),
+            "data_cursor": self.data_cursor,
+            "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None,
+            "driver_rng": checkpoints.driver_rng_state(),
+            "model_path": self.rt.model_path,
+        }
         from megarl.config.loader import dump
 
         self.last_checkpoint = self.checkpointer.commit(step, partial, state, dump(self.cfg))
         self._carried["perf/checkpoint_save_s"] = time.perf_counter() - start
-        self.logger.note(f"saved checkpoint {self.last_checkpoint} "
-                         f"({self._carried['perf/checkpoint_save_s']:.1f} s)")
+        self.logger.note(f"saved checkpoint {self.last_checkpoint} ({self._carried['perf/checkpoint_save_s']:.1f} s)")
 
     def restore(self, path, state: dict) -> None:
         """Continue after the checkpoint at `path`: policy (and critic) with their optimizers and
@@ -124,13 +131,16 @@ class SyncTrainer:
             raise checkpoints.ResumeRefused(
                 f"{path} was saved by a run whose data was {state['data']}, this run's is "
                 f"{self._data_identity()}: its batches would not continue where that run stopped. "
-                "Restore those data settings, or start a new run (trainer.experiment_name)")
+                "Restore those data settings, or start a new run (trainer.experiment_name)"
+            )
         start = time.perf_counter()
         self.rt.actor.load_checkpoint(str(path / "actor"))
         if self.rt.critic is not None:
             if not (path / "critic").is_dir():
-                raise checkpoints.ResumeRefused(f"{path} holds no critic/ (saved by a run without "
-                                                "critic.enabled); resume it with critic.enabled=false")
+                raise checkpoints.ResumeRefused(
+                    f"{path} holds no critic/ (saved by a run without "
+                    "critic.enabled); resume it with critic.enabled=false"
+                )
             self.rt.critic.load_checkpoint(str(path / "critic"))
         checkpoints.set_driver_rng_state(state["driver_rng"])
         self.start_step, self.weight_version = int(state["step"]), int(state["weight_version"])
@@ -138,21 +148,30 @@ class SyncTrainer:
         if self.kl_ctrl is not None and state.get("kl_coef") is not None:
             self.kl_ctrl.value = float(state["kl_coef"])
         self.sync_weights()  # the engines still hold the initial model
-        self.logger.note(f"resumed from {path} (step {self.start_step}, weight version "
-                         f"{self.weight_version}) in {time.perf_counter() - start:.1f} s")
+        self.logger.note(
+            f"resumed from {path} (step {self.start_step}, weight version "
+            f"{self.weight_version}) in {time.perf_counter() - start:.1f} s"
+        )
 
     def export_hf(self) -> None:
         out = self.rt.run_dir / "hf"
         info = self.rt.actor.export_hf(str(out), self.rt.model_path)
-        self.logger.note(f"exported the policy as a Hugging Face model: {out} "
-                         f"({info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB)")
+        self.logger.note(
+            f"exported the policy as a Hugging Face model: {out} "
+            f"({info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB)"
+        )
 
     def _data_identity(self) -> dict:
         from megarl.data.mix import data_mix_identity
 
         d = self.cfg.data
-        return {"prompts": len(self.rt.train_data), "train_batch_size": d.train_batch_size,
-                "shuffle": d.shuffle, "seed": d.seed, **data_mix_identity(self.rt.train_data)}
+        return {
+            "prompts": len(self.rt.train_data),
+            "train_batch_size": d.train_batch_size,
+            "shuffle": d.shuffle,
+            "seed": d.seed,
+            **data_mix_identity(self.rt.train_data),
+        }
 
     def rollout(self, step: int, prompts: Batch, timing: dict) -> tuple[Batch, dict]:
         """The step's scored rows and rollout stats (ReMax: with their greedy baselines)."""
@@ -181,13 +200,11 @@ class SyncTrainer:
             parity = {}
         else:
             with _timer(timing, "old_log_prob"):
-                rows = rows.union(self.rt.actor.compute_log_prob(self._trainer_view(rows),
-                                                                 cfg.rollout.temperature))
+                rows = rows.union(self.rt.actor.compute_log_prob(self._trainer_view(rows), cfg.rollout.temperature))
             parity = self._check_parity(rows, step)
         if cfg.ref.enabled:
             with _timer(timing, "ref"):
-                rows = rows.union(self.rt.actor.compute_ref_log_prob(
-                    self._trainer_view(rows), cfg.rollout.temperature))
+                rows = rows.union(self.rt.actor.compute_ref_log_prob(self._trainer_view(rows), cfg.rollout.temperature))
         if self.rt.critic is not None:  # PPO: the value function's estimate at every response token
             with _timer(timing, "values"):
                 rows = rows.union(self.rt.critic.compute_values(self._trainer_view(rows)))
@@ -195,23 +212,37 @@ class SyncTrainer:
             a = cfg.algorithm
             rewards, kl_metrics = self._rewards(rows)
             rows["advantages"], rows["returns"] = compute_advantages(
-                a.adv_estimator, rewards, rows["response_mask"], rows["uid"],
+                a.adv_estimator,
+                rewards,
+                rows["response_mask"],
+                rows["uid"],
                 values=rows["values"] if "values" in rows else None,
                 baseline_scores=rows["baseline_scores"] if "baseline_scores" in rows else None,
-                gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std, eps=a.epsilon)
+                gamma=a.gamma,
+                lam=a.lam,
+                norm_by_std=a.norm_adv_by_std,
+                eps=a.epsilon,
+            )
         critic_metrics = []
         if self.rt.critic is not None:
             with _timer(timing, "critic_update"):
                 c = cfg.critic
                 critic_metrics = self.rt.critic.update_critic(
-                    self._trainer_view(rows, "values", "returns"), c.ppo_mini_batch_size, c.ppo_epochs,
-                    cfg.trainer.seed + step)
+                    self._trainer_view(rows, "values", "returns"),
+                    c.ppo_mini_batch_size,
+                    c.ppo_epochs,
+                    cfg.trainer.seed + step,
+                )
         with _timer(timing, "update"):
             keys = ["old_log_probs", "advantages", "rollout_log_probs"] + (["ref_log_probs"] if cfg.ref.enabled else [])
             per_rank = self.rt.actor.update_actor(
-                self._trainer_view(rows, *keys), cfg.actor.ppo_mini_batch_size,
-                cfg.actor.ppo_epochs, cfg.rollout.temperature, cfg.trainer.seed + step,
-                parity_atol=cfg.bridge.parity_atol if reuse else None)
+                self._trainer_view(rows, *keys),
+                cfg.actor.ppo_mini_batch_size,
+                cfg.actor.ppo_epochs,
+                cfg.rollout.temperature,
+                cfg.trainer.seed + step,
+                parity_atol=cfg.bridge.parity_atol if reuse else None,
+            )
         if reuse:
             parity = self._update_parity(per_rank, step)
         if self.release:
@@ -229,9 +260,18 @@ class SyncTrainer:
             timing.update(self.mfu.metrics(self._token_lengths(rows), timing))
         # engines restarted anywhere in the step: in generation, memory release/resume or the sync
         rollout_stats["rollout/engine_restarts"] = float(self.rt.fleet.restarts - restarts_before)
-        return {**self._rollout_metrics(rows), **rollout_stats, **parity, **_average(per_rank), **timing,
-                **kl_metrics, **_average(critic_metrics or []), **take_counts(), **self.scorer.take_metrics(),
-                **{k: float(v) for k, v in bridge_stats.items() if k.startswith("bridge/")}}
+        return {
+            **self._rollout_metrics(rows),
+            **rollout_stats,
+            **parity,
+            **_average(per_rank),
+            **timing,
+            **kl_metrics,
+            **_average(critic_metrics or []),
+            **take_counts(),
+            **self.scorer.take_metrics(),
+            **{k: float(v) for k, v in bridge_stats.items() if k.startswith("bridge/")},
+        }
 
     def _before_sync(self, timing: dict) -> None:
         """Where a loop whose engines generate during the update waits for them (one_step_off)."""
@@ -261,6 +301,7 @@ class SyncTrainer:
         def generate(prompts: Batch) -> Batch:
             with self._watching_ranks():
                 return self.rt.rollout.generate(prompts, self._sampling(step, train=False), self._served_version())
+
         t = self.cfg.trainer
         metrics = run_validation(self.rt.val_data, generate, self._score, t.val_n, t.val_pass_threshold)
         # validation's model-reward counters: val/reward/..., val/perf/...
@@ -283,8 +324,12 @@ class SyncTrainer:
             batch = prompts if k == 0 else self._next_prompts()
             overlap = self.scorer.start_overlap(batch, self.cfg.rollout.n)  # None: reward.overlap off
             with _timer(timing, "gen"), self._watching_ranks():
-                rows = self.rt.rollout.generate(batch, self._sampling(step, train=True, round_=k),
-                                                self._served_version(), **(overlap.kwargs if overlap else {}))
+                rows = self.rt.rollout.generate(
+                    batch,
+                    self._sampling(step, train=True, round_=k),
+                    self._served_version(),
+                    **(overlap.kwargs if overlap else {}),
+                )
             for key, value in self.rt.rollout.last_stats.items():
                 stats[key] = stats.get(key, 0.0) + float(value)
             with _timer(timing, "reward"):
@@ -301,8 +346,9 @@ class SyncTrainer:
             every.append(rows["raw_scores"])
             return rows
 
-        rows, filled = fill_informative(generate_all, self.cfg.data.train_batch_size, f.max_num_gen_batches,
-                                        pad=f.on_exhausted == "pad")
+        rows, filled = fill_informative(
+            generate_all, self.cfg.data.train_batch_size, f.max_num_gen_batches, pad=f.on_exhausted == "pad"
+        )
         return rows, {**stats, **filled, "reward/generated_mean": float(torch.cat(every).mean())}
 
     def _remax_baseline(self, step: int, rows: Batch, timing: dict) -> tuple[torch.Tensor, dict]:
@@ -320,6 +366,7 @@ class SyncTrainer:
         def score(out: Batch) -> torch.Tensor:
             with _timer(timing, "reward"):
                 return self._score(out) + self._overlong_penalty(out)
+
         return greedy_baselines(rows, generate, score)
 
     def _rewards(self, rows: Batch) -> tuple[torch.Tensor, dict]:
@@ -332,8 +379,13 @@ class SyncTrainer:
 
         a = self.cfg.algorithm
         rewards, metrics = apply_kl_penalty(
-            token_level_scores(rows["scores"], rows["response_mask"]), rows["old_log_probs"],
-            rows["ref_log_probs"], rows["response_mask"], self.kl_ctrl.value, a.kl_penalty)
+            token_level_scores(rows["scores"], rows["response_mask"]),
+            rows["old_log_probs"],
+            rows["ref_log_probs"],
+            rows["response_mask"],
+            self.kl_ctrl.value,
+            a.kl_penalty,
+        )
         self.kl_ctrl.update(metrics["kl_reward/kl"], n_steps=len(rows))
         return rewards, metrics
 
@@ -357,11 +409,15 @@ class SyncTrainer:
         """round_: a step's k-th generation round (dynamic sampling); its own seeds."""
         r, t = self.cfg.rollout, self.cfg.trainer
         seed = (t.seed, step, 0 if train else 1) + ((round_,) if round_ else ())
-        return SamplingSpec(n=r.n if train else t.val_n,
-                            temperature=r.temperature if train else r.val_temperature,
-                            top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                            seed=seed if t.deterministic else None,
-                            return_routed_experts=train and self.cfg.actor.moe.routing_replay)
+        return SamplingSpec(
+            n=r.n if train else t.val_n,
+            temperature=r.temperature if train else r.val_temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            seed=seed if t.deterministic else None,
+            return_routed_experts=train and self.cfg.actor.moe.routing_replay,
+        )
 
     def _score(self, rows: Batch) -> torch.Tensor:
         return self.scorer.score_batch(rows)
@@ -378,8 +434,10 @@ class SyncTrainer:
         keys += ["routed_experts"] if "routed_experts" in rows else []  # actor.moe.routing_replay
         view = Batch({k: rows[k] for k in keys})
         if len(view) % self.dp_size:
-            raise ValueError(f"{len(view)} rows do not split over {self.dp_size} data-parallel "
-                             "ranks; make data.train_batch_size * rollout.n divisible by dp")
+            raise ValueError(
+                f"{len(view)} rows do not split over {self.dp_size} data-parallel "
+                "ranks; make data.train_batch_size * rollout.n divisible by dp"
+            )
         return view
 
     def _check_parity(self, rows: Batch, step: int) -> dict:
@@ -388,8 +446,9 @@ class SyncTrainer:
 
     def _update_parity(self, per_rank: list[dict], step: int) -> dict:
         """actor.old_log_prob=rollout: the check on the update's first mini-batch (parity.py)."""
-        return check_update_parity(per_rank, step, self.cfg.bridge, self.weight_version,
-                                   lambda: engine_versions(self.rt.fleet))
+        return check_update_parity(
+            per_rank, step, self.cfg.bridge, self.weight_version, lambda: engine_versions(self.rt.fleet)
+        )
 
     def _rollout_metrics(self, rows: Batch) -> dict:
         mask = rows["response_mask"]
@@ -415,11 +474,16 @@ class SyncTrainer:
 
     def _bridge_spec(self) -> BridgeSpec:
         b = self.cfg.bridge
-        return BridgeSpec(transport=b.transport, server_urls=tuple(self.rt.server_urls),
-                          api_key=self.rt.fleet.api_key, bucket_bytes=int(b.bucket_size_mb * 2**20),
-                          disk_dir=str(self.rt.run_dir / "weights"), timeout_s=self.cfg.rollout.request_timeout_s,
-                          # this loop syncs only after generation finished: nothing to pause
-                          pause_generation=False)
+        return BridgeSpec(
+            transport=b.transport,
+            server_urls=tuple(self.rt.server_urls),
+            api_key=self.rt.fleet.api_key,
+            bucket_bytes=int(b.bucket_size_mb * 2**20),
+            disk_dir=str(self.rt.run_dir / "weights"),
+            timeout_s=self.cfg.rollout.request_timeout_s,
+            # this loop syncs only after generation finished: nothing to pause
+            pause_generation=False,
+        )
 
 
 class _timer:
@@ -438,5 +502,11 @@ def _average(dicts: list[dict]) -> dict:
     dicts = [d for d in dicts if d]
     keys = {k for d in dicts for k in d}
     # perf/memory/*: the largest rank's (the one that decides whether a layout fits); the rest: means
-    return {k: (max(d[k] for d in dicts if k in d) if k.startswith("perf/memory/") else
-                sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts)) for k in keys}
+    return {
+        k: (
+            max(d[k] for d in dicts if k in d)
+            if k.startswith("perf/memory/")
+            else sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts)
+        )
+        for k in keys
+    }

@@ -29,21 +29,25 @@ from megarl.data.batch import Batch
 from megarl.data.dataset import PromptBatches
 
 
-def validation_metrics(scores: Sequence[float] | torch.Tensor, uids: Sequence[str],
-                       data_sources: Sequence[str], k: int, threshold: float) -> dict[str, float]:
+def validation_metrics(
+    scores: Sequence[float] | torch.Tensor, uids: Sequence[str], data_sources: Sequence[str], k: int, threshold: float
+) -> dict[str, float]:
     """The val/* metrics of scored samples: row i is a sample of prompt uids[i] from
     data_sources[i]; every prompt must have exactly k samples."""
     values = np.asarray(scores.tolist() if isinstance(scores, torch.Tensor) else scores, dtype=np.float64)
     if not (len(values) == len(uids) == len(data_sources)) or len(values) == 0:
-        raise ValueError(f"validation got {len(values)} scores, {len(uids)} uids and "
-                         f"{len(data_sources)} data sources; expected the same number > 0")
+        raise ValueError(
+            f"validation got {len(values)} scores, {len(uids)} uids and "
+            f"{len(data_sources)} data sources; expected the same number > 0"
+        )
     groups: dict[str, list[int]] = {}
     for i, uid in enumerate(uids):
         groups.setdefault(str(uid), []).append(i)
     wrong = {uid: len(rows) for uid, rows in groups.items() if len(rows) != k}
     if wrong:
-        raise ValueError(f"validation expects {k} samples per prompt (trainer.val_n); got "
-                         f"{dict(list(wrong.items())[:3])}")
+        raise ValueError(
+            f"validation expects {k} samples per prompt (trainer.val_n); got {dict(list(wrong.items())[:3])}"
+        )
     solved = values >= threshold
     out = {"val/reward_mean": float(values.mean())}
     for source in sorted(set(map(str, data_sources))):
@@ -55,14 +59,14 @@ def validation_metrics(scores: Sequence[float] | torch.Tensor, uids: Sequence[st
     return out
 
 
-def run_validation(val_data, generate: Callable[[Batch], Batch], score: Callable[[Batch], torch.Tensor],
-                   k: int, threshold: float) -> dict[str, float]:
+def run_validation(
+    val_data, generate: Callable[[Batch], Batch], score: Callable[[Batch], torch.Tensor], k: int, threshold: float
+) -> dict[str, float]:
     """Generate k samples for every prompt of `val_data` (one batch, in file order), score them
     and summarise. `generate(prompts)` returns the rows prompt-major with the prompts' columns
     (RolloutManager.generate with n = k); `score(rows)` one reward per row."""
     prompts = PromptBatches(val_data, len(val_data), shuffle=False).batch_at(0)
     rows = generate(prompts)
     if len(rows) != k * len(prompts):
-        raise ValueError(f"validation asked for {k} samples of {len(prompts)} prompts and got "
-                         f"{len(rows)} rows")
+        raise ValueError(f"validation asked for {k} samples of {len(prompts)} prompts and got {len(rows)} rows")
     return validation_metrics(score(rows), rows["uid"], rows["data_source"], k, threshold)

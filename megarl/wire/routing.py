@@ -66,7 +66,7 @@ class RoutingRecorder:
             module.register_forward_hook(self._hook(layer, _ROUTERS[type(module).__name__]))
 
     @classmethod
-    def attach(cls, model) -> "RoutingRecorder | None":
+    def attach(cls, model) -> RoutingRecorder | None:
         routers = [(_layer_index(name), m) for name, m in model.named_modules() if type(m).__name__ in _ROUTERS]
         return cls(model, routers) if routers else None
 
@@ -74,6 +74,7 @@ class RoutingRecorder:
         def hook(module, inputs, output):
             if self.armed:
                 self.last[layer] = topk(module, output).to("cpu", torch.int32)
+
         return hook
 
     def take(self, rows: int, width: int) -> torch.Tensor:
@@ -92,7 +93,7 @@ class BatchCapture:
         self.recorder, self.rows = recorder, rows
 
     @staticmethod
-    def start(recorder: RoutingRecorder | None, rows) -> "BatchCapture | None":
+    def start(recorder: RoutingRecorder | None, rows) -> BatchCapture | None:
         """Arm the hooks iff a row of this batch asked; None (nothing recorded) otherwise."""
         wanted = recorder is not None and any(r.req.return_routed_experts for r in rows)
         if recorder is not None:
@@ -107,7 +108,7 @@ class BatchCapture:
                 # a re-prefill after a retraction feeds the output too: the tokens already recorded
                 # keep the experts of the forward that produced their successors' log-probs
                 have = sum(len(piece) for piece in row.routed)
-                row.routed.append(ids[b, width - len(row.fed_ids()) + have:])
+                row.routed.append(ids[b, width - len(row.fed_ids()) + have :])
 
     def decode(self, active: list[int]) -> None:
         """After a decode step of the rows `active` (one token each)."""
@@ -121,7 +122,7 @@ def row_records(routed: list[torch.Tensor], tokens: int) -> np.ndarray:
     """A row's records [tokens, layers, top_k] int32, cut to `tokens` (prompt + output - 1)."""
     if not routed:
         return np.zeros((0, 0, 0), dtype=np.int32)
-    return torch.cat(routed)[:max(tokens, 0)].numpy()
+    return torch.cat(routed)[: max(tokens, 0)].numpy()
 
 
 def encode(records: np.ndarray, start: int = 0) -> str:
@@ -133,8 +134,10 @@ def decode(value: str, tokens: int) -> np.ndarray:
     """meta_info["routed_experts"] -> [tokens, layers * top_k] int32 (the shape is not sent)."""
     flat = np.frombuffer(base64.b64decode(value), dtype="<i4")
     if tokens <= 0 or flat.size % tokens:
-        raise ValueError(f"routed_experts holds {flat.size} expert ids, not a whole number per token for "
-                         f"{tokens} tokens (prompt + output - 1); the server's routing record is truncated")
+        raise ValueError(
+            f"routed_experts holds {flat.size} expert ids, not a whole number per token for "
+            f"{tokens} tokens (prompt + output - 1); the server's routing record is truncated"
+        )
     return flat.reshape(tokens, -1)
 
 
@@ -149,15 +152,18 @@ def batch_column(rows: list[tuple[list[int], object]], width: int) -> torch.Tens
                 f"rollout row {i}: the server returned no routed_experts although return_routed_experts was "
                 "requested (actor.moe.routing_replay); a real SGLang server needs --enable-return-routed-experts (megarl "
                 "passes it to the engines it launches), and sglang-router drops the field (RolloutManager sends "
-                "these requests to the engines directly)")
+                "these requests to the engines directly)"
+            )
         decoded.append(decode(value, len(prompt) + len(out.output_ids) - 1))
     per_token = {d.shape[1] for d in decoded}
     if len(per_token) != 1:
-        raise RuntimeError(f"rollout rows carry {sorted(per_token)} expert ids per token; one model routes "
-                           "every row with the same layers and top_k")
+        raise RuntimeError(
+            f"rollout rows carry {sorted(per_token)} expert ids per token; one model routes "
+            "every row with the same layers and top_k"
+        )
     if decoded and max(int(d.max(initial=0)) for d in decoded) > torch.iinfo(torch.int16).max:
         raise RuntimeError("routed_experts names an expert id above 32767; the int16 column cannot hold it")
     column = torch.full((len(rows), width, per_token.pop()), NO_EXPERT, dtype=torch.int16)
     for i, d in enumerate(decoded):
-        column[i, :len(d)] = torch.from_numpy(d.astype(np.int16))
+        column[i, : len(d)] = torch.from_numpy(d.astype(np.int16))
     return column

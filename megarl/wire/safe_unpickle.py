@@ -30,26 +30,39 @@ import torch
 import torch.multiprocessing.reductions  # noqa: F401  (the rebuild functions must be importable)
 
 _REDUCTIONS = "torch.multiprocessing.reductions"
-ALLOWED_GLOBALS = frozenset({
-    (_REDUCTIONS, "rebuild_tensor"), (_REDUCTIONS, "rebuild_cuda_tensor"),
-    (_REDUCTIONS, "rebuild_storage_filename"), (_REDUCTIONS, "rebuild_storage_empty"),
-    (_REDUCTIONS, "rebuild_typed_storage"),
-    ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
-    ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"),
-    ("torch.storage", "TypedStorage"), ("torch", "TypedStorage"),  # rebuild_cuda_tensor's storage class
-    ("torch", "Tensor"), ("torch.nn.parameter", "Parameter"), ("torch", "Size"),
-    ("types", "SimpleNamespace"),  # flattened-bucket metadata
-    ("collections", "OrderedDict"),  # _rebuild_tensor_v2's backward hooks
-})
-_FD_HANDLE = ("a file-descriptor handle (torch's file_descriptor sharing strategy), which would make this "
-              "server connect to an address the payload names; send with megarl.wire.weights_codec, "
-              "which shares CPU tensors by shared-memory file name")
+ALLOWED_GLOBALS = frozenset(
+    {
+        (_REDUCTIONS, "rebuild_tensor"),
+        (_REDUCTIONS, "rebuild_cuda_tensor"),
+        (_REDUCTIONS, "rebuild_storage_filename"),
+        (_REDUCTIONS, "rebuild_storage_empty"),
+        (_REDUCTIONS, "rebuild_typed_storage"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_parameter"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch", "UntypedStorage"),
+        ("torch.storage", "TypedStorage"),
+        ("torch", "TypedStorage"),  # rebuild_cuda_tensor's storage class
+        ("torch", "Tensor"),
+        ("torch.nn.parameter", "Parameter"),
+        ("torch", "Size"),
+        ("types", "SimpleNamespace"),  # flattened-bucket metadata
+        ("collections", "OrderedDict"),  # _rebuild_tensor_v2's backward hooks
+    }
+)
+_FD_HANDLE = (
+    "a file-descriptor handle (torch's file_descriptor sharing strategy), which would make this "
+    "server connect to an address the payload names; send with megarl.wire.weights_codec, "
+    "which shares CPU tensors by shared-memory file name"
+)
 _WHY_REFUSED = {
     (_REDUCTIONS, "rebuild_storage_fd"): _FD_HANDLE,
     ("multiprocessing.resource_sharer", "DupFd"): _FD_HANDLE,
-    ("torch.storage", "_load_from_bytes"):
-        "a tensor pickled by value, whose loader runs torch.load; send tensor handles made by "
-        "megarl.wire.weights_codec instead",
+    (
+        "torch.storage",
+        "_load_from_bytes",
+    ): "a tensor pickled by value, whose loader runs torch.load; send tensor handles made by "
+    "megarl.wire.weights_codec instead",
 }
 
 
@@ -66,9 +79,11 @@ class _AllowListUnpickler(pickle.Unpickler):
         if (module, name) in ALLOWED_GLOBALS or _is_dtype(module, name):
             return super().find_class(module, name)
         why = _WHY_REFUSED.get((module, name), "not a torch tensor or storage rebuild function")
-        raise RefusedGlobal(f"weight payload refused: it references {module}.{name} ({why}); nothing from "
-                            "it was run. Payloads may only rebuild torch tensors (see "
-                            "megarl/wire/safe_unpickle.py for the allowed globals)")
+        raise RefusedGlobal(
+            f"weight payload refused: it references {module}.{name} ({why}); nothing from "
+            "it was run. Payloads may only rebuild torch tensors (see "
+            "megarl/wire/safe_unpickle.py for the allowed globals)"
+        )
 
 
 def safe_loads(raw: bytes):

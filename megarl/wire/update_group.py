@@ -23,13 +23,15 @@ DEFAULT_TIMEOUT_S = 600.0
 
 def host_store(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
     """Group rank 0: a rendezvous store on a free port of `address` (its port: `store.port`)."""
-    return dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        address, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def connect_store(address: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    return dist.TCPStore(address, int(port), is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        address, int(port), is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 @dataclass
@@ -62,8 +64,14 @@ class UpdateGroup:
         self.pg = None
 
 
-def new_update_group(store: dist.Store, group_name: str, rank: int, world_size: int,
-                     backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> UpdateGroup:
+def new_update_group(
+    store: dist.Store,
+    group_name: str,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> UpdateGroup:
     """Join (blocks until all `world_size` members have joined or the timeout passes)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"weight update group {group_name!r}: rank {rank} outside world_size {world_size}")
@@ -80,8 +88,15 @@ def new_update_group(store: dist.Store, group_name: str, rank: int, world_size: 
     return UpdateGroup(group_name, rank, world_size, backend, pg)
 
 
-def join_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                      backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> UpdateGroup:
+def join_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> UpdateGroup:
     """An engine rank's side of /init_weights_update_group."""
     store = connect_store(master_address, master_port, timeout_s)
     return new_update_group(store, group_name, rank, world_size, backend, timeout_s)

@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import base64
 import io
+from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reducers with ForkingPickler)
-from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing import reductions as _torch_reductions
 
 from megarl.wire.safe_unpickle import safe_loads
@@ -99,7 +99,8 @@ def deserialize(payload: str | bytes):
         raise ValueError(
             f"could not map the sender's tensors ({exc}). CPU tensors travel as /dev/shm files: sender "
             "and server must share the host and /dev/shm, and the sending process must stay alive, "
-            "holding the tensors, until the server has replied") from exc
+            "holding the tensors, until the server has replied"
+        ) from exc
 
 
 def serialize_named_tensors(named_tensors: NamedTensors) -> str:
@@ -138,16 +139,22 @@ def pack_flattened_bucket(named_tensors: NamedTensors, out: torch.Tensor | None 
     if out is None:
         out = torch.empty(need, dtype=torch.uint8, device=device)
     elif out.numel() < need or out.dtype != torch.uint8:
-        raise ValueError(f"flattened bucket needs a uint8 buffer of >= {need} bytes, got "
-                         f"{out.numel()} {out.dtype}")
+        raise ValueError(f"flattened bucket needs a uint8 buffer of >= {need} bytes, got {out.numel()} {out.dtype}")
     metadata, offset = [], 0
     for name, tensor in named_tensors:
         offset = _aligned(offset)
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        out[offset:offset + flat.numel()].copy_(flat)
-        metadata.append(SimpleNamespace(
-            name=name, shape=tuple(tensor.shape), dtype=tensor.dtype,
-            start_idx=offset, end_idx=offset + flat.numel(), numel=flat.numel()))
+        out[offset : offset + flat.numel()].copy_(flat)
+        metadata.append(
+            SimpleNamespace(
+                name=name,
+                shape=tuple(tensor.shape),
+                dtype=tensor.dtype,
+                start_idx=offset,
+                end_idx=offset + flat.numel(),
+                numel=flat.numel(),
+            )
+        )
         offset += flat.numel()
     return out[:offset], metadata
 
@@ -173,8 +180,9 @@ def deserialize_flattened_bucket(payload: str | bytes) -> NamedTensors:
     if not (isinstance(obj, dict) and "flattened_tensor" in obj and "metadata" in obj):
         raise ValueError("flattened_bucket payload must be a dict with 'flattened_tensor' and 'metadata'")
     if not isinstance(obj["flattened_tensor"], torch.Tensor):
-        raise ValueError(f"flattened_bucket 'flattened_tensor' is a {type(obj['flattened_tensor']).__name__}, "
-                         "not a tensor")
+        raise ValueError(
+            f"flattened_bucket 'flattened_tensor' is a {type(obj['flattened_tensor']).__name__}, not a tensor"
+        )
     flat = obj["flattened_tensor"].reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
@@ -183,8 +191,10 @@ def deserialize_flattened_bucket(payload: str | bytes) -> NamedTensors:
         field = meta.get if isinstance(meta, dict) else lambda key, m=meta: getattr(m, key)
         start, end = int(field("start_idx")), int(field("end_idx"))
         if not 0 <= start <= end <= flat.numel():
-            raise ValueError(f"flattened_bucket entry {field('name')!r}: byte range [{start}, {end}) "
-                             f"outside the {flat.numel()}-byte buffer")
+            raise ValueError(
+                f"flattened_bucket entry {field('name')!r}: byte range [{start}, {end}) "
+                f"outside the {flat.numel()}-byte buffer"
+            )
         tensor = flat[start:end].view(field("dtype")).reshape(tuple(field("shape")))
         out.append((field("name"), tensor))
     return out

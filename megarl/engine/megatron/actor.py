@@ -30,9 +30,9 @@ from megarl.engine.megatron.offload_policy import OffloadPolicy
 
 @dataclass
 class ActorLossSpec:
-    policy_loss: str = "vanilla"          # a name registered in megarl/algo/losses.py
+    policy_loss: str = "vanilla"  # a name registered in megarl/algo/losses.py
     policy: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
-    rollout_is_level: str | None = None   # token | sequence | None (off): megarl/algo/corrections.py
+    rollout_is_level: str | None = None  # token | sequence | None (off): megarl/algo/corrections.py
     rollout_is_threshold: float = 2.0
     loss_agg_mode: str = "token-mean"
     use_kl_loss: bool = False
@@ -54,21 +54,28 @@ def actor_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
         old, rollout = mb["old_log_probs"], mb["rollout_log_probs"].to(log_prob.dtype)
         extra.update(mismatch_metrics(old, rollout, mask))
         if spec.rollout_is_level is not None:
-            weights, is_metrics = rollout_is_weights(old, rollout, mask, spec.rollout_is_level,
-                                                     spec.rollout_is_threshold)
+            weights, is_metrics = rollout_is_weights(
+                old, rollout, mask, spec.rollout_is_level, spec.rollout_is_threshold
+            )
             extra.update(is_metrics)
     elif spec.rollout_is_level is not None:
         raise ValueError("actor.rollout_is is on but the update batch has no rollout_log_probs")
     pg, pg_metrics = get_policy_loss(spec.policy_loss)(
-        log_prob, mb["old_log_probs"], mb["advantages"], mask, spec.policy,
-        loss_agg_mode=spec.loss_agg_mode, global_denominator=1.0, weights=weights)
+        log_prob,
+        mb["old_log_probs"],
+        mb["advantages"],
+        mask,
+        spec.policy,
+        loss_agg_mode=spec.loss_agg_mode,
+        global_denominator=1.0,
+        weights=weights,
+    )
     loss = pg
     metrics = {
         "actor/pg_clipfrac": float(pg_metrics["pg_clipfrac"]),
         "actor/ppo_kl": float(pg_metrics["ppo_kl"]),
         "actor/entropy": float(masked_mean(entropy.detach(), mask)),
-        **{f"actor/{k}": float(v) for k, v in pg_metrics.items()
-           if k not in ("pg_loss", "pg_clipfrac", "ppo_kl")},
+        **{f"actor/{k}": float(v) for k, v in pg_metrics.items() if k not in ("pg_loss", "pg_clipfrac", "ppo_kl")},
         **{k: float(v) for k, v in extra.items()},
     }
     if spec.entropy_coeff:
@@ -92,8 +99,15 @@ def _first_mini_batch_checks(first: list[tuple], atol: float) -> dict:
 
 
 class MegatronActor(Worker):
-    def __init__(self, engine_spec: EngineSpec, loss_spec: ActorLossSpec, with_ref: bool = False,
-                 offload: OffloadConfig | None = None, ref_offload: bool = False, **dist):
+    def __init__(
+        self,
+        engine_spec: EngineSpec,
+        loss_spec: ActorLossSpec,
+        with_ref: bool = False,
+        offload: OffloadConfig | None = None,
+        ref_offload: bool = False,
+        **dist,
+    ):
         super().__init__(**dist)
         self.engine_spec = engine_spec
         self.loss_spec = loss_spec
@@ -138,15 +152,23 @@ class MegatronActor(Worker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
         if self.ref is None:
-            raise RuntimeError("compute_ref_log_prob: this actor group was built without a "
-                               "reference policy (ref.enabled=false)")
+            raise RuntimeError(
+                "compute_ref_log_prob: this actor group was built without a reference policy (ref.enabled=false)"
+            )
         with self.ref_offload_policy.forward():
             out = self.ref.compute_log_prob(batch, temperature)
         return None if out is None else Batch({"ref_log_probs": out["log_probs"]})
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def update_actor(self, batch: Batch, mini_batch_size: int, epochs: int = 1,
-                     temperature: float = 1.0, seed: int = 0, parity_atol: float | None = None) -> dict:
+    def update_actor(
+        self,
+        batch: Batch,
+        mini_batch_size: int,
+        epochs: int = 1,
+        temperature: float = 1.0,
+        seed: int = 0,
+        parity_atol: float | None = None,
+    ) -> dict:
         """PPO-style update: `epochs` passes over this rank's rows in shuffled mini-batches.
 
         `mini_batch_size` counts rows of the global batch; each data-parallel rank takes its
@@ -205,8 +227,9 @@ class MegatronActor(Worker):
             self._transport = make_transport(spec, self.rank, self.world_size, self.get_node_ip())
             self._transport_spec = spec
         with self.actor_offload.forward():  # the step is over: the actor leaves the device
-            return self._transport.sync(self.actor, weight_version, server_urls or spec.server_urls,
-                                        restarted=server_urls is not None)
+            return self._transport.sync(
+                self.actor, weight_version, server_urls or spec.server_urls, restarted=server_urls is not None
+            )
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str) -> dict:

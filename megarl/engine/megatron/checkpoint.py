@@ -38,33 +38,45 @@ class CheckpointError(RuntimeError):
 def layout(engine) -> dict:
     """The mesh a checkpoint was written from; RNG states are restored only into the same one."""
     c = engine.mesh_coord()
-    return dict(world_size=dist.get_world_size(), tp=c["tp_size"], pp=c["pp_size"], cp=c["cp_size"],
-                ep=c["ep_size"], etp=engine.spec.parallel.etp, dp=c["dp_size"],
-                vpp=getattr(engine.spec.parallel, "vpp", 1))
+    return dict(
+        world_size=dist.get_world_size(),
+        tp=c["tp_size"],
+        pp=c["pp_size"],
+        cp=c["cp_size"],
+        ep=c["ep_size"],
+        etp=engine.spec.parallel.etp,
+        dp=c["dp_size"],
+        vpp=getattr(engine.spec.parallel, "vpp", 1),
+    )
 
 
 def read_metadata(path: str) -> dict:
     """The checkpoint's marker; raises CheckpointError unless `path` is a complete checkpoint."""
     marker = os.path.join(path, MARKER)
     if path.rstrip("/").endswith(".partial"):
-        raise CheckpointError(f"{path} is the staging directory of a save that did not finish "
-                              "renaming it; load the checkpoint by its final name")
+        raise CheckpointError(
+            f"{path} is the staging directory of a save that did not finish "
+            "renaming it; load the checkpoint by its final name"
+        )
     if not os.path.isdir(path):
-        partial = " (a `.partial` directory next to it is an interrupted save)" if os.path.isdir(
-            path + ".partial") else ""
+        partial = (
+            " (a `.partial` directory next to it is an interrupted save)" if os.path.isdir(path + ".partial") else ""
+        )
         raise CheckpointError(f"no checkpoint at {path}: the directory does not exist{partial}")
     if not os.path.isfile(marker):
         raise CheckpointError(
             f"{path} is not a complete megarl checkpoint: {MARKER} is missing, so the save that "
             "wrote it did not finish (or it was not written by MegatronEngine.save_checkpoint). "
-            "Resume from an earlier checkpoint.")
+            "Resume from an earlier checkpoint."
+        )
     with open(marker) as f:
         meta = json.load(f)
     if not meta.get("complete"):
         raise CheckpointError(f"{marker} does not mark the checkpoint complete")
     if meta.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {meta.get('version')}, "
-                              f"this megarl reads version {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{path}: checkpoint format version {meta.get('version')}, this megarl reads version {FORMAT_VERSION}"
+        )
     return meta
 
 
@@ -91,9 +103,16 @@ def save(engine, path: str, rng: bool = True, extra: dict | None = None, sharded
     state = _sharded_state_dict(engine, with_optimizer, rng=rng, is_loading=False)
     dist_checkpointing.save(state, partial, sharded_strategy=sharded_strategy, content_metadata=_content_metadata())
     dist.barrier()  # every rank's shards are on disk
-    meta = dict(version=FORMAT_VERSION, complete=True, format="torch_dist", layout=layout(engine),
-                optimizer=OPTIM_SHARDING if with_optimizer else None, model_path=engine.spec.model_path,
-                rng=rng, **(extra or {}))
+    meta = dict(
+        version=FORMAT_VERSION,
+        complete=True,
+        format="torch_dist",
+        layout=layout(engine),
+        optimizer=OPTIM_SHARDING if with_optimizer else None,
+        model_path=engine.spec.model_path,
+        rng=rng,
+        **(extra or {}),
+    )
     if rank == 0:
         _write_json(os.path.join(partial, MARKER), meta)
         _replace_dir(partial, path)
@@ -140,7 +159,8 @@ def load(engine, path: str, load_optimizer: bool = True) -> dict:
     if with_optimizer and meta.get("optimizer") != OPTIM_SHARDING:
         raise CheckpointError(
             f"{path} holds no optimizer state (saved by a forward-only engine); load it with "
-            "load_optimizer=False to take the weights and start the optimizer fresh")
+            "load_optimizer=False to take the weights and start the optimizer fresh"
+        )
     same_layout = meta["layout"] == layout(engine) and meta.get("rng", True)
     state = _sharded_state_dict(engine, with_optimizer, rng=same_layout, is_loading=True)
     loaded = dist_checkpointing.load(state, path)
@@ -170,11 +190,15 @@ def _sharded_state_dict(engine, with_optimizer: bool, rng: bool, is_loading: boo
     # the bare GPTModels hold the same Parameter objects DDP and the optimizer refer to. One entry
     # per virtual pipeline chunk: the nesting is this run's own (tensors are found by their global
     # sharded keys), so a checkpoint saved with one VPP size loads into another.
-    state = {"model": {f"chunk{i}": chunk.sharded_state_dict(metadata=metadata)
-                       for i, chunk in enumerate(engine.bare_chunks())}}
+    state = {
+        "model": {
+            f"chunk{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(engine.bare_chunks())
+        }
+    }
     if with_optimizer:
-        state["optimizer"] = engine.optimizer.sharded_state_dict(state["model"], is_loading=is_loading,
-                                                                 metadata=metadata)
+        state["optimizer"] = engine.optimizer.sharded_state_dict(
+            state["model"], is_loading=is_loading, metadata=metadata
+        )
     if rng:
         state["rng_state"] = _rng_sharded_object()
     return state
@@ -242,8 +266,12 @@ def _rng_sharded_object():
     from megatron.core import tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    rng = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-               tracker=tensor_parallel.get_cuda_rng_tracker().get_states())
+    rng = dict(
+        python=random.getstate(),
+        numpy=np.random.get_state(),
+        torch=torch.get_rng_state(),
+        tracker=tensor_parallel.get_cuda_rng_tracker().get_states(),
+    )
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     # one object per global rank: the rank's place in an identical layout owns the same streams
@@ -259,4 +287,3 @@ def _set_rng_state(rng: dict) -> None:
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
-

@@ -17,8 +17,10 @@ def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     if cp_size == 1:
         return torch.arange(seq_len)
     if seq_len % (2 * cp_size):
-        raise ValueError(f"context parallel: sequence length {seq_len} must divide by 2*cp="
-                         f"{2 * cp_size}; pad it (MegatronEngine._padded_length does)")
+        raise ValueError(
+            f"context parallel: sequence length {seq_len} must divide by 2*cp="
+            f"{2 * cp_size}; pad it (MegatronEngine._padded_length does)"
+        )
     chunk = seq_len // (2 * cp_size)
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
     second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
@@ -34,8 +36,7 @@ def stream_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> to
     """cp_positions for a packed stream: every sequence [cu[i], cu[i+1]) is split on its own, and
     this rank's pieces follow each other in sequence order (the THD layout Megatron's RoPE reads)."""
     cu = cu_seqlens.tolist()
-    return torch.cat([start + cp_positions(end - start, cp_size, cp_rank)
-                      for start, end in zip(cu[:-1], cu[1:])])
+    return torch.cat([start + cp_positions(end - start, cp_size, cp_rank) for start, end in zip(cu[:-1], cu[1:])])
 
 
 def _positions(seq_len: int, size: int, rank: int, cu_seqlens) -> torch.Tensor:

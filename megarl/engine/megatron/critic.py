@@ -38,8 +38,9 @@ def critic_loss(spec: CriticLossSpec, values: torch.Tensor, mb: Batch):
     """
     mask = mb["response_mask"].to(values.dtype)
     units = mask.sum() if spec.loss_agg_mode == "token-mean" else torch.tensor(float(len(mb)))
-    loss, m = value_loss(values, mb["values"], mb["returns"], mask, spec.cliprange_value,
-                         spec.loss_agg_mode, global_denominator=1.0)
+    loss, m = value_loss(
+        values, mb["values"], mb["returns"], mask, spec.cliprange_value, spec.loss_agg_mode, global_denominator=1.0
+    )
     metrics = {
         "critic/vf_loss": float(loss.detach()) / max(float(units), 1.0),
         "critic/vf_clipfrac": float(m["vf_clipfrac"]),
@@ -50,8 +51,9 @@ def critic_loss(spec: CriticLossSpec, values: torch.Tensor, mb: Batch):
 
 
 class MegatronCritic(Worker):
-    def __init__(self, engine_spec: EngineSpec, loss_spec: CriticLossSpec,
-                 offload: OffloadConfig | None = None, **dist):
+    def __init__(
+        self, engine_spec: EngineSpec, loss_spec: CriticLossSpec, offload: OffloadConfig | None = None, **dist
+    ):
         super().__init__(**dist)
         if not engine_spec.value_head or engine_spec.optim is None:
             raise ValueError("MegatronCritic needs an EngineSpec with value_head=True and an optimizer")
@@ -93,9 +95,14 @@ class MegatronCritic(Worker):
             for _ in range(epochs):
                 shuffled = batch[torch.randperm(len(batch), generator=gen)]
                 for mini in shuffled.chunk(n_mini):
-                    collected.append(self.engine.train_mini_batch(
-                        mini, lambda v, mb: critic_loss(self.loss_spec, v, mb),
-                        head=self.value_head(), prefix="critic"))
+                    collected.append(
+                        self.engine.train_mini_batch(
+                            mini,
+                            lambda v, mb: critic_loss(self.loss_spec, v, mb),
+                            head=self.value_head(),
+                            prefix="critic",
+                        )
+                    )
         metrics = mean_metrics(collected)
         metrics["critic/num_updates"] = float(len(collected))
         metrics["perf/critic_update_s"] = time.perf_counter() - start

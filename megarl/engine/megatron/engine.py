@@ -15,8 +15,8 @@ one without it): Megatron's interleaved schedule, its optimizer and mbridge all 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,17 +24,21 @@ import torch.distributed as dist
 from megarl.config.schema import OptimConfig, ParallelConfig
 from megarl.config.validate import stage_layers
 from megarl.data.batch import Batch
+from megarl.engine.megatron import inputs as rows
 from megarl.engine.megatron import mcore_fixes
-from megarl.engine.megatron.cpu import compat as cpu_compat
+from megarl.engine.megatron import value_head as vh
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
+from megarl.engine.megatron.cpu import compat as cpu_compat
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge, pipeline_split_args, precision_dtype, recompute_args
 from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
-from megarl.engine.megatron import inputs as rows
-from megarl.engine.megatron import value_head as vh
 from megarl.engine.megatron.routing_replay import RoutingReplay
-from megarl.engine.megatron.weights import (export_hf_weights, export_owned_hf_weights, load_hf_weights,
-                                            sends_owned_weights)
+from megarl.engine.megatron.weights import (
+    export_hf_weights,
+    export_owned_hf_weights,
+    load_hf_weights,
+    sends_owned_weights,
+)
 
 
 @dataclass
@@ -144,16 +148,21 @@ class MegatronEngine:
         chunks = []
         for i in range(vpp):
             stage = i if vpp > 1 else None
-            chunks.append(provider(
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                vp_stage=stage,
-            ))
+            chunks.append(
+                provider(
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                    vp_stage=stage,
+                )
+            )
         return chunks
 
     def _wrap_ddp(self, chunks: list) -> list:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -194,11 +203,18 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         return dict(
-            rank=dist.get_rank(), dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
-            cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
-            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size())
+            rank=dist.get_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            cp_rank=ps.get_context_parallel_rank(),
+            cp_size=ps.get_context_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+        )
 
     # ---------------------------------------------------------------- forward / backward
     def _padded_length(self, length: int) -> int:
@@ -219,8 +235,9 @@ class MegatronEngine:
 
         def head(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-            return vocab_parallel_logprob_entropy(logits, labels, vocab_start, tp_group, temperature,
-                                                  entropy_grad=entropy_grad)
+            return vocab_parallel_logprob_entropy(
+                logits, labels, vocab_start, tp_group, temperature, entropy_grad=entropy_grad
+            )
 
         return head
 
@@ -236,11 +253,13 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cpu_compat.activate()
-        micro, order = rows.micro_batches(batch, self.spec.micro_batch_size,
-                                          self.spec.max_tokens_per_micro_batch, self.spec.parallel)
+        micro, order = rows.micro_batches(
+            batch, self.spec.micro_batch_size, self.spec.max_tokens_per_micro_batch, self.spec.parallel
+        )
         if self.spec.pack_sequences:  # the allgather dispatcher (no variable lengths): one length everywhere
-            inputs = rows.packed_inputs(micro, self.spec.parallel, self.config.variable_seq_lengths,
-                                        agree=rows.agreed_max)
+            inputs = rows.packed_inputs(
+                micro, self.spec.parallel, self.config.variable_seq_lengths, agree=rows.agreed_max
+            )
         else:
             longest = max(mb["input_ids"].shape[1] for mb in micro)
             fixed = not self.config.variable_seq_lengths
@@ -258,18 +277,23 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb, x = next(data_iterator)
             cu = x.get("cu_seqlens")
-            output = model(split_for_cp(x["input_ids"], cp_group, cu_seqlens=cu),
-                           split_for_cp(x["position_ids"], cp_group, cu_seqlens=cu), None,
-                           packed_seq_params=x.get("packed_seq_params"),
-                           padding_mask=self._local_padding_mask(model, x, cp_group))
+            output = model(
+                split_for_cp(x["input_ids"], cp_group, cu_seqlens=cu),
+                split_for_cp(x["position_ids"], cp_group, cu_seqlens=cu),
+                None,
+                packed_seq_params=x.get("packed_seq_params"),
+                padding_mask=self._local_padding_mask(model, x, cp_group),
+            )
             local_labels = split_for_cp(x["labels"], cp_group, cu_seqlens=cu)
 
             def loss_func(output):
                 # Under CP every rank assembles the full sequence and computes the same loss on it;
                 # the gather's backward keeps only this rank's tokens, so each token's gradient
                 # flows once (context_parallel._GatherSeq).
-                per_token = tuple(rows.response_values(gather_from_cp(v, cp_group, cu_seqlens=cu), mb, x["offsets"])
-                                  for v in head(output, local_labels))
+                per_token = tuple(
+                    rows.response_values(gather_from_cp(v, cp_group, cu_seqlens=cu), mb, x["offsets"])
+                    for v in head(output, local_labels)
+                )
                 detached = tuple(v.detach() for v in per_token)
                 if loss_fn is None:
                     results.append((detached, {}))
@@ -313,7 +337,7 @@ class MegatronEngine:
 
             n = mask.shape[1] // ps.get_tensor_model_parallel_world_size()
             rank = ps.get_tensor_model_parallel_rank()
-            mask = mask[:, rank * n:(rank + 1) * n]
+            mask = mask[:, rank * n : (rank + 1) * n]
         return mask
 
     @torch.no_grad()
@@ -336,8 +360,9 @@ class MegatronEngine:
             return None
         return Batch({"values": tensors[0]})
 
-    def train_mini_batch(self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0,
-                         head: Head | None = None, prefix: str = "actor") -> dict:
+    def train_mini_batch(
+        self, batch: Batch, loss_fn: LossFn, temperature: float = 1.0, head: Head | None = None, prefix: str = "actor"
+    ) -> dict:
         """One optimizer step over `batch` (this rank's share of a mini-batch); `head` defaults to
         the policy's log-prob head, so loss_fn receives (log_prob, entropy, micro-batch)."""
         for chunk in self.model:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json")
 INDEX = "model.safetensors.index.json"
-DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
+DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 
 def copy_side_files(src: str, dst: str) -> list[str]:
@@ -27,16 +27,25 @@ def copy_side_files(src: str, dst: str) -> list[str]:
     os.makedirs(dst, exist_ok=True)
     for name in sorted(os.listdir(src)):
         full = os.path.join(src, name)
-        if (not os.path.isfile(full) or name.endswith(WEIGHT_SUFFIXES) or name.startswith("megarl_")
-                or name.startswith(".")):
+        if (
+            not os.path.isfile(full)
+            or name.endswith(WEIGHT_SUFFIXES)
+            or name.startswith("megarl_")
+            or name.startswith(".")
+        ):
             continue
         shutil.copy2(full, os.path.join(dst, name))
         copied.append(name)
     return copied
 
 
-def write_hf_folder(named: Iterable[tuple[str, torch.Tensor]], out: str, config_dir: str, write: bool,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
+def write_hf_folder(
+    named: Iterable[tuple[str, torch.Tensor]],
+    out: str,
+    config_dir: str,
+    write: bool,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> dict:
     """Consume `named` (every rank must: it is a collective); rank `write` stages and renames the
     folder. Tied embeddings (config.tie_word_embeddings) keep the embedding only, as transformers
     saves them. Returns {"path", "tensors", "bytes", "shards"} on the writing rank, {} elsewhere."""

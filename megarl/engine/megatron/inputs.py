@@ -29,11 +29,15 @@ def padded_inputs(micro: list[Batch], seq_len: int) -> list[dict]:
         # shifted on the full sequence, BEFORE the CP split, so a rank's last local token still
         # gets its label from the next chunk (which another rank holds)
         lengths = row_lengths(mb["input_ids"], mb["prompt_lengths"], mb["response_mask"])
-        out.append(dict(input_ids=ids,
-                        position_ids=torch.arange(seq_len).unsqueeze(0).expand_as(ids),
-                        labels=torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0),
-                        padding_mask=torch.arange(seq_len).unsqueeze(0) >= lengths.unsqueeze(1),
-                        offsets=torch.arange(len(mb)) * seq_len))
+        out.append(
+            dict(
+                input_ids=ids,
+                position_ids=torch.arange(seq_len).unsqueeze(0).expand_as(ids),
+                labels=torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0),
+                padding_mask=torch.arange(seq_len).unsqueeze(0) >= lengths.unsqueeze(1),
+                offsets=torch.arange(len(mb)) * seq_len,
+            )
+        )
     return out
 
 
@@ -49,8 +53,7 @@ def agreed_max(value: int) -> int:
     return int(t)
 
 
-def packed_inputs(micro: list[Batch], p: ParallelConfig, variable_seq_lengths: bool,
-                  agree=None) -> list[dict]:
+def packed_inputs(micro: list[Batch], p: ParallelConfig, variable_seq_lengths: bool, agree=None) -> list[dict]:
     """One THD stream [1, t] per micro-batch (packing.py): rows back to back, each padded to a
     multiple of 2*cp, the stream to a multiple of tp under sequence parallel. Without variable
     sequence lengths in the pipeline (the allgather dispatcher) every stream has one length, on
@@ -67,10 +70,17 @@ def packed_inputs(micro: list[Batch], p: ParallelConfig, variable_seq_lengths: b
     out = []
     for mb, n, pad in zip(micro, lengths, padded):
         packed = pack_rows(mb["input_ids"], n, pad)
-        out.append(dict(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                        labels=packed.labels, padding_mask=packed.padding_mask,
-                        offsets=packed.offsets, cu_seqlens=packed.cu_seqlens,
-                        packed_seq_params=packed.packed_seq_params()))
+        out.append(
+            dict(
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                labels=packed.labels,
+                padding_mask=packed.padding_mask,
+                offsets=packed.offsets,
+                cu_seqlens=packed.cu_seqlens,
+                packed_seq_params=packed.packed_seq_params(),
+            )
+        )
     return out
 
 
@@ -114,15 +124,21 @@ def inputs_to(x: dict, device: torch.device) -> dict:
     out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
     params = out.get("packed_seq_params")
     if params is not None:
-        out["packed_seq_params"] = dataclasses.replace(params, **{
-            f.name: getattr(params, f.name).to(device) for f in dataclasses.fields(params)
-            if isinstance(getattr(params, f.name), torch.Tensor)})
+        out["packed_seq_params"] = dataclasses.replace(
+            params,
+            **{
+                f.name: getattr(params, f.name).to(device)
+                for f in dataclasses.fields(params)
+                if isinstance(getattr(params, f.name), torch.Tensor)
+            },
+        )
     return out
 
 
 # ---------------------------------------------------------------- micro-batch planning
-def micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int | None,
-                  p: ParallelConfig) -> tuple[list[Batch], torch.Tensor | None]:
+def micro_batches(
+    batch: Batch, micro_batch_size: int, max_tokens: int | None, p: ParallelConfig
+) -> tuple[list[Batch], torch.Tensor | None]:
     """The micro-batches of one call, and the row order they hold (None: the batch's own).
 
     By row count (`micro_batch_size`), or by token budget (`max_tokens`, the engine's
@@ -144,9 +160,11 @@ def micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int | None,
     dist.all_reduce(k, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
     k = interleaved_micro_batch_count(int(k), len(batch), p)
     if k > len(batch):
-        raise ValueError(f"max_tokens_per_micro_batch={max_tokens}: another data-parallel rank needs "
-                         f"{k} micro-batches but this rank holds only {len(batch)} rows; give "
-                         "every rank the same number of rows (a batch divisible by dp)")
+        raise ValueError(
+            f"max_tokens_per_micro_batch={max_tokens}: another data-parallel rank needs "
+            f"{k} micro-batches but this rank holds only {len(batch)} rows; give "
+            "every rank the same number of rows (a batch divisible by dp)"
+        )
     parts = partition_micro_batches(lengths, k)
     order = torch.tensor([i for part in parts for i in part])
     return [batch[torch.tensor(part)] for part in parts], order
@@ -162,6 +180,7 @@ def interleaved_micro_batch_count(n: int, rows: int, p: ParallelConfig) -> int:
         raise ValueError(
             f"actor.parallel.vpp={p.vpp}: the interleaved pipeline schedule needs at least "
             f"pp={p.pp} micro-batches, but this call has {rows} row(s) on this data-parallel rank; "
-            f"send at least {p.pp} rows per rank or set actor.parallel.vpp=1")
+            f"send at least {p.pp} rows per rank or set actor.parallel.vpp=1"
+        )
     up = math.ceil(n / p.pp) * p.pp
     return up if up <= rows else rows // p.pp * p.pp

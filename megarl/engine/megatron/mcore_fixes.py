@@ -54,17 +54,35 @@ def _vectorize_thd_rope() -> None:
     global megatron_thd_rope
     original = megatron_thd_rope = rope_utils._apply_rotary_pos_emb_thd
 
-    def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False,
-                                  mla_rotary_interleaved=False, mscale=1.0, cp_group=None,
-                                  multi_latent_attention=None):
+    def _apply_rotary_pos_emb_thd(
+        t,
+        cu_seqlens,
+        freqs,
+        rotary_interleaved=False,
+        mla_rotary_interleaved=False,
+        mscale=1.0,
+        cp_group=None,
+        multi_latent_attention=None,
+    ):
         if cp_group is None or multi_latent_attention is not None or freqs.size(0) == int(cu_seqlens[-1]):
-            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale,
-                            cp_group=cp_group, multi_latent_attention=multi_latent_attention)
+            return original(
+                t,
+                cu_seqlens,
+                freqs,
+                rotary_interleaved=rotary_interleaved,
+                mla_rotary_interleaved=mla_rotary_interleaved,
+                mscale=mscale,
+                cp_group=cp_group,
+                multi_latent_attention=multi_latent_attention,
+            )
         positions = thd_positions(tuple(cu_seqlens.tolist()), cp_group.size(), cp_group.rank())
         return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1), freqs[positions.to(freqs.device)], rotary_interleaved=rotary_interleaved,
-            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale).squeeze(1)
+            t.unsqueeze(1),
+            freqs[positions.to(freqs.device)],
+            rotary_interleaved=rotary_interleaved,
+            mla_rotary_interleaved=mla_rotary_interleaved,
+            mscale=mscale,
+        ).squeeze(1)
 
     rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
 
@@ -75,5 +93,6 @@ def thd_positions(cu_seqlens: tuple[int, ...], cp_size: int, cp_rank: int) -> to
     (context_parallel.cp_positions per sequence). Cached: every layer asks again, for q and k."""
     from megarl.engine.megatron.context_parallel import cp_positions
 
-    return torch.cat([cp_positions(end - start, cp_size, cp_rank)
-                      for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])])
+    return torch.cat(
+        [cp_positions(end - start, cp_size, cp_rank) for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    )

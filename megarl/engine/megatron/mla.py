@@ -30,9 +30,11 @@ In the TransformerEngine spec the norm is fused into `linear_q_up_proj`, and not
 from __future__ import annotations
 
 import torch
-from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    gather_from_tensor_model_parallel_region,
-                                                    scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 

@@ -84,8 +84,13 @@ def _local_spec_mixin(base: type) -> type:
             super()._adjust_mapping_for_shared_weights()
 
         def _build_config(self):
-            self.extra_args = {**NO_FUSION_ARGS, **_routing_args(self.hf_config), **_mtp_args(self.hf_config),
-                               **self._megarl_overrides, **self.extra_args}
+            self.extra_args = {
+                **NO_FUSION_ARGS,
+                **_routing_args(self.hf_config),
+                **_mtp_args(self.hf_config),
+                **self._megarl_overrides,
+                **self.extra_args,
+            }
             return super()._build_config()
 
         def _build_base_config(self, text_config_key=None, **kwargs):
@@ -102,8 +107,9 @@ def _local_spec_mixin(base: type) -> type:
             self.has_vp_stage = True  # read by mbridge's model providers (megatron-core >= 0.13)
             # the block spec follows moe_layer_freq (DeepSeek-V3's first k layers are dense); our
             # core attention: the stock local one refuses context parallelism and MLA widths
-            spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False,
-                                              normalization="RMSNorm", vp_stage=vp_stage)
+            spec = get_gpt_decoder_block_spec(
+                self.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+            )
             return use_local_mla(use_cpu_core_attention(spec))
 
     LocalSpecBridge.__name__ = f"Local{base.__name__}"
@@ -122,7 +128,8 @@ def _routing_args(hf_config) -> dict:
             f"model.path: num_experts_per_tok={topk} / topk_group={topk_group} != 2: Megatron would "
             "score expert groups differently from Hugging Face (by their top "
             f"{max(topk // topk_group, 1)} experts instead of 2); use a config where they agree "
-            "(DeepSeek-V3: 8 / 4)")
+            "(DeepSeek-V3: 8 / 4)"
+        )
     return dict(moe_router_num_groups=n_group, moe_router_group_topk=topk_group)
 
 
@@ -135,8 +142,10 @@ def _mtp_args(hf_config) -> dict:
 def pipeline_split_args(p) -> dict:
     """Megatron's uneven pipeline split from a ParallelConfig (validate_pipeline.py checks it).
     Layer numbers, and so every weight name, follow from it (weights.py reads layer_number)."""
-    args = {"num_layers_in_first_pipeline_stage": p.first_stage_layers,
-            "num_layers_in_last_pipeline_stage": p.last_stage_layers}
+    args = {
+        "num_layers_in_first_pipeline_stage": p.first_stage_layers,
+        "num_layers_in_last_pipeline_stage": p.last_stage_layers,
+    }
     return {k: v for k, v in args.items() if v is not None}
 
 
@@ -164,8 +173,10 @@ RECOMPUTE_ARGS = {
 def recompute_args(recompute: str) -> dict:
     """Megatron's TransformerConfig options for a recompute setting."""
     if recompute not in RECOMPUTE_ARGS:
-        raise ValueError(f"recompute={recompute!r} (actor.recompute / critic.recompute) is not supported; "
-                         f"use one of {list(RECOMPUTE_ARGS)}")
+        raise ValueError(
+            f"recompute={recompute!r} (actor.recompute / critic.recompute) is not supported; "
+            f"use one of {list(RECOMPUTE_ARGS)}"
+        )
     return dict(RECOMPUTE_ARGS[recompute])
 
 
@@ -177,8 +188,10 @@ def precision_dtype(precision: str) -> torch.dtype:
     keeps fp32 master weights (engine._build_optimizer), DDP reduces gradients in fp32 and the
     log-prob head upcasts the logits (logprob.py), as Megatron's mixed-precision training does."""
     if precision not in PRECISIONS:
-        raise ValueError(f"actor.precision={precision!r} is not supported; use one of "
-                         f"{sorted(PRECISIONS)} (fp16 needs loss scaling, which megarl does not do)")
+        raise ValueError(
+            f"actor.precision={precision!r} is not supported; use one of "
+            f"{sorted(PRECISIONS)} (fp16 needs loss scaling, which megarl does not do)"
+        )
     return PRECISIONS[precision]
 
 
@@ -193,8 +206,7 @@ def make_bridge(hf_config, dtype: torch.dtype = torch.float32, **config_override
     model_type = hf_config.model_type
     if model_type not in _MODEL_REGISTRY:
         raise ValueError(
-            f"model.path: model_type '{model_type}' is not supported by mbridge; "
-            f"supported: {sorted(_MODEL_REGISTRY)}"
+            f"model.path: model_type '{model_type}' is not supported by mbridge; supported: {sorted(_MODEL_REGISTRY)}"
         )
     cls = _local_spec_mixin(_MODEL_REGISTRY[model_type])
     cls._megarl_overrides = dict(config_overrides)

@@ -13,7 +13,7 @@ storage is still released, which is what the tests check.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -96,11 +96,13 @@ def memory_metrics(chunks: list, optimizer, prefix: str = "actor") -> dict[str, 
     (CUDA), or this process's peak resident set on CPU. The trainer reports the max over ranks."""
     import resource
 
-    out = {f"perf/memory/{prefix}_{name}_gib": sum(t.numel() * t.element_size() for t in tensors) / 2 ** 30
-           for name, tensors in offload_groups(chunks, optimizer).items()}
+    out = {
+        f"perf/memory/{prefix}_{name}_gib": sum(t.numel() * t.element_size() for t in tensors) / 2**30
+        for name, tensors in offload_groups(chunks, optimizer).items()
+    }
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    out[f"perf/memory/{prefix}_peak_gib"] = peak / 2 ** 30
+    out[f"perf/memory/{prefix}_peak_gib"] = peak / 2**30
     return out

@@ -59,7 +59,6 @@ class OffloadPolicy:
         """Seconds spent moving since the last call (then reset); empty when nothing is offloaded."""
         if not self.enabled:
             return {}
-        out = {f"perf/{prefix}_offload_s": self._seconds["offload"],
-               f"perf/{prefix}_onload_s": self._seconds["onload"]}
+        out = {f"perf/{prefix}_offload_s": self._seconds["offload"], f"perf/{prefix}_onload_s": self._seconds["onload"]}
         self._seconds = {"offload": 0.0, "onload": 0.0}
         return out

@@ -18,30 +18,34 @@ from dataclasses import dataclass
 import torch
 
 
-def row_lengths(input_ids: torch.Tensor, prompt_lengths: torch.Tensor,
-                response_mask: torch.Tensor) -> torch.Tensor:
+def row_lengths(input_ids: torch.Tensor, prompt_lengths: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Real tokens per row: its prompt plus its response up to the last token with mask 1. [b] int64.
     An agent trajectory's response has tool tokens (mask 0) between the model's; they are real
     tokens the model reads, so the length runs to the last model token, not the count of 1s."""
     positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
-    last = ((positions * (response_mask > 0)).amax(dim=1) if response_mask.shape[1]
-            else torch.zeros(response_mask.shape[0], dtype=torch.long))
+    last = (
+        (positions * (response_mask > 0)).amax(dim=1)
+        if response_mask.shape[1]
+        else torch.zeros(response_mask.shape[0], dtype=torch.long)
+    )
     lengths = prompt_lengths.long() + last.long()
     if int(lengths.max()) > input_ids.shape[1]:
-        raise ValueError(f"a row claims {int(lengths.max())} tokens but input_ids has only "
-                         f"{input_ids.shape[1]} columns: prompt_lengths / response_mask disagree "
-                         "with input_ids")
+        raise ValueError(
+            f"a row claims {int(lengths.max())} tokens but input_ids has only "
+            f"{input_ids.shape[1]} columns: prompt_lengths / response_mask disagree "
+            "with input_ids"
+        )
     return lengths.clamp(min=1)
 
 
 @dataclass
 class PackedRows:
-    input_ids: torch.Tensor      # [1, t]
-    position_ids: torch.Tensor   # [1, t], restarting at 0 for every row
-    labels: torch.Tensor         # [1, t], the next token within the same row (0 at a row's end)
-    padding_mask: torch.Tensor   # [1, t] bool, True at padding (kept out of MoE routing statistics)
-    offsets: torch.Tensor        # [b], where each row starts in the stream
-    cu_seqlens: torch.Tensor     # [b + 1] int32, the padded layout (what attention and RoPE use)
+    input_ids: torch.Tensor  # [1, t]
+    position_ids: torch.Tensor  # [1, t], restarting at 0 for every row
+    labels: torch.Tensor  # [1, t], the next token within the same row (0 at a row's end)
+    padding_mask: torch.Tensor  # [1, t] bool, True at padding (kept out of MoE routing statistics)
+    offsets: torch.Tensor  # [b], where each row starts in the stream
+    cu_seqlens: torch.Tensor  # [b + 1] int32, the padded layout (what attention and RoPE use)
     max_seqlen: int
 
     def packed_seq_params(self):
@@ -51,17 +55,21 @@ class PackedRows:
         # attention keeps real tokens from seeing it (TE on GPU would take the unpadded lengths too).
         return PackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-            cu_seqlens_q_padded=self.cu_seqlens, cu_seqlens_kv_padded=self.cu_seqlens,
-            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens,
+            cu_seqlens_kv_padded=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
         )
 
 
-def padded_row_lengths(lengths: torch.Tensor, row_multiple: int = 1, total_multiple: int = 1,
-                       total: int | None = None) -> torch.Tensor:
+def padded_row_lengths(
+    lengths: torch.Tensor, row_multiple: int = 1, total_multiple: int = 1, total: int | None = None
+) -> torch.Tensor:
     """Each row's length in the stream: a multiple of `row_multiple`; the last row takes extra
     padding so the stream's length divides by `total_multiple`, or equals `total` when given."""
-    padded = (torch.div(lengths + row_multiple - 1, row_multiple, rounding_mode="floor") * row_multiple)
+    padded = torch.div(lengths + row_multiple - 1, row_multiple, rounding_mode="floor") * row_multiple
     stream = int(padded.sum())
     multiple = math.lcm(row_multiple, total_multiple)  # the extra padding stays a row multiple
     target = int(math.ceil(stream / multiple) * multiple)

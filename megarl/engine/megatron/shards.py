@@ -15,8 +15,8 @@ a handful of index conversions per model, not one per layer.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -72,10 +72,10 @@ class _RowMaps:
         full_shape[dim] *= size
         full_shape = tuple(full_shape)
         # which full rows this rank holds, in local order (mbridge's own TP split)
-        reduced_param = torch.empty(tuple(1 if d != dim else local.shape[d] for d in range(local.dim())),
-                                    device="meta")
-        held = self.bridge._weight_split_across_tp(global_name, _index_tensor(full_shape, dim, True),
-                                                   reduced_param, size)[rank].reshape(-1)
+        reduced_param = torch.empty(tuple(1 if d != dim else local.shape[d] for d in range(local.dim())), device="meta")
+        held = self.bridge._weight_split_across_tp(
+            global_name, _index_tensor(full_shape, dim, True), reduced_param, size
+        )[rank].reshape(-1)
         local_pos = {int(v): i for i, v in enumerate(held.tolist())}
         outputs = self._hf_index(global_name, full_shape, dim)
         runs = []
@@ -89,7 +89,8 @@ class _RowMaps:
             if any(h != h0 + k or lp != l0 + k for k, (h, lp) in enumerate(mine)):
                 raise NotImplementedError(
                     f"{global_name}: the rows TP rank {rank} holds are not one contiguous run of the HF "
-                    "tensor; the reshard transport cannot slice it (use bridge.transport=distributed)")
+                    "tensor; the reshard transport cannot slice it (use bridge.transport=distributed)"
+                )
             runs.append((h0, l0, len(mine)))
         return runs
 
@@ -122,17 +123,31 @@ def local_hf_pieces(bridge, models) -> list[LocalPiece]:
                 continue
             h0, l0, n = run
             box = tuple((h0, h0 + n) if d == dim else (0, s) for d, s in enumerate(shape))
-            pieces.append(LocalPiece(hf_name, shape, _dtype_name(param.dtype), box,
-                                     lambda p=param, d=dim, l0=l0, n=n: p.detach().narrow(d, l0, n)))
+            pieces.append(
+                LocalPiece(
+                    hf_name,
+                    shape,
+                    _dtype_name(param.dtype),
+                    box,
+                    lambda p=param, d=dim, l0=l0, n=n: p.detach().narrow(d, l0, n),
+                )
+            )
     return pieces
 
 
 def _whole_pieces(bridge, global_name, hf_names, param) -> list[LocalPiece]:
     """A tensor this rank holds whole: each HF output is one piece (converted when fetched)."""
     _, outs = bridge._weight_to_hf_format(global_name, param.detach().to("meta"))
-    return [LocalPiece(name, tuple(o.shape), _dtype_name(param.dtype), _whole(o.shape),
-                       lambda g=global_name, p=param, k=k: bridge._weight_to_hf_format(g, p.detach())[1][k])
-            for k, (name, o) in enumerate(zip(hf_names, outs))]
+    return [
+        LocalPiece(
+            name,
+            tuple(o.shape),
+            _dtype_name(param.dtype),
+            _whole(o.shape),
+            lambda g=global_name, p=param, k=k: bridge._weight_to_hf_format(g, p.detach())[1][k],
+        )
+        for k, (name, o) in enumerate(zip(hf_names, outs))
+    ]
 
 
 def _hf_full_shapes(bridge, global_name, param, dim, size) -> list[tuple[int, ...]]:

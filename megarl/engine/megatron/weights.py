@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,9 @@ def local_to_global_names(model) -> dict[str, str]:
     `...experts.linear_fc1.weight{global_expert_id}` (EP offset) that mbridge maps to HF.
     """
     ps = _mesh()
-    layer_offset = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)} \
-        if hasattr(model, "decoder") else {}
+    layer_offset = (
+        {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)} if hasattr(model, "decoder") else {}
+    )
     ep_size, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     names = {}
     for name in model.state_dict():
@@ -76,10 +77,16 @@ def _tp_split(global_name: str) -> tuple[int, int, object]:
     """(size, rank, group) of the tensor-parallel split that applies to this parameter."""
     ps = _mesh()
     if _is_expert(global_name):
-        return (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
-                ps.get_expert_tensor_parallel_group())
-    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-            ps.get_tensor_model_parallel_group())
+        return (
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+    return (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_group(),
+    )
 
 
 def _is_tp_partitioned(param: torch.Tensor) -> bool:
@@ -99,8 +106,7 @@ class SafetensorsDir:
         else:
             single = os.path.join(self.path, "model.safetensors")
             if not os.path.exists(single):
-                raise FileNotFoundError(
-                    f"model.path={self.path}: no model.safetensors or model.safetensors.index.json")
+                raise FileNotFoundError(f"model.path={self.path}: no model.safetensors or model.safetensors.index.json")
             with safe_open(single, "pt") as f:
                 weight_map = {k: "model.safetensors" for k in f.keys()}
         self.weight_map = weight_map
@@ -133,7 +139,8 @@ def load_hf_weights(bridge, models, path: str | os.PathLike, skip_prefix: str | 
         if tuple(full.shape) != tuple(param.shape):
             raise ValueError(
                 f"{global_name} (from {hf_names}): checkpoint shape {tuple(full.shape)} does not "
-                f"match the Megatron shard {tuple(param.shape)}")
+                f"match the Megatron shard {tuple(param.shape)}"
+            )
         param.copy_(full)
 
 
@@ -142,8 +149,11 @@ def _checkpoint_names(bridge, global_name: str, ckpt: SafetensorsDir) -> list[st
     the embedding, but under PP the last stage has an output layer of its own (Megatron keeps it
     equal to the first stage's embedding): it is read from the embedding."""
     hf_names = bridge._weight_name_mapping_mcore_to_hf(global_name)
-    if (global_name == "output_layer.weight" and hf_names[0] not in ckpt.weight_map
-            and getattr(bridge.hf_config, "tie_word_embeddings", False)):
+    if (
+        global_name == "output_layer.weight"
+        and hf_names[0] not in ckpt.weight_map
+        and getattr(bridge.hf_config, "tie_word_embeddings", False)
+    ):
         return bridge._weight_name_mapping_mcore_to_hf("embedding.word_embeddings.weight")
     return hf_names
 
@@ -189,7 +199,7 @@ def _gather_ep(tensors: list[tuple[str, torch.Tensor]], num_experts: int):
         local_id = grouped_expert_index(global_name) % per_rank
         prefix = global_name[: global_name.rindex("weight")]
         for r, part in enumerate(parts):
-            yield f"{prefix}weight{local_id + per_rank * r}", part[offset:offset + n].view(tensor.shape)
+            yield f"{prefix}weight{local_id + per_rank * r}", part[offset : offset + n].view(tensor.shape)
         offset += n
 
 
@@ -256,7 +266,7 @@ def _owned_params(models) -> list[tuple[str, torch.Tensor, bool]]:
     dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     experts = ps.get_expert_data_parallel_rank() == 0
     names = [(g, t, _is_expert(g)) for g, t in global_tensors(models)]
-    return ([n for n in names if not n[2] and dense] + [n for n in names if n[2] and experts])
+    return [n for n in names if not n[2] and dense] + [n for n in names if n[2] and experts]
 
 
 def sends_owned_weights(models) -> bool:

@@ -6,5 +6,13 @@ from megarl.rollout.agent.base import AGENT_LOOPS, AgentLoop, AgentOutput, Agent
 from megarl.rollout.agent.tool_loop import ToolAgentLoop
 from megarl.rollout.agent.tools import TOOLS, register_tool
 
-__all__ = ["AGENT_LOOPS", "AgentLoop", "AgentOutput", "AgentSample", "ToolAgentLoop", "TOOLS",
-           "register_agent_loop", "register_tool"]
+__all__ = [
+    "AGENT_LOOPS",
+    "AgentLoop",
+    "AgentOutput",
+    "AgentSample",
+    "ToolAgentLoop",
+    "TOOLS",
+    "register_agent_loop",
+    "register_tool",
+]

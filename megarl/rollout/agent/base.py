@@ -32,12 +32,12 @@ from megarl.rollout.client.client import GenerateOutput, RolloutClient
 class AgentOutput:
     prompt_ids: list[int]
     response_ids: list[int]
-    response_mask: list[int]              # 1: the model's token, 0: tool output / template glue
-    response_logprobs: list[float]        # the engine's log-prob where mask is 1, else 0.0
-    num_turns: int                        # the model's turns (generate calls)
-    text: str = ""                        # what the reward reads: the model's last turn
-    finish_reason: str = "stop"           # stop | length | max_turns
-    weight_version: str | None = None     # the engine's version in the last turn
+    response_mask: list[int]  # 1: the model's token, 0: tool output / template glue
+    response_logprobs: list[float]  # the engine's log-prob where mask is 1, else 0.0
+    num_turns: int  # the model's turns (generate calls)
+    text: str = ""  # what the reward reads: the model's last turn
+    finish_reason: str = "stop"  # stop | length | max_turns
+    weight_version: str | None = None  # the engine's version in the last turn
     extras: dict = field(default_factory=dict)  # tool_calls, tool_successes, ...
 
 
@@ -63,8 +63,10 @@ class Trajectory:
 
     def add_model(self, ids: list[int], logprobs: list[float] | None) -> None:
         if logprobs is None or len(logprobs) != len(ids):
-            raise RuntimeError(f"the engine answered {len(ids)} tokens with "
-                               f"{'no' if logprobs is None else len(logprobs)} log-probs (return_logprob was set)")
+            raise RuntimeError(
+                f"the engine answered {len(ids)} tokens with "
+                f"{'no' if logprobs is None else len(logprobs)} log-probs (return_logprob was set)"
+            )
         if len(ids) > self.remaining:
             raise RuntimeError(f"the engine answered {len(ids)} tokens, more than the {self.remaining} asked for")
         self._append(ids, 1, [float(x) for x in logprobs])
@@ -83,16 +85,23 @@ class Trajectory:
         self.pieces.append((start, len(self.response_ids), mask))
 
     def output(self, num_turns: int, **kwargs) -> AgentOutput:
-        return AgentOutput(self.prompt_ids, list(self.response_ids), list(self.mask), list(self.logprobs),
-                           num_turns, **kwargs)
+        return AgentOutput(
+            self.prompt_ids, list(self.response_ids), list(self.mask), list(self.logprobs), num_turns, **kwargs
+        )
 
 
 class EngineHandle:
     """One trajectory's engine: every turn goes to the same URL (its KV / radix cache holds the
     trajectory's prefix). Checks each answer like RolloutManager does (weight version, log-probs)."""
 
-    def __init__(self, client: RolloutClient, params: dict, row: int, weight_version: str | None,
-                 seed: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        client: RolloutClient,
+        params: dict,
+        row: int,
+        weight_version: str | None,
+        seed: tuple[int, ...] | None = None,
+    ):
         self.client, self.params, self.row = client, params, row
         self.weight_version, self.seed = weight_version, seed
         self.calls = 0
@@ -112,11 +121,14 @@ class EngineHandle:
         self.calls += 1
         served = out.meta_info.get("weight_version")
         if self.weight_version is not None and served is not None and str(served) != self.weight_version:
-            raise StaleWeightsError(f"row {self.row} turn {self.calls} was served with weight_version {served!r} by "
-                                    f"{self.url}, but the engines were synced to {self.weight_version!r}")
+            raise StaleWeightsError(
+                f"row {self.row} turn {self.calls} was served with weight_version {served!r} by "
+                f"{self.url}, but the engines were synced to {self.weight_version!r}"
+            )
         if out.finish_reason.get("type") == "abort":
-            raise RuntimeError(f"row {self.row} turn {self.calls} was aborted by {self.url}: "
-                               f"{out.finish_reason.get('message')}")
+            raise RuntimeError(
+                f"row {self.row} turn {self.calls} was aborted by {self.url}: {out.finish_reason.get('message')}"
+            )
         self.versions.append(None if served is None else str(served))
         return out
 
@@ -124,6 +136,7 @@ class EngineHandle:
 @dataclass
 class AgentSample:
     """One trajectory to run: row `index` of the rollout (prompt-major), its prompt, its engine."""
+
     index: int
     prompt_ids: list[int]
     engine: EngineHandle
@@ -154,6 +167,7 @@ def register_agent_loop(name: str):
             raise ValueError(f"an agent loop named {name!r} is already registered")
         AGENT_LOOPS[name] = cls
         return cls
+
     return wrap
 
 
@@ -165,5 +179,6 @@ class SingleTurnLoop(AgentLoop):
         traj = Trajectory(sample.prompt_ids, self.max_response_tokens)
         out = await sample.engine.generate(traj.context, traj.remaining)
         traj.add_model(out.output_ids, out.output_logprobs)
-        return traj.output(1, text=out.text, finish_reason=out.finish_reason.get("type", ""),
-                           weight_version=sample.engine.versions[-1])
+        return traj.output(
+            1, text=out.text, finish_reason=out.finish_reason.get("type", ""), weight_version=sample.engine.versions[-1]
+        )

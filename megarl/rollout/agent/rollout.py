@@ -37,7 +37,7 @@ class AgentRollout:
         self.loop = loop
 
     @classmethod
-    def from_config(cls, rollout_cfg, tokenizer) -> "AgentRollout | None":
+    def from_config(cls, rollout_cfg, tokenizer) -> AgentRollout | None:
         """None when rollout.agent_loop is unset (the single-turn path)."""
         name = rollout_cfg.agent_loop
         if name is None:
@@ -46,21 +46,23 @@ class AgentRollout:
             raise ValueError(f"rollout.agent_loop={name!r} is not registered; known: {sorted(AGENT_LOOPS)}")
         return cls(AGENT_LOOPS[name](tokenizer, rollout_cfg.agent, rollout_cfg.max_new_tokens))
 
-    def generate(self, manager, prompts: Batch, sampling, weight_version: str | None = None,
-                 on_rows=None) -> Batch:
+    def generate(self, manager, prompts: Batch, sampling, weight_version: str | None = None, on_rows=None) -> Batch:
         """RolloutManager.generate's contract, rows from the agent loop (module doc)."""
         from megarl.rollout.client.manager import _failed
 
         prompt_ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
-        columns = {k: list(prompts[k]) if k in prompts.non_tensors else [None] * len(prompts)
-                   for k in ("raw_prompt", "data_source", "ground_truth", "extra_info")}
+        columns = {
+            k: list(prompts[k]) if k in prompts.non_tensors else [None] * len(prompts)
+            for k in ("raw_prompt", "data_source", "ground_truth", "extra_info")
+        }
         outputs: list[list[AgentOutput] | None] = [None] * len(prompt_ids)
         retries_before = manager._client_retries()
         restarts_before = manager._restarts()
         pending, resent = list(range(len(prompt_ids))), 0
         for round_index in range(manager.max_rounds):
-            failures = asyncio.run(self._round(manager, pending, prompt_ids, columns, sampling, outputs,
-                                               weight_version, on_rows))
+            failures = asyncio.run(
+                self._round(manager, pending, prompt_ids, columns, sampling, outputs, weight_version, on_rows)
+            )
             if not failures:
                 break
             dead = manager.fleet.recover() if manager.fleet is not None else []
@@ -72,25 +74,35 @@ class AgentRollout:
                 manager.fleet.recover()
             manager.fleet.finish_recovery()
         rows = [out for outs in outputs for out in outs]
-        manager.last_stats = {"rollout/retries": float(manager._client_retries() - retries_before + resent),
-                              "rollout/engine_restarts": float(manager._restarts() - restarts_before),
-                              **agent_metrics(rows)}
+        manager.last_stats = {
+            "rollout/retries": float(manager._client_retries() - retries_before + resent),
+            "rollout/engine_restarts": float(manager._restarts() - restarts_before),
+            **agent_metrics(rows),
+        }
         repeated = prompts.select(*[k for k in prompts.non_tensors]).repeat_interleave(sampling.n)
         return repeated.union(agent_rows_to_batch(rows))
 
-    async def _round(self, manager, pending, prompt_ids, columns, sampling, outputs, weight_version,
-                     on_rows) -> dict[int, Exception]:
+    async def _round(
+        self, manager, pending, prompt_ids, columns, sampling, outputs, weight_version, on_rows
+    ) -> dict[int, Exception]:
         urls, n = manager._engine_urls(), sampling.n
         params = {k: v for k, v in sampling.to_sglang().items() if k not in ("n", "max_new_tokens")}
         errors: dict[int, Exception] = {}
 
         async def one_prompt(k: int, i: int) -> None:
             client = manager._client(urls[k % len(urls)], True)  # sticky: all n trajectories, every turn
-            samples = [AgentSample(index=i * n + j, prompt_ids=prompt_ids[i],
-                                   engine=EngineHandle(client, params, i * n + j, weight_version, sampling.seed),
-                                   messages=columns["raw_prompt"][i], data_source=columns["data_source"][i],
-                                   ground_truth=columns["ground_truth"][i], extra_info=columns["extra_info"][i])
-                       for j in range(n)]
+            samples = [
+                AgentSample(
+                    index=i * n + j,
+                    prompt_ids=prompt_ids[i],
+                    engine=EngineHandle(client, params, i * n + j, weight_version, sampling.seed),
+                    messages=columns["raw_prompt"][i],
+                    data_source=columns["data_source"][i],
+                    ground_truth=columns["ground_truth"][i],
+                    extra_info=columns["extra_info"][i],
+                )
+                for j in range(n)
+            ]
             try:
                 outs = await _gather_or_cancel([self.loop.run(s) for s in samples])  # one fails: stop its siblings
             except Exception as exc:  # noqa: BLE001  (the prompt is run again or the failure raised)
@@ -107,10 +119,12 @@ class AgentRollout:
 def agent_metrics(rows: list[AgentOutput]) -> dict[str, float]:
     calls = sum(r.extras.get("tool_calls", 0) for r in rows)
     successes = sum(r.extras.get("tool_successes", 0) for r in rows)
-    return {"rollout/num_turns": float(np.mean([r.num_turns for r in rows])) if rows else 0.0,
-            "rollout/tool_calls": float(calls),
-            "rollout/tool_call_success_rate": successes / calls if calls else 0.0,
-            "rollout/agent_max_turns_frac": float(np.mean([r.finish_reason == "max_turns" for r in rows])) if rows else 0.0}
+    return {
+        "rollout/num_turns": float(np.mean([r.num_turns for r in rows])) if rows else 0.0,
+        "rollout/tool_calls": float(calls),
+        "rollout/tool_call_success_rate": successes / calls if calls else 0.0,
+        "rollout/agent_max_turns_frac": float(np.mean([r.finish_reason == "max_turns" for r in rows])) if rows else 0.0,
+    }
 
 
 def agent_rows_to_batch(rows: list[AgentOutput]) -> Batch:
@@ -131,10 +145,17 @@ def agent_rows_to_batch(rows: list[AgentOutput]) -> Batch:
         response_mask[i, :k] = mask
         rollout_log_probs[i, :k] = torch.tensor(r.response_logprobs, dtype=torch.float32) * mask
     return Batch(
-        tensors={"input_ids": input_ids, "responses": responses, "response_mask": response_mask,
-                 "prompt_lengths": torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long),
-                 "rollout_log_probs": rollout_log_probs,
-                 "num_turns": torch.tensor([r.num_turns for r in rows], dtype=torch.long)},
-        non_tensors={"response_text": np.array([r.text for r in rows], dtype=object),
-                     "finish_reason": np.array([r.finish_reason for r in rows], dtype=object),
-                     "rollout_weight_version": np.array([r.weight_version for r in rows], dtype=object)})
+        tensors={
+            "input_ids": input_ids,
+            "responses": responses,
+            "response_mask": response_mask,
+            "prompt_lengths": torch.tensor([len(r.prompt_ids) for r in rows], dtype=torch.long),
+            "rollout_log_probs": rollout_log_probs,
+            "num_turns": torch.tensor([r.num_turns for r in rows], dtype=torch.long),
+        },
+        non_tensors={
+            "response_text": np.array([r.text for r in rows], dtype=object),
+            "finish_reason": np.array([r.finish_reason for r in rows], dtype=object),
+            "rollout_weight_version": np.array([r.weight_version for r in rows], dtype=object),
+        },
+    )

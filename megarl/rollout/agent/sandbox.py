@@ -56,12 +56,12 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    timeout_s: float = 10.0          # wall clock, the whole run
-    cpu_s: int = 5                   # CPU seconds per process (RLIMIT_CPU)
-    memory_mb: int = 512             # address space per process (RLIMIT_AS)
-    max_output_bytes: int = 4096     # kept of stdout and of stderr each; more kills the process
-    file_mb: int = 16                # the largest file it may write (RLIMIT_FSIZE)
-    isolation: str = "auto"          # network: auto | netns | seccomp | none (module doc)
+    timeout_s: float = 10.0  # wall clock, the whole run
+    cpu_s: int = 5  # CPU seconds per process (RLIMIT_CPU)
+    memory_mb: int = 512  # address space per process (RLIMIT_AS)
+    max_output_bytes: int = 4096  # kept of stdout and of stderr each; more kills the process
+    file_mb: int = 16  # the largest file it may write (RLIMIT_FSIZE)
+    isolation: str = "auto"  # network: auto | netns | seccomp | none (module doc)
 
     def __post_init__(self):
         if self.isolation not in ISOLATION:
@@ -75,7 +75,7 @@ class SandboxLimits:
 class SandboxResult:
     stdout: str
     stderr: str
-    exit_code: int | None            # negative: killed by that signal
+    exit_code: int | None  # negative: killed by that signal
     timed_out: bool = False
     output_truncated: bool = False
     wall_s: float = 0.0
@@ -113,29 +113,56 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     status_r, status_w = os.pipe()
     try:
         (workdir / "program.py").write_text(code, encoding="utf-8")
-        cfg = {"program": str(workdir / "program.py"), "status_fd": status_w,
-               "netns": limits.isolation in ("auto", "netns"), "seccomp": limits.isolation in ("auto", "seccomp"),
-               "require": list(_LAYERS[limits.isolation]),
-               "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb * 2**20, "file_bytes": limits.file_mb * 2**20}
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "LANG": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
+        cfg = {
+            "program": str(workdir / "program.py"),
+            "status_fd": status_w,
+            "netns": limits.isolation in ("auto", "netns"),
+            "seccomp": limits.isolation in ("auto", "seccomp"),
+            "require": list(_LAYERS[limits.isolation]),
+            "cpu_s": limits.cpu_s,
+            "memory_bytes": limits.memory_mb * 2**20,
+            "file_bytes": limits.file_mb * 2**20,
+        }
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(workdir),
+            "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONIOENCODING": "utf-8",
+        }
         start = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-I", str(CHILD), json.dumps(cfg)], cwd=workdir, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                pass_fds=(status_w,), start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", str(CHILD), json.dumps(cfg)],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(status_w,),
+            start_new_session=True,
+        )
         os.close(status_w)
         status_w = -1
         try:
-            out, err, status, timed_out, truncated = _collect(proc, status_r, start + limits.timeout_s,
-                                                              limits.max_output_bytes)
+            out, err, status, timed_out, truncated = _collect(
+                proc, status_r, start + limits.timeout_s, limits.max_output_bytes
+            )
         finally:
             _kill_group(proc)
         isolation = json.loads(status) if status.strip() else {}
         _check_isolation(limits.isolation, isolation, err)
-        return SandboxResult(stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
-                             exit_code=proc.returncode, timed_out=timed_out, output_truncated=truncated,
-                             wall_s=time.monotonic() - start, isolation=isolation)
+        return SandboxResult(
+            stdout=out.decode("utf-8", "replace"),
+            stderr=err.decode("utf-8", "replace"),
+            exit_code=proc.returncode,
+            timed_out=timed_out,
+            output_truncated=truncated,
+            wall_s=time.monotonic() - start,
+            isolation=isolation,
+        )
     finally:
         os.close(status_r)
         if status_w >= 0:
@@ -230,10 +257,12 @@ def _check_isolation(required: str, report: dict, stderr: bytes) -> None:
     if required == "none":
         return
     if not report:
-        raise SandboxUnavailable(f"the sandbox process died before confining itself: "
-                                 f"{stderr.decode('utf-8', 'replace')[-500:]}")
+        raise SandboxUnavailable(
+            f"the sandbox process died before confining itself: {stderr.decode('utf-8', 'replace')[-500:]}"
+        )
     if not any(report.get(layer) is True for layer in _LAYERS[required]):
         raise SandboxUnavailable(
             f"sandbox isolation={required}: no network isolation took effect ({report}); the program was "
             "stopped before its first line. Allow unprivileged user namespaces or seccomp filters, or set "
-            "rollout.agent.sandbox.isolation=none for trusted code only")
+            "rollout.agent.sandbox.isolation=none for trusted code only"
+        )

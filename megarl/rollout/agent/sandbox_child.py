@@ -55,13 +55,15 @@ def seccomp_program(arch: str) -> bytes:
     audit_arch, numbers = ARCHES[arch]
     ld_w_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     denied = [numbers[n] for n in ("socket", "setsid", "setpgid", "io_uring_setup")]
-    prog = [_insn(ld_w_abs, 0, 0, 4),                      # A = seccomp_data.arch
-            _insn(jeq, 1, 0, audit_arch),
-            _insn(ret, 0, 0, RET_KILL_PROCESS),
-            _insn(ld_w_abs, 0, 0, 0)]                      # A = seccomp_data.nr
-    if arch == "x86_64":                                   # the x32 ABI sets bit 30 of nr
+    prog = [
+        _insn(ld_w_abs, 0, 0, 4),  # A = seccomp_data.arch
+        _insn(jeq, 1, 0, audit_arch),
+        _insn(ret, 0, 0, RET_KILL_PROCESS),
+        _insn(ld_w_abs, 0, 0, 0),
+    ]  # A = seccomp_data.nr
+    if arch == "x86_64":  # the x32 ABI sets bit 30 of nr
         prog.append(_insn(jge, len(denied) + 1, 0, 0x40000000))  # -> EPERM
-    for k, nr in enumerate(denied):                        # jump to the EPERM return
+    for k, nr in enumerate(denied):  # jump to the EPERM return
         prog.append(_insn(jeq, len(denied) - k, 0, nr))
     prog.append(_insn(ret, 0, 0, RET_ALLOW))
     prog.append(_insn(ret, 0, 0, RET_ERRNO | EPERM))

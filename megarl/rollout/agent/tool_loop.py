@@ -31,13 +31,18 @@ class ToolResponseFormat:
         self.tokenizer = tokenizer
 
     def text(self, results: list[str]) -> str:
-        messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL},
-                    *[{"role": "tool", "content": r} for r in results]]
+        messages = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": _SENTINEL},
+            *[{"role": "tool", "content": r} for r in results],
+        ]
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         if rendered.count(_SENTINEL) != 1:
-            raise ValueError("the chat template does not render an assistant message's content verbatim; "
-                             "ToolResponseFormat cannot find where the tool messages start")
-        return rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
+            raise ValueError(
+                "the chat template does not render an assistant message's content verbatim; "
+                "ToolResponseFormat cannot find where the tool messages start"
+            )
+        return rendered[rendered.index(_SENTINEL) + len(_SENTINEL) :]
 
     def ids(self, results: list[str], turn_ids: list[int]) -> list[int]:
         """The glue ids after a model turn `turn_ids`; the end-of-turn tokens the model already
@@ -90,5 +95,10 @@ class ToolAgentLoop(AgentLoop):
             if not traj.add_tool(self.format.ids([r.text for r in results], out.output_ids)) or traj.remaining <= 0:
                 finish = "length"
                 break
-        return traj.output(turns, text=text, finish_reason=finish, weight_version=sample.engine.versions[-1],
-                           extras={"tool_calls": calls, "tool_successes": successes})
+        return traj.output(
+            turns,
+            text=text,
+            finish_reason=finish,
+            weight_version=sample.engine.versions[-1],
+            extras={"tool_calls": calls, "tool_successes": successes},
+        )

@@ -42,8 +42,8 @@ class ToolCall:
 
 @dataclass
 class ToolResult:
-    text: str   # what the model is shown
-    ok: bool    # counted in rollout/tool_call_success_rate
+    text: str  # what the model is shown
+    ok: bool  # counted in rollout/tool_call_success_rate
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
@@ -79,6 +79,7 @@ def _parse_body(body: str) -> ToolCall:
 
 class Tool:
     """A tool: its name, a description, a JSON schema of its arguments, and `call`."""
+
     name: str = ""
     description: str = ""
     parameters: dict = {"type": "object", "properties": {}}
@@ -88,8 +89,10 @@ class Tool:
 
     def schema(self) -> dict:
         """The OpenAI-style function description chat templates take (apply_chat_template(tools=...))."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 TOOLS: dict[str, Callable[..., Tool]] = {}
@@ -101,6 +104,7 @@ def register_tool(name: str):
             raise ValueError(f"a tool named {name!r} is already registered")
         TOOLS[name] = factory
         return factory
+
     return wrap
 
 
@@ -113,7 +117,7 @@ class ToolBox:
             jsonschema.Draft202012Validator.check_schema(tool.parameters)
 
     @classmethod
-    def from_config(cls, agent_cfg) -> "ToolBox":
+    def from_config(cls, agent_cfg) -> ToolBox:
         unknown = [n for n in agent_cfg.tools if n not in TOOLS]
         if unknown:
             raise ValueError(f"rollout.agent.tools names unknown tools {unknown}; registered: {sorted(TOOLS)}")
@@ -134,10 +138,15 @@ class ToolBox:
 
 class PythonTool(Tool):
     """Runs `code` in the sandbox (sandbox.py) and answers its stdout (with why, when it failed)."""
+
     name = "python"
     description = "Run a Python program and return what it prints."
-    parameters = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"],
-                  "additionalProperties": False}
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    }
 
     def __init__(self, limits: SandboxLimits, max_concurrency: int = 2):
         self.limits = limits
@@ -158,6 +167,12 @@ class PythonTool(Tool):
 @register_tool("python")
 def _python_tool(agent_cfg) -> PythonTool:
     s = agent_cfg.sandbox
-    limits = SandboxLimits(timeout_s=s.timeout_s, cpu_s=s.cpu_s, memory_mb=s.memory_mb,
-                           max_output_bytes=s.max_output_bytes, file_mb=s.file_mb, isolation=s.isolation)
+    limits = SandboxLimits(
+        timeout_s=s.timeout_s,
+        cpu_s=s.cpu_s,
+        memory_mb=s.memory_mb,
+        max_output_bytes=s.max_output_bytes,
+        file_mb=s.file_mb,
+        isolation=s.isolation,
+    )
     return PythonTool(limits, s.max_concurrency)

@@ -59,12 +59,16 @@ class GenerateOutput:
     meta_info: dict  # the server's meta_info, untouched
 
     @classmethod
-    def from_response(cls, item: dict) -> "GenerateOutput":
+    def from_response(cls, item: dict) -> GenerateOutput:
         meta = item.get("meta_info", {})
         triples = meta.get("output_token_logprobs")
-        return cls(output_ids=list(item.get("output_ids") or []), text=item.get("text", ""),
-                   output_logprobs=None if triples is None else [t[0] for t in triples],
-                   finish_reason=meta.get("finish_reason") or {}, meta_info=meta)
+        return cls(
+            output_ids=list(item.get("output_ids") or []),
+            text=item.get("text", ""),
+            output_logprobs=None if triples is None else [t[0] for t in triples],
+            finish_reason=meta.get("finish_reason") or {},
+            meta_info=meta,
+        )
 
 
 class RolloutClient:
@@ -72,9 +76,19 @@ class RolloutClient:
     `max_batch_prompts`: in batched mode, split calls with more prompts into chunks of at most this
     many, sent concurrently (None: never split). `api_key`: see the module doc."""
 
-    def __init__(self, base_url: str, *, batched: bool = True, max_batch_prompts: int | None = None,
-                 timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 max_backoff_s: float = 10.0, max_concurrency: int = 256, api_key: str | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        batched: bool = True,
+        max_batch_prompts: int | None = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        max_concurrency: int = 256,
+        api_key: str | None = None,
+    ):
         if max_batch_prompts is not None and max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts={max_batch_prompts} must be >= 1 (or None: never split)")
         self.base_url = base_url.rstrip("/")
@@ -112,15 +126,16 @@ class RolloutClient:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
 
-    def __enter__(self) -> "RolloutClient":
+    def __enter__(self) -> RolloutClient:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     # ---- transport ----------------------------------------------------------------------------
-    async def _request(self, method: str, path: str, payload: dict | None, what: str,
-                       retry: bool = True) -> httpx.Response:
+    async def _request(
+        self, method: str, path: str, payload: dict | None, what: str, retry: bool = True
+    ) -> httpx.Response:
         """Send with retries (unless `retry` is False); returns a response with status < 500 (callers check 4xx)."""
         url, last_error = f"{self.base_url}{path}", ""
         attempts = self.max_retries + 1 if retry else 1
@@ -135,19 +150,22 @@ class RolloutClient:
                 last_error = f"{type(exc).__name__}: {exc or 'no detail'}"
             if attempt < attempts - 1:
                 self.retries += 1  # every re-send is counted (the trainer logs rollout/retries)
-                await asyncio.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s))
+                await asyncio.sleep(min(self.backoff_s * 2**attempt, self.max_backoff_s))
         raise RolloutRequestError(
             f"{method} {url} failed {'once' if attempts == 1 else f'{attempts} times'} for {what}; "
             f"last error: {last_error}. "
-            "Check that the rollout server is up (its log says why it failed).")
+            "Check that the rollout server is up (its log says why it failed)."
+        )
 
-    async def _json(self, method: str, path: str, payload: dict | None = None, what: str | None = None,
-                    retry: bool = True) -> Any:
+    async def _json(
+        self, method: str, path: str, payload: dict | None = None, what: str | None = None, retry: bool = True
+    ) -> Any:
         what = what or path
         response = await self._request(method, path, payload, what, retry)
         if response.status_code >= 400:
             raise RolloutRequestError(
-                f"{self.base_url}{path} rejected {what}: HTTP {response.status_code}: {_message(response)}")
+                f"{self.base_url}{path} rejected {what}: HTTP {response.status_code}: {_message(response)}"
+            )
         # orjson: a 256-row /generate answer parses in 0.5 ms instead of json's 1.6
         return orjson.loads(response.content) if response.content else None
 
@@ -159,19 +177,30 @@ class RolloutClient:
         return body
 
     # ---- generation ---------------------------------------------------------------------------
-    def generate(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None,
-                 return_logprob: bool = False, rids: list[str] | None = None,
-                 return_routed_experts: bool = False) -> list[GenerateOutput]:
+    def generate(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict | list[dict] | None = None,
+        return_logprob: bool = False,
+        rids: list[str] | None = None,
+        return_routed_experts: bool = False,
+    ) -> list[GenerateOutput]:
         """len(input_ids) * n outputs, prompt-major. `sampling_params`: one dict for every prompt or
         one per prompt; `rids`: one request id per prompt (the server suffixes -j when n > 1).
         `return_routed_experts`: SGLang's field; each output's meta_info["routed_experts"] then
         holds its MoE routing record (megarl/wire/routing.py)."""
-        return self._run(self._generate_all(input_ids, sampling_params, _fields(return_logprob, return_routed_experts),
-                                            rids))
+        return self._run(
+            self._generate_all(input_ids, sampling_params, _fields(return_logprob, return_routed_experts), rids)
+        )
 
-    async def agenerate(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None,
-                        return_logprob: bool = False, rids: list[str] | None = None,
-                        return_routed_experts: bool = False) -> list[GenerateOutput]:
+    async def agenerate(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict | list[dict] | None = None,
+        return_logprob: bool = False,
+        rids: list[str] | None = None,
+        return_routed_experts: bool = False,
+    ) -> list[GenerateOutput]:
         coro = self._generate_all(input_ids, sampling_params, _fields(return_logprob, return_routed_experts), rids)
         return await asyncio.wrap_future(self._submit(coro))
 
@@ -180,15 +209,20 @@ class RolloutClient:
             raise TypeError("input_ids must be a list of prompts, each a list of token ids")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(input_ids)
         if len(params) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)):
-            raise ValueError(f"{len(input_ids)} prompts but {len(params)} sampling_params / "
-                             f"{None if rids is None else len(rids)} rids")
+            raise ValueError(
+                f"{len(input_ids)} prompts but {len(params)} sampling_params / "
+                f"{None if rids is None else len(rids)} rids"
+            )
         if not input_ids:
             return []
         if self.batched:
             return await self._generate_batched(input_ids, sampling_params, params, fields, rids)
-        per_prompt = await _gather_or_cancel([
-            self._generate_one(i, ids, p, fields, None if rids is None else rids[i])
-            for i, (ids, p) in enumerate(zip(input_ids, params))])
+        per_prompt = await _gather_or_cancel(
+            [
+                self._generate_one(i, ids, p, fields, None if rids is None else rids[i])
+                for i, (ids, p) in enumerate(zip(input_ids, params))
+            ]
+        )
         return [out for outputs in per_prompt for out in outputs]
 
     async def _generate_one(self, index, ids, params, fields, rid) -> list[GenerateOutput]:
@@ -200,16 +234,19 @@ class RolloutClient:
         items = body if isinstance(body, list) else [body]
         expected = _samples_per_prompt(params)
         if len(items) != expected:
-            raise RolloutRequestError(f"{self.base_url}/generate answered {len(items)} outputs for {what}, "
-                                      f"expected n={expected}")
+            raise RolloutRequestError(
+                f"{self.base_url}/generate answered {len(items)} outputs for {what}, expected n={expected}"
+            )
         return [GenerateOutput.from_response(item) for item in items]
 
     async def _generate_batched(self, input_ids, sampling_params, params, fields, rids):
         counts = sorted({_samples_per_prompt(p) for p in params})
         if len(counts) > 1:
-            raise ValueError(f"sampling_params ask for different n per prompt ({counts}); a batched /generate "
-                             "needs one n for every prompt (as in SGLang): use RolloutClient(batched=False) "
-                             "or split the call by n")
+            raise ValueError(
+                f"sampling_params ask for different n per prompt ({counts}); a batched /generate "
+                "needs one n for every prompt (as in SGLang): use RolloutClient(batched=False) "
+                "or split the call by n"
+            )
         size = self.max_batch_prompts or len(input_ids)
         per_prompt_params = isinstance(sampling_params, list)
         tasks = []
@@ -217,8 +254,16 @@ class RolloutClient:
             end = min(start + size, len(input_ids))
             chunk_params = params[start:end] if per_prompt_params else params[0]
             what = _describe_batch(input_ids[start:end], chunk_params, start, len(input_ids))
-            tasks.append(self._generate_chunk(input_ids[start:end], chunk_params, counts[0], fields,
-                                              None if rids is None else rids[start:end], what))
+            tasks.append(
+                self._generate_chunk(
+                    input_ids[start:end],
+                    chunk_params,
+                    counts[0],
+                    fields,
+                    None if rids is None else rids[start:end],
+                    what,
+                )
+            )
         per_chunk = await _gather_or_cancel(tasks)
         return [out for outputs in per_chunk for out in outputs]
 
@@ -233,7 +278,8 @@ class RolloutClient:
             raise RolloutRequestError(
                 f"{self.base_url}/generate answered {len(items)} outputs for {what}; expected "
                 f"{len(prompts) * n} ({len(prompts)} prompts x n={n}). If this server does not implement "
-                "SGLang's batched /generate (a list of input_ids), use RolloutClient(batched=False)")
+                "SGLang's batched /generate (a list of input_ids), use RolloutClient(batched=False)"
+            )
         return [GenerateOutput.from_response(item) for item in items]
 
     def generate_text(self, texts: list[str], sampling_params: dict | None = None) -> list[GenerateOutput]:
@@ -249,37 +295,80 @@ class RolloutClient:
         items = body if isinstance(body, list) else [body]
         expected = len(texts) * _samples_per_prompt(params)
         if len(items) != expected:
-            raise RolloutRequestError(f"{self.base_url}/generate answered {len(items)} outputs for {what}; "
-                                      f"expected {expected}")
+            raise RolloutRequestError(
+                f"{self.base_url}/generate answered {len(items)} outputs for {what}; expected {expected}"
+            )
         return [GenerateOutput.from_response(item) for item in items]
 
     # ---- weights and memory -------------------------------------------------------------------
-    def update_weights_from_tensor(self, serialized_named_tensors: list[str] | str, *, load_format: str | None = None,
-                                   flush_cache: bool = True, weight_version: str | None = None,
-                                   abort_all_requests: bool = False, defer: bool = False) -> dict:
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str] | str,
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        defer: bool = False,
+    ) -> dict:
         """`serialized_named_tensors`: one weights_codec payload per TP rank of the server. Keep the
         tensors behind it alive until this returns. `defer` (megarl's engine only): stage the
         tensors for `weight_version` until /commit_weight_update."""
         payloads = [serialized_named_tensors] if isinstance(serialized_named_tensors, str) else serialized_named_tensors
-        return self._run(self._control("/update_weights_from_tensor", {
-            "serialized_named_tensors": payloads, "load_format": load_format, "flush_cache": flush_cache,
-            "weight_version": weight_version, "abort_all_requests": abort_all_requests,
-            **({"defer": True} if defer else {})}))
+        return self._run(
+            self._control(
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": payloads,
+                    "load_format": load_format,
+                    "flush_cache": flush_cache,
+                    "weight_version": weight_version,
+                    "abort_all_requests": abort_all_requests,
+                    **({"defer": True} if defer else {}),
+                },
+            )
+        )
 
-    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
-                                 flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
-        return self._run(self._control("/update_weights_from_disk", {
-            "model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests}))
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict:
+        return self._run(
+            self._control(
+                "/update_weights_from_disk",
+                {
+                    "model_path": model_path,
+                    "weight_version": weight_version,
+                    "flush_cache": flush_cache,
+                    "abort_all_requests": abort_all_requests,
+                },
+            )
+        )
 
     # The group calls below are sent once, never retried: the server matches each one with the
     # senders' collectives, and a re-sent request would wait for collectives nobody repeats.
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str | None = None) -> dict:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str | None = None,
+    ) -> dict:
         """Returns once every engine rank has joined (the caller's own ranks must join meanwhile, from
         another thread or process). backend None: the server's default (gloo on CPU, nccl on CUDA)."""
-        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-                "world_size": world_size, "group_name": group_name}
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+        }
         if backend is not None:
             body["backend"] = backend
         return self._run(self._control("/init_weights_update_group", body, retry=False))
@@ -287,22 +376,48 @@ class RolloutClient:
     def destroy_weights_update_group(self, group_name: str) -> dict:
         return self._run(self._control("/destroy_weights_update_group", {"group_name": group_name}))
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, *, load_format: str | None = "flattened_bucket",
-                                        flush_cache: bool = False, weight_version: str | None = None,
-                                        defer: bool = False) -> dict:
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        *,
+        load_format: str | None = "flattened_bucket",
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+        defer: bool = False,
+    ) -> dict:
         """Returns once the server has received the broadcast(s) from group rank 0 (the caller sends
         them meanwhile) and written or, with `defer`, staged them."""
-        return self._run(self._control("/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "load_format": load_format, "flush_cache": flush_cache, "weight_version": weight_version,
-            **({"defer": True} if defer else {})}, retry=False))  # SGLang refuses fields it does not know
+        return self._run(
+            self._control(
+                "/update_weights_from_distributed",
+                {
+                    "names": names,
+                    "dtypes": dtypes,
+                    "shapes": shapes,
+                    "group_name": group_name,
+                    "load_format": load_format,
+                    "flush_cache": flush_cache,
+                    "weight_version": weight_version,
+                    **({"defer": True} if defer else {}),
+                },
+                retry=False,
+            )
+        )  # SGLang refuses fields it does not know
 
-    def update_weights_from_reshard(self, group_name: str, ranks: list[list[dict]], *, weight_version: str,
-                                    defer: bool = True) -> dict:
+    def update_weights_from_reshard(
+        self, group_name: str, ranks: list[list[dict]], *, weight_version: str, defer: bool = True
+    ) -> dict:
         """`ranks[r]`: the messages engine rank r receives ({src, tag, nbytes, entries})."""
-        return self._run(self._control("/update_weights_from_reshard", {
-            "group_name": group_name, "ranks": ranks, "weight_version": weight_version, "defer": defer}, retry=False))
+        return self._run(
+            self._control(
+                "/update_weights_from_reshard",
+                {"group_name": group_name, "ranks": ranks, "weight_version": weight_version, "defer": defer},
+                retry=False,
+            )
+        )
 
     def commit_weight_update(self, weight_version: str) -> dict:
         return self._run(self._control("/commit_weight_update", {"weight_version": weight_version}))

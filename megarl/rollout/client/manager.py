@@ -49,25 +49,40 @@ class SamplingSpec:
     return_routed_experts: bool = False
 
     def to_sglang(self) -> dict:
-        params = {"n": self.n, "temperature": self.temperature, "top_p": self.top_p,
-                  "max_new_tokens": self.max_new_tokens}
+        params = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_new_tokens": self.max_new_tokens,
+        }
         if self.top_k > 0:
             params["top_k"] = self.top_k
         return params
 
 
 class RolloutManager:
-    def __init__(self, server_urls: list[str] | None = None, timeout_s: float = 600.0, max_retries: int = 3, *,
-                 batched: bool = True, max_batch_prompts: int | None = None, api_key: str | None = None,
-                 fleet=None, max_rounds: int = 4, agent=None):
+    def __init__(
+        self,
+        server_urls: list[str] | None = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        *,
+        batched: bool = True,
+        max_batch_prompts: int | None = None,
+        api_key: str | None = None,
+        fleet=None,
+        max_rounds: int = 4,
+        agent=None,
+    ):
         """server_urls: fixed engines; or `fleet` (a RolloutFleet), whose router / live engines are
         asked on every call, and which restarts engines that die. `agent`: an AgentRollout
         (rollout.agent_loop, megarl/rollout/agent/rollout.py) that makes the rows instead."""
         if not server_urls and fleet is None:
             raise ValueError("rollout: no server URLs and no fleet")
         self._fixed_urls, self.fleet = list(server_urls or []), fleet
-        self._client_options = dict(timeout_s=timeout_s, max_retries=max_retries,
-                                    max_batch_prompts=max_batch_prompts, api_key=api_key)
+        self._client_options = dict(
+            timeout_s=timeout_s, max_retries=max_retries, max_batch_prompts=max_batch_prompts, api_key=api_key
+        )
         self.batched, self.max_rounds, self.agent = batched, max_rounds, agent
         self._clients: dict[tuple[str, bool], RolloutClient] = {}
         self.last_stats: dict[str, float] = {}
@@ -81,8 +96,9 @@ class RolloutManager:
             client.close()
         self._clients.clear()
 
-    def generate(self, prompts: Batch, sampling: SamplingSpec, weight_version: str | None = None,
-                 on_rows=None) -> Batch:
+    def generate(
+        self, prompts: Batch, sampling: SamplingSpec, weight_version: str | None = None, on_rows=None
+    ) -> Batch:
         """rows = len(prompts) * n, prompt-major (the n samples of a prompt are adjacent).
         `weight_version`: the version every answer must report (None: not checked).
         `on_rows(prompt_indices, outputs)`: called (on the request loop: keep it quick) as each
@@ -100,8 +116,7 @@ class RolloutManager:
         retries_before, restarts_before = self._client_retries(), self._restarts()
         pending, resent = list(range(len(prompt_ids))), 0
         for round_index in range(self.max_rounds):
-            failures = asyncio.run(self._round(pending, prompt_ids, sampling, outputs, weight_version,
-                                                  on_rows))
+            failures = asyncio.run(self._round(pending, prompt_ids, sampling, outputs, weight_version, on_rows))
             if not failures:
                 break
             dead = self.fleet.recover() if self.fleet is not None else []
@@ -113,8 +128,10 @@ class RolloutManager:
             if retried:  # requests were re-sent (the router may have carried them elsewhere):
                 self.fleet.recover()  # an engine that failed them must not stay dead unnoticed
             self.fleet.finish_recovery()
-        self.last_stats = {"rollout/retries": float(retried),
-                           "rollout/engine_restarts": float(self._restarts() - restarts_before)}
+        self.last_stats = {
+            "rollout/retries": float(retried),
+            "rollout/engine_restarts": float(self._restarts() - restarts_before),
+        }
         rows = [(prompt_ids[i], out) for i, outs in enumerate(outputs) for out in outs]
         _check_finished(rows)
         batch = rows_to_batch(rows, routed_experts=sampling.return_routed_experts)
@@ -122,8 +139,15 @@ class RolloutManager:
         return repeated.union(batch)
 
     # ---- one round over the current targets ------------------------------------------------------
-    async def _round(self, pending: list[int], prompt_ids, sampling: SamplingSpec, outputs,
-                     weight_version: str | None = None, on_rows=None) -> dict[int, Exception]:
+    async def _round(
+        self,
+        pending: list[int],
+        prompt_ids,
+        sampling: SamplingSpec,
+        outputs,
+        weight_version: str | None = None,
+        on_rows=None,
+    ) -> dict[int, Exception]:
         """Send every pending prompt once; fill `outputs` as each request finishes (and hand its
         prompts to `on_rows`); return the failures by prompt index."""
         work = self._requests(pending, prompt_ids, sampling)
@@ -131,8 +155,9 @@ class RolloutManager:
 
         async def send(k: int, client: RolloutClient, idx: list[int], ids, params) -> None:
             try:
-                result = await client.agenerate(ids, params, return_logprob=True,
-                                                return_routed_experts=sampling.return_routed_experts)
+                result = await client.agenerate(
+                    ids, params, return_logprob=True, return_routed_experts=sampling.return_routed_experts
+                )
             except Exception as exc:  # noqa: BLE001  (the prompts are re-sent or the failure raised)
                 errors[k] = exc
                 return
@@ -141,7 +166,7 @@ class RolloutManager:
                 errors[k] = stale
                 return
             for j, i in enumerate(idx):
-                outputs[i] = result[j * sampling.n:(j + 1) * sampling.n]
+                outputs[i] = result[j * sampling.n : (j + 1) * sampling.n]
             if on_rows is not None:
                 on_rows(idx, [outputs[i] for i in idx])
 
@@ -156,23 +181,34 @@ class RolloutManager:
         params, n = sampling.to_sglang(), sampling.n
         router = self.fleet.router_url if self.fleet is not None else None
         if sampling.return_routed_experts:  # sglang-router 0.3.2 drops the field from the body
-            router = None                   # (measured): engines directly
+            router = None  # (measured): engines directly
         if sampling.seed is not None:
             # every row alone with its own seed, each engine's share in ONE batched request, never
             # through the router: an engine batches exactly these rows together whatever the
             # timing, so no row's numbers depend on what else happened to be running
             one = {**params, "n": 1}
             urls = self._engine_urls()
-            return [(self._client(url, True), idx, [prompt_ids[i] for i in idx for _ in range(n)],
-                     [{**one, "sampling_seed": row_seed(sampling.seed, i * n + j)} for i in idx for j in range(n)])
-                    for url, idx in zip(urls, _shards(pending, len(urls))) if idx]
+            return [
+                (
+                    self._client(url, True),
+                    idx,
+                    [prompt_ids[i] for i in idx for _ in range(n)],
+                    [{**one, "sampling_seed": row_seed(sampling.seed, i * n + j)} for i in idx for j in range(n)],
+                )
+                for url, idx in zip(urls, _shards(pending, len(urls)))
+                if idx
+            ]
         if router is not None or not self.batched:
             urls = [router] if router is not None else self._engine_urls()
-            return [(self._client(urls[k % len(urls)], False), [i], [prompt_ids[i]], params)
-                    for k, i in enumerate(pending)]
+            return [
+                (self._client(urls[k % len(urls)], False), [i], [prompt_ids[i]], params) for k, i in enumerate(pending)
+            ]
         urls = self._engine_urls()
-        return [(self._client(url, True), idx, [prompt_ids[i] for i in idx], params)
-                for url, idx in zip(urls, _shards(pending, len(urls))) if idx]
+        return [
+            (self._client(url, True), idx, [prompt_ids[i] for i in idx], params)
+            for url, idx in zip(urls, _shards(pending, len(urls)))
+            if idx
+        ]
 
     def _engine_urls(self) -> list[str]:
         urls = self.fleet.live_urls() if self.fleet is not None else self._fixed_urls
@@ -215,29 +251,36 @@ def _stale(outputs: list[GenerateOutput], idx: list[int], expected: str | None, 
         if served is not None and str(served) != expected:
             return StaleWeightsError(
                 f"prompt {idx[k // n]} was served with weight_version {served!r}, but the engines were "
-                f"synced to {expected!r}: an engine generates with weights other than the trainer's")
+                f"synced to {expected!r}: an engine generates with weights other than the trainer's"
+            )
     return None
 
 
 def _failed(failures: dict[int, Exception], rounds: int) -> RolloutRequestError:
     first = next(iter(failures.values()))
-    return RolloutRequestError(f"rollout: {len(failures)} prompts still failed after {rounds} round(s) "
-                               f"(prompts {sorted(failures)[:8]}...); first error: {first}")
+    return RolloutRequestError(
+        f"rollout: {len(failures)} prompts still failed after {rounds} round(s) "
+        f"(prompts {sorted(failures)[:8]}...); first error: {first}"
+    )
 
 
 def _check_finished(rows) -> None:
     for i, (_, out) in enumerate(rows):
         if out.finish_reason.get("type") == "abort":
-            raise RuntimeError(f"rollout row {i} was aborted by the server: "
-                               f"{out.finish_reason.get('message')}")
+            raise RuntimeError(f"rollout row {i} was aborted by the server: {out.finish_reason.get('message')}")
         if out.output_logprobs is None or len(out.output_logprobs) != len(out.output_ids):
-            raise RuntimeError(f"rollout row {i}: server returned no per-token log-probs "
-                               "(return_logprob was requested)")
+            raise RuntimeError(
+                f"rollout row {i}: server returned no per-token log-probs (return_logprob was requested)"
+            )
 
 
 # the non-tensor columns rows_to_batch adds; a rollout's other non-tensor columns are its prompts'
-GENERATED_NON_TENSORS = ("response_text", "finish_reason", "rollout_weight_version",
-                         "rollout_start_version")  # the last: fully_async's (trainer/async_rollout.py)
+GENERATED_NON_TENSORS = (
+    "response_text",
+    "finish_reason",
+    "rollout_weight_version",
+    "rollout_start_version",
+)  # the last: fully_async's (trainer/async_rollout.py)
 
 
 def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]], routed_experts: bool = False) -> Batch:
@@ -247,14 +290,17 @@ def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]], routed_experts: 
     R = max(1, max(len(out.output_ids) for _, out in rows))
     T = max(len(p) + len(out.output_ids) for p, out in rows)
     # padded as lists, one tensor each: indexed writes row by row took a third of the driver's CPU
-    input_ids = torch.tensor([p + out.output_ids + [0] * (T - len(p) - len(out.output_ids)) for p, out in rows],
-                             dtype=torch.long).reshape(n, T)
+    input_ids = torch.tensor(
+        [p + out.output_ids + [0] * (T - len(p) - len(out.output_ids)) for p, out in rows], dtype=torch.long
+    ).reshape(n, T)
     pad = [[0] * (R - len(out.output_ids)) for _, out in rows]
     responses = torch.tensor([out.output_ids + z for (_, out), z in zip(rows, pad)], dtype=torch.long).reshape(n, R)
-    response_mask = torch.tensor([[1.0] * len(out.output_ids) + z for (_, out), z in zip(rows, pad)],
-                                 dtype=torch.float32).reshape(n, R)
-    rollout_log_probs = torch.tensor([list(out.output_logprobs) + z for (_, out), z in zip(rows, pad)],
-                                     dtype=torch.float32).reshape(n, R)
+    response_mask = torch.tensor(
+        [[1.0] * len(out.output_ids) + z for (_, out), z in zip(rows, pad)], dtype=torch.float32
+    ).reshape(n, R)
+    rollout_log_probs = torch.tensor(
+        [list(out.output_logprobs) + z for (_, out), z in zip(rows, pad)], dtype=torch.float32
+    ).reshape(n, R)
     return Batch(
         tensors={
             "input_ids": input_ids,
@@ -266,9 +312,7 @@ def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]], routed_experts: 
         },
         non_tensors={
             "response_text": np.array([out.text for _, out in rows], dtype=object),
-            "finish_reason": np.array([out.finish_reason.get("type", "") for _, out in rows],
-                                      dtype=object),
-            "rollout_weight_version": np.array([out.meta_info.get("weight_version") for _, out in rows],
-                                               dtype=object),
+            "finish_reason": np.array([out.finish_reason.get("type", "") for _, out in rows], dtype=object),
+            "rollout_weight_version": np.array([out.meta_info.get("weight_version") for _, out in rows], dtype=object),
         },
     )

@@ -34,11 +34,15 @@ def resume_request(input_ids: list[int], sampling_params: dict, partial: Generat
     """(input_ids, sampling_params) of the request that continues `partial`, an aborted answer to
     (input_ids, sampling_params). Raises ValueError for n > 1 (resume each sample on its own)."""
     if int(sampling_params.get("n", 1) or 1) != 1:
-        raise ValueError(f"sampling_params n={sampling_params['n']}: a partial answer is one sample; resume each "
-                         "sample as its own request with n=1")
+        raise ValueError(
+            f"sampling_params n={sampling_params['n']}: a partial answer is one sample; resume each "
+            "sample as its own request with n=1"
+        )
     if "max_new_tokens" not in sampling_params or sampling_params["max_new_tokens"] is None:
-        raise ValueError("sampling_params has no max_new_tokens: without it the resumed request's budget "
-                         "cannot be reduced by the tokens already generated; set max_new_tokens")
+        raise ValueError(
+            "sampling_params has no max_new_tokens: without it the resumed request's budget "
+            "cannot be reduced by the tokens already generated; set max_new_tokens"
+        )
     done = len(partial.output_ids)
     params = dict(sampling_params)
     for key in _COUNTED:
@@ -52,8 +56,9 @@ def merge_partial(first: GenerateOutput, resumed: GenerateOutput) -> GenerateOut
     reason, weight_version and other meta_info of `resumed` (whose prompt_tokens counted the
     partial output: the original prompt's count is restored)."""
     if (first.output_logprobs is None) != (resumed.output_logprobs is None):
-        raise ValueError("one part of a partial rollout has output log-probs and the other not; ask both "
-                         "with return_logprob=true")
+        raise ValueError(
+            "one part of a partial rollout has output log-probs and the other not; ask both with return_logprob=true"
+        )
     meta_a, meta_b = first.meta_info, resumed.meta_info
     meta = dict(meta_b)
     meta["completion_tokens"] = len(first.output_ids) + len(resumed.output_ids)
@@ -76,9 +81,13 @@ def merge_partial(first: GenerateOutput, resumed: GenerateOutput) -> GenerateOut
         meta["e2e_latency"] = meta_a["e2e_latency"] + meta_b["e2e_latency"]
     meta["num_partial_resumes"] = meta_a.get("num_partial_resumes", 0) + 1
     logprobs = None if first.output_logprobs is None else list(first.output_logprobs) + list(resumed.output_logprobs)
-    return GenerateOutput(output_ids=list(first.output_ids) + list(resumed.output_ids),
-                          text=first.text + resumed.text, output_logprobs=logprobs,
-                          finish_reason=resumed.finish_reason, meta_info=meta)
+    return GenerateOutput(
+        output_ids=list(first.output_ids) + list(resumed.output_ids),
+        text=first.text + resumed.text,
+        output_logprobs=logprobs,
+        finish_reason=resumed.finish_reason,
+        meta_info=meta,
+    )
 
 
 def merge_runs(a: list, b: list) -> list[list]:
@@ -92,8 +101,14 @@ def merge_runs(a: list, b: list) -> list[list]:
     return runs
 
 
-async def resume_partial(client, input_ids: list[int], sampling_params: dict, partial: GenerateOutput,
-                         return_logprob: bool = True, rid: str | None = None) -> GenerateOutput:
+async def resume_partial(
+    client,
+    input_ids: list[int],
+    sampling_params: dict,
+    partial: GenerateOutput,
+    return_logprob: bool = True,
+    rid: str | None = None,
+) -> GenerateOutput:
     """Finish `partial` (an answer to input_ids / sampling_params) with `client` (a RolloutClient;
     its `agenerate`) and return the merged answer. An answer that is not partial is returned as
     it is; one that is interrupted again comes back partial (merged so far): call again.
@@ -103,9 +118,14 @@ async def resume_partial(client, input_ids: list[int], sampling_params: dict, pa
     ids, params = resume_request(input_ids, sampling_params, partial)
     if params["max_new_tokens"] == 0:
         budget = sampling_params["max_new_tokens"]
-        return GenerateOutput(partial.output_ids, partial.text, partial.output_logprobs,
-                              {"type": "length", "length": budget},
-                              {**partial.meta_info, "finish_reason": {"type": "length", "length": budget}})
-    (resumed,) = await client.agenerate([ids], [params], return_logprob=return_logprob,
-                                        rids=None if rid is None else [rid])
+        return GenerateOutput(
+            partial.output_ids,
+            partial.text,
+            partial.output_logprobs,
+            {"type": "length", "length": budget},
+            {**partial.meta_info, "finish_reason": {"type": "length", "length": budget}},
+        )
+    (resumed,) = await client.agenerate(
+        [ids], [params], return_logprob=return_logprob, rids=None if rid is None else [rid]
+    )
     return merge_partial(partial, resumed)

@@ -48,13 +48,13 @@ def prepare_model(model) -> None:
 def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' sdpa_attention_forward, with grouped KV heads passed as they are under a mask."""
     if attention_mask is not None and attention_mask.ndim == 4:
-        attention_mask = attention_mask[:, :, :, :key.shape[-2]]
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     if is_causal is None:
         is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     groups = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, is_causal=is_causal,
-                                                           **groups)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal, **groups
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -77,12 +77,21 @@ def _has_local_attention(config) -> bool:
     """Sliding-window or chunked layers get their own masks from HF (a 4-D mask would be used
     for them as is, wrongly)."""
     layer_types = getattr(config, "layer_types", None) or []
-    return (any(t != "full_attention" for t in layer_types) or bool(getattr(config, "use_sliding_window", False))
-            or getattr(config, "attention_chunk_size", None) is not None)
+    return (
+        any(t != "full_attention" for t in layer_types)
+        or bool(getattr(config, "use_sliding_window", False))
+        or getattr(config, "attention_chunk_size", None) is not None
+    )
 
 
 def forward_step(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache, keep_all: bool):
     """One engine forward (prefill or decode) of the HF model on `cache`; every rank calls this."""
     attention_mask = model_attention_mask(model.config, mask, ids.shape[1], model.dtype)
-    return model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
-                 use_cache=True, logits_to_keep=0 if keep_all else 1)
+    return model(
+        input_ids=ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=0 if keep_all else 1,
+    )

@@ -26,22 +26,30 @@ import threading
 
 import torch
 
-from megarl.rollout.engine.weights import EngineWeights
 from megarl.rollout.engine.protocol import GenerationRequest, InvalidRequest, WeightsUnavailable
-from megarl.wire.routing import RoutingRecorder
 from megarl.rollout.engine.rows import Row as _Row
 from megarl.rollout.engine.rows import finished_result
-from megarl.rollout.engine.scheduler import Scheduler
 from megarl.rollout.engine.runner.runners import LocalRunner
+from megarl.rollout.engine.scheduler import Scheduler
+from megarl.rollout.engine.weights import EngineWeights
+from megarl.wire.routing import RoutingRecorder
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "in_place", "retract")
 
 
 class GenerationEngine(EngineWeights, Scheduler):
-    def __init__(self, model_path: str, tokenizer_path: str | None = None, device: str = "cpu",
-                 dtype: str = "float32", max_batch_size: int = 32, seed: int | None = None,
-                 runner=None, continuous_batching: bool = True):
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer_path: str | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_size: int = 32,
+        seed: int | None = None,
+        runner=None,
+        continuous_batching: bool = True,
+    ):
         """`runner`: the model's ranks (megarl.rollout.engine.runner.runners.TPRunner for --tp > 1); by default
         the model is loaded into this process (LocalRunner). `continuous_batching=False`: a batch
         runs to completion before queued requests start (the engine before continuous batching)."""
@@ -86,14 +94,18 @@ class GenerationEngine(EngineWeights, Scheduler):
         with self._tokenizer_lock:
             return self.tokenizer.encode(text)  # special tokens added as SGLang does
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True,
-               spaces_between_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
         with self._tokenizer_lock:  # the spaces flag matters to slow tokenizers; fast ones ignore it
             if self._backend is not None:  # what the fast tokenizer's decode does, minus its to_py_obj
                 text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
                 return self.tokenizer.clean_up_tokenization(text) if self._clean_up else text
-            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                         spaces_between_special_tokens=spaces_between_special_tokens)
+            return self.tokenizer.decode(
+                ids,
+                skip_special_tokens=skip_special_tokens,
+                spaces_between_special_tokens=spaces_between_special_tokens,
+            )
 
     def validate(self, req: GenerationRequest, where: str = "input_ids") -> None:
         ids = req.input_ids
@@ -105,18 +117,22 @@ class GenerationEngine(EngineWeights, Scheduler):
         if self.context_length and len(ids) + req.params.max_new_tokens > self.context_length:
             raise InvalidRequest(
                 f"{where} has {len(ids)} tokens and max_new_tokens={req.params.max_new_tokens}; together "
-                f"they exceed the model's context length {self.context_length}")
+                f"they exceed the model's context length {self.context_length}"
+            )
         if req.return_routed_experts and self.routing is None:
-            raise InvalidRequest("return_routed_experts=true but this model has no MoE router the engine records "
-                                 "(Qwen3-MoE and DeepSeek-V3 routers are recorded)")
+            raise InvalidRequest(
+                "return_routed_experts=true but this model has no MoE router the engine records "
+                "(Qwen3-MoE and DeepSeek-V3 routers are recorded)"
+            )
         self._validate_token_ids("sampling_params.logit_bias", [t for t, _ in req.params.logit_bias])
         self._validate_token_ids("token_ids_logprob", req.token_ids_logprob or ())
 
     def _validate_token_ids(self, where: str, ids) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequest(f"{where} names token ids {bad[:5]} outside the model's vocabulary "
-                                 f"[0, {self.vocab_size})")
+            raise InvalidRequest(
+                f"{where} names token ids {bad[:5]} outside the model's vocabulary [0, {self.vocab_size})"
+            )
 
     def load(self) -> dict:
         """Queued and running requests and their tokens (prompt + output so far: what a running
@@ -140,12 +156,12 @@ class GenerationEngine(EngineWeights, Scheduler):
             self._cond.notify_all()
         return [r.future for r in requests]
 
-    def abort(self, rid: str | None = None, abort_all: bool = False,
-              message: str = "aborted by /abort_request") -> int:
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by /abort_request") -> int:
         """Abort queued and running requests by rid (or the caller's rid of an n>1 group) or all.
         A queued one is answered here (with the tokens it has, if it was retracted); a running one
         by the scheduler before its next forward step."""
         with self._cond:
+
             def matches(row: _Row) -> bool:
                 return abort_all or rid in (row.req.rid, row.req.group_rid)
 
@@ -209,10 +225,14 @@ class GenerationEngine(EngineWeights, Scheduler):
         self._thread.join(timeout=30)
 
     def _collect_eos_ids(self) -> frozenset[int]:
-        values = (getattr(self.model.config, "eos_token_id", None), self.tokenizer.eos_token_id,
-                  getattr(getattr(self.model, "generation_config", None), "eos_token_id", None))
-        return frozenset(v for value in values for v in (value if isinstance(value, (list, tuple)) else [value])
-                         if v is not None)
+        values = (
+            getattr(self.model.config, "eos_token_id", None),
+            self.tokenizer.eos_token_id,
+            getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
+        )
+        return frozenset(
+            v for value in values for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None
+        )
 
     def _resolve(self, row: _Row, finish: dict) -> None:
         req, result = row.req, finished_result(row, finish, self.decode, self.weight_version)
@@ -230,7 +250,10 @@ def plain_fast_backend(tokenizer):
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
     cls = type(tokenizer)
-    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
-            and cls._decode is PreTrainedTokenizerFast._decode):
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+    ):
         return tokenizer.backend_tokenizer
     return None

@@ -63,8 +63,8 @@ class GrowableLayer(DynamicLayer):
             width = self.keys.shape[-2]
             if not self._owned() or width + new > self._kbuf.shape[-2]:
                 self._realloc(self.keys, self.values, width, new)
-        self._kbuf[..., width:width + new, :].copy_(key_states)
-        self._vbuf[..., width:width + new, :].copy_(value_states)
+        self._kbuf[..., width : width + new, :].copy_(key_states)
+        self._vbuf[..., width : width + new, :].copy_(value_states)
         self._views(width + new)
         return self.keys, self.values
 
@@ -83,7 +83,7 @@ class GrowableLayer(DynamicLayer):
                 # the filled columns only: the headroom holds nothing yet (64 columns at first)
                 for buf in (self._kbuf[..., :width, :], self._vbuf[..., :width, :]):
                     buf.index_copy_(0, dst, buf.index_select(0, src))
-        self._kbuf, self._vbuf = self._kbuf[:len(index)], self._vbuf[:len(index)]
+        self._kbuf, self._vbuf = self._kbuf[: len(index)], self._vbuf[: len(index)]
         self._views(width)
 
     batch_select_indices = select_rows
@@ -97,7 +97,7 @@ class GrowableLayer(DynamicLayer):
         self._kbuf, self._vbuf = self._kbuf[..., columns:, :], self._vbuf[..., columns:, :]
         self._views(width - columns)
 
-    def append_rows(self, other: "GrowableLayer") -> None:
+    def append_rows(self, other: GrowableLayer) -> None:
         """`other`'s rows after these, the narrower left-padded with zero columns, in one copy. The
         merged batch keeps the larger of the two headrooms (the joined rows may need more)."""
         (ka, va), (kb, vb) = (self.keys, self.values), (other.keys, other.values)

@@ -36,7 +36,8 @@ def _check_layers(cache) -> None:
         if type(layer).__name__ not in ("DynamicLayer", "GrowableLayer") or getattr(layer, "is_sliding", False):
             raise CacheNotMergeable(
                 f"KV cache layer {i} is a {type(layer).__name__}; continuous batching merges only full "
-                "DynamicLayer caches (a sliding-window or quantised layer cannot be left-padded)")
+                "DynamicLayer caches (a sliding-window or quantised layer cannot be left-padded)"
+            )
 
 
 def _get(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -77,8 +78,12 @@ def merge_into(into, other) -> None:
     merged = []
     for (ka, va), (kb, vb) in zip(a, b):
         width = max(ka.shape[-2], kb.shape[-2])
-        merged.append((torch.cat([_left_pad(ka, width), _left_pad(kb, width)], dim=0),
-                       torch.cat([_left_pad(va, width), _left_pad(vb, width)], dim=0)))
+        merged.append(
+            (
+                torch.cat([_left_pad(ka, width), _left_pad(kb, width)], dim=0),
+                torch.cat([_left_pad(va, width), _left_pad(vb, width)], dim=0),
+            )
+        )
     _set(into, merged)
 
 

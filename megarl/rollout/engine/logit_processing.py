@@ -18,8 +18,9 @@ import torch
 from megarl.rollout.engine.protocol import GenerationRequest, SamplingParams, TokenStep, distribution_logprobs
 
 
-def process_logits(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
-                   eos_token_ids: frozenset[int]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]], eos_token_ids: frozenset[int]
+) -> torch.Tensor:
     """(rows, vocab) logits -> processed logits; the same tensor when no row changes its logits."""
     changing = [i for i, p in enumerate(params) if p.changes_logits]
     if not changing:
@@ -36,9 +37,11 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], outputs: 
         ids = [t for i in bias_only for t, _ in params[i].logit_bias]
         bias = [b for i in bias_only for _, b in params[i].logit_bias]
         device = processed.device
-        processed.index_put_((torch.tensor(rows, dtype=torch.long, device=device),
-                              torch.tensor(ids, dtype=torch.long, device=device)),
-                             torch.tensor(bias, dtype=processed.dtype, device=device), accumulate=True)
+        processed.index_put_(
+            (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(ids, dtype=torch.long, device=device)),
+            torch.tensor(bias, dtype=processed.dtype, device=device),
+            accumulate=True,
+        )
     return processed
 
 
@@ -71,8 +74,13 @@ def _process_row(row: torch.Tensor, p: SamplingParams, output: list[int], eos_to
     return row
 
 
-def token_steps(logits: torch.Tensor, requests: list[GenerationRequest], tokens: list[int],
-                logprobs: list[float], weight_version: str | None = None) -> list[TokenStep]:
+def token_steps(
+    logits: torch.Tensor,
+    requests: list[GenerationRequest],
+    tokens: list[int],
+    logprobs: list[float],
+    weight_version: str | None = None,
+) -> list[TokenStep]:
     """One TokenStep per row; top-k, requested ids and entropy only for rows that asked;
     `weight_version`: the weights that computed `logits`."""
     extras = [k for k, r in enumerate(requests) if r.wants_token_extras]
@@ -80,8 +88,10 @@ def token_steps(logits: torch.Tensor, requests: list[GenerationRequest], tokens:
     if extras:
         full = distribution_logprobs(logits[extras], [requests[k].params.temperature for k in extras])
         details = {k: _details(full[j], requests[k]) for j, k in enumerate(extras)}
-    return [TokenStep(t, lp, *details.get(k, (None, None, None)), weight_version=weight_version)
-            for k, (t, lp) in enumerate(zip(tokens, logprobs))]
+    return [
+        TokenStep(t, lp, *details.get(k, (None, None, None)), weight_version=weight_version)
+        for k, (t, lp) in enumerate(zip(tokens, logprobs))
+    ]
 
 
 def _details(logprobs: torch.Tensor, req: GenerationRequest):

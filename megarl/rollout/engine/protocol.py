@@ -6,8 +6,8 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -46,8 +46,13 @@ class SamplingParams:
     @property
     def changes_logits(self) -> bool:
         """Whether penalties, bias or min_new_tokens move this row's logits away from the model's."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
-                    or self.min_new_tokens or self.logit_bias)
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_new_tokens
+            or self.logit_bias
+        )
 
 
 def distribution_logprobs(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
@@ -56,9 +61,14 @@ def distribution_logprobs(logits: torch.Tensor, temperatures: list[float]) -> to
     return torch.log_softmax(logits / torch.where(temps == 0, 1.0, temps)[:, None], dim=-1)
 
 
-def sample_next_tokens(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
-                       top_ks: list[int], generators: list[torch.Generator],
-                       min_ps: list[float] | None = None):
+def sample_next_tokens(
+    logits: torch.Tensor,
+    temperatures: list[float],
+    top_ps: list[float],
+    top_ks: list[int],
+    generators: list[torch.Generator],
+    min_ps: list[float] | None = None,
+):
     """Per-row temperature / top-k / top-p / min-p sampling of (rows, vocab) logits.
 
     Returns (token ids, log-probs by `distribution_logprobs`; T == 0 picks the argmax). Sampling

@@ -7,7 +7,7 @@ forward steps on its scheduler thread.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -69,9 +69,9 @@ def fill_input_logprobs(rows: list[Row], logits: torch.Tensor, ids: torch.Tensor
             continue
         pad, temperature, start = width - len(req.input_ids), req.params.temperature, req.logprob_start_len
         # logits at padded position pad+j-1 predict prompt token j
-        scaled = logits[b, pad:width - 1].float() / (temperature if temperature > 0 else 1.0)
+        scaled = logits[b, pad : width - 1].float() / (temperature if temperature > 0 else 1.0)
         full = torch.log_softmax(scaled, dim=-1)
-        row.input_logprobs = ([None] + full.gather(-1, ids[b, pad + 1:, None])[:, 0].tolist())[start:]
+        row.input_logprobs = ([None] + full.gather(-1, ids[b, pad + 1 :, None])[:, 0].tolist())[start:]
         if req.top_logprobs_num:  # nothing predicts the first prompt token: None there, as in SGLang
             row.input_top_logprobs = ([None] + top_logprobs(full, req.top_logprobs_num))[start:]
         if req.token_ids_logprob:
@@ -123,16 +123,24 @@ def finished_result(row: Row, finish: dict, decode: Decode, weight_version: str)
     lp, extras = req.return_logprob, req.return_logprob and req.wants_token_extras
     top, chosen = extras and bool(req.top_logprobs_num), extras and bool(req.token_ids_logprob)
     return GenerationResult(
-        rid=req.rid, text=text, input_ids=req.input_ids, output_ids=list(row.output_ids),
+        rid=req.rid,
+        text=text,
+        input_ids=req.input_ids,
+        output_ids=list(row.output_ids),
         output_logprobs=list(row.logprobs) if lp else None,
         input_logprobs=row.input_logprobs if lp else None,
-        finish_reason=finish, prompt_tokens=len(req.input_ids),
-        weight_version=weight_version, e2e_latency=time.time() - req.created,
+        finish_reason=finish,
+        prompt_tokens=len(req.input_ids),
+        weight_version=weight_version,
+        e2e_latency=time.time() - req.created,
         output_top_logprobs=[s.top_logprobs for s in row.steps] if top else None,
         input_top_logprobs=row.input_top_logprobs if lp else None,
         output_token_ids_logprobs=[s.token_ids_logprobs for s in row.steps] if chosen else None,
         input_token_ids_logprobs=row.input_token_ids_logprobs if lp else None,
         output_entropy=[s.entropy for s in row.steps] if req.return_entropy else None,
-        routed_experts=(row_records(row.routed, len(req.input_ids) + len(row.output_ids) - 1)
-                        if req.return_routed_experts else None),
-        weight_versions=run_lengths(row.versions), num_retractions=row.retractions)
+        routed_experts=(
+            row_records(row.routed, len(req.input_ids) + len(row.output_ids) - 1) if req.return_routed_experts else None
+        ),
+        weight_versions=run_lengths(row.versions),
+        num_retractions=row.retractions,
+    )

@@ -33,8 +33,8 @@ import torch
 from megarl.rollout.engine.kv_cache import headroom_for
 from megarl.rollout.engine.logit_processing import process_logits, token_steps
 from megarl.rollout.engine.protocol import sample_next_tokens
-from megarl.wire.routing import BatchCapture
 from megarl.rollout.engine.rows import Row, fill_input_logprobs, stop_reason, wants_input_logprobs
+from megarl.wire.routing import BatchCapture
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class RunningBatch:
             self.trim(runner)
         self.rows = [self.rows[k] for k in keep]
 
-    def merge(self, other: "RunningBatch", runner) -> None:
+    def merge(self, other: RunningBatch, runner) -> None:
         """Append `other`'s rows (a prefill of joining requests); the narrower is left-padded."""
         width = max(self.mask.shape[1], other.mask.shape[1])
         self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(other.mask, width)])
@@ -150,8 +150,9 @@ class Scheduler:
                     self._wait_quietly()
                     continue
             for row in aborted:
-                self._resolve(row, {"type": "abort",
-                                    "message": "the engine is shutting down" if closing else row.abort_message})
+                self._resolve(
+                    row, {"type": "abort", "message": "the engine is shutting down" if closing else row.abort_message}
+                )
             if batch is not None:
                 batch.keep_unfinished(self.runner, self.device)
                 batch = batch if batch.rows else None
@@ -241,8 +242,13 @@ class Scheduler:
         params = [r.params for r in requests]
         logits = process_logits(logits.float(), params, [row.output_ids for row in rows], self.eos_token_ids)
         tokens, logprobs = sample_next_tokens(
-            logits, [p.temperature for p in params], [p.top_p for p in params],
-            [p.top_k for p in params], [row.generator for row in rows], min_ps=[p.min_p for p in params])
+            logits,
+            [p.temperature for p in params],
+            [p.top_p for p in params],
+            [p.top_k for p in params],
+            [row.generator for row in rows],
+            min_ps=[p.min_p for p in params],
+        )
         for row, step in zip(rows, token_steps(logits, requests, tokens.tolist(), logprobs.tolist(), version)):
             row.record(step)
             finish = stop_reason(row, self.eos_token_ids, self.decode)

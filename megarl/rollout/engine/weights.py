@@ -23,20 +23,28 @@ class EngineWeights:
     # set by GenerationEngine.__init__: runner, model, device, weight_version, _model_lock, _cond,
     # _tensors_by_name, _unfilled, _weights_resident
 
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None,
-                       defer: bool = False) -> str:
+    def update_weights(
+        self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None, defer: bool = False
+    ) -> str:
         """Copy full HF-named tensors into the model between forward steps (each TP rank its slice);
         all are checked, on every rank, before any is written (or staged, with `defer`)."""
-        return self._updated(lambda: self.runner.load_named(named_tensors, defer, weight_version),
-                             weight_version, defer)
+        return self._updated(
+            lambda: self.runner.load_named(named_tensors, defer, weight_version), weight_version, defer
+        )
 
-    def update_weights_from_payloads(self, payloads: list[str], load_format: str | None = None,
-                                     weight_version: str | None = None, defer: bool = False) -> str:
+    def update_weights_from_payloads(
+        self,
+        payloads: list[str],
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        defer: bool = False,
+    ) -> str:
         """SGLang's `serialized_named_tensors`: TP rank r decodes entry r; a single entry is decoded
         by every rank (so is entry 0 by a tp=1 engine, whatever the count). Staged values are copies:
         the sender may reuse its shared memory as soon as this returns."""
-        return self._updated(lambda: self.runner.load_payloads(payloads, load_format, defer, weight_version),
-                             weight_version, defer)
+        return self._updated(
+            lambda: self.runner.load_payloads(payloads, load_format, defer, weight_version), weight_version, defer
+        )
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
         """Every rank reads its own slices of the safetensors files in `model_path`."""
@@ -47,17 +55,21 @@ class EngineWeights:
             raise ValueError(f"no *.safetensors files in model_path={model_path!r}")
         applied = self._apply(lambda: self.runner.load_files([str(f) for f in files]), weight_version)
         self.model_path = str(model_path)
-        return (f"updated {len(applied.names)} tensors; weight_version={self.weight_version} "
-                f"from {len(files)} file(s) in {model_path}")
+        return (
+            f"updated {len(applied.names)} tensors; weight_version={self.weight_version} "
+            f"from {len(files)} file(s) in {model_path}"
+        )
 
-    def update_weights_from_distributed(self, request: dict, weight_version: str | None = None,
-                                        defer: bool = False) -> str:
+    def update_weights_from_distributed(
+        self, request: dict, weight_version: str | None = None, defer: bool = False
+    ) -> str:
         """request: group_name, names, dtypes, shapes, load_format; full tensors broadcast from group rank 0."""
         request = {**request, "weight_version": weight_version, "defer": defer}
         return self._updated(lambda: self.runner.load_distributed(request), weight_version, defer, resident=False)
 
-    def update_weights_from_reshard(self, group_name: str, ranks: list, weight_version: str | None = None,
-                                    defer: bool = True) -> str:
+    def update_weights_from_reshard(
+        self, group_name: str, ranks: list, weight_version: str | None = None, defer: bool = True
+    ) -> str:
         """Each TP rank r receives the messages listed in ranks[r]: boxes of its own shard, point to point."""
         request = {"group_name": group_name, "ranks": ranks, "weight_version": weight_version, "defer": defer}
         return self._updated(lambda: self.runner.load_reshard(request), weight_version, defer, resident=False)
@@ -73,12 +85,24 @@ class EngineWeights:
             count = self.runner.abort()
         return f"discarded {count} staged pieces" if count else "nothing was staged"
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str | None = None) -> str:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str | None = None,
+    ) -> str:
         """Every TP rank r joins as group rank rank_offset + r; returns once the group is formed."""
-        request = {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-                   "world_size": int(world_size), "group_name": group_name,
-                   "backend": backend or ("nccl" if self.device.type == "cuda" else "gloo")}
+        request = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": group_name,
+            "backend": backend or ("nccl" if self.device.type == "cuda" else "gloo"),
+        }
         with self._model_lock:
             return self.runner.init_update_group(request)
 
@@ -89,8 +113,10 @@ class EngineWeights:
     def _updated(self, load, weight_version: str | None, defer: bool, resident: bool = True) -> str:
         applied = self._apply(load, weight_version, resident and not defer)
         if applied.staged:
-            return (f"staged {applied.staged} pieces of {len(applied.names)} tensors for weight_version "
-                    f"{weight_version!r}; /commit_weight_update applies them")
+            return (
+                f"staged {applied.staged} pieces of {len(applied.names)} tensors for weight_version "
+                f"{weight_version!r}; /commit_weight_update applies them"
+            )
         return f"updated {len(applied.names)} tensors; weight_version={self.weight_version}"
 
     def _apply(self, load, weight_version: str | None, resident: bool = True) -> Applied:
@@ -125,14 +151,18 @@ class EngineWeights:
                 return "weights are resident; nothing to resume"
             self._unfilled = set(self.runner.resume_weights())
             self._weights_resident = True
-        return (f"re-allocated {len(self._unfilled)} parameter tensors; they hold no values until "
-                "/update_weights_from_tensor or /update_weights_from_disk fills every one")
+        return (
+            f"re-allocated {len(self._unfilled)} parameter tensors; they hold no values until "
+            "/update_weights_from_tensor or /update_weights_from_disk fills every one"
+        )
 
     def _weights_state_message(self) -> str:
         if not self._weights_resident:
             return "weights released; call /resume_memory_occupation then update weights"
-        return (f"weights resumed but {len(self._unfilled)} parameters were not refilled yet "
-                f"(e.g. {sorted(self._unfilled)[:3]}); update them before generating")
+        return (
+            f"weights resumed but {len(self._unfilled)} parameters were not refilled yet "
+            f"(e.g. {sorted(self._unfilled)[:3]}); update them before generating"
+        )
 
     def _canonical_names(self, names) -> set[str]:
         by_identity = {id(p): n for n, p in self.model.named_parameters()}

@@ -29,7 +29,7 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 class EngineNodeSpec:
     """What one launcher needs to start its node of engine `engine` (picklable, no secrets)."""
 
-    backend: str                 # "embedded" | "sglang"
+    backend: str  # "embedded" | "sglang"
     model_path: str
     engine: int
     node_rank: int = 0
@@ -38,16 +38,16 @@ class EngineNodeSpec:
     ep: int = 1
     dp: int = 1
     host: str = "127.0.0.1"
-    port: int = 0                # 0: a free port
+    port: int = 0  # 0: a free port
     max_batch_size: int = 256
     seed: int = 0
-    colocated: bool = False      # SGLang: --enable-memory-saver so it can release memory
+    colocated: bool = False  # SGLang: --enable-memory-saver so it can release memory
     mem_fraction_static: float | None = None  # SGLang: --mem-fraction-static (None: its default)
     routed_experts: bool = False  # SGLang: --enable-return-routed-experts (actor.moe.routing_replay)
     log_path: str = "rollout_server.log"
     startup_timeout_s: float = 300.0
     env: dict = field(default_factory=dict)
-    weight_dirs: tuple = ()      # embedded: --weight-dirs (empty: the server's default, model_path only)
+    weight_dirs: tuple = ()  # embedded: --weight-dirs (empty: the server's default, model_path only)
     max_body_mb: float | None = None  # embedded: --max-body-mb (None: the server's default)
 
     @property
@@ -83,8 +83,10 @@ class EngineLauncher:
         self.stop()
         s = self.spec
         if s.nnodes > 1 and not dist_init_addr:
-            raise ValueError(f"{s.name}: an engine over {s.nnodes} nodes needs the dist-init address "
-                             "of node rank 0 (EngineLauncher.dist_init_addr)")
+            raise ValueError(
+                f"{s.name}: an engine over {s.nnodes} nodes needs the dist-init address "
+                "of node rank 0 (EngineLauncher.dist_init_addr)"
+            )
         env = dict(os.environ, **s.env)
         if self._api_key:
             env[API_KEY_ENV] = self._api_key
@@ -96,9 +98,17 @@ class EngineLauncher:
             self.server = SGLangServerProcess(s, dist_init_addr, self._api_key, env=env)
         else:
             self.server = RolloutServerProcess(
-                s.model_path, host=s.host, port=s.port, max_batch_size=s.max_batch_size, seed=s.seed,
-                torch_threads=1, extra_args=tuple(_mesh_args(s, dist_init_addr) + _limit_args(s)), env=env,
-                log_path=s.log_path, startup_timeout_s=s.startup_timeout_s)
+                s.model_path,
+                host=s.host,
+                port=s.port,
+                max_batch_size=s.max_batch_size,
+                seed=s.seed,
+                torch_threads=1,
+                extra_args=tuple(_mesh_args(s, dist_init_addr) + _limit_args(s)),
+                env=env,
+                log_path=s.log_path,
+                startup_timeout_s=s.startup_timeout_s,
+            )
         self.server.avoid_ports = set(self._used_ports)
         self.server.start()
         self._used_ports.add(self.server.port)
@@ -130,8 +140,7 @@ def _mesh_args(spec: EngineNodeSpec, dist_init_addr: str | None) -> list[str]:
     if spec.tp > 1:
         args += ["--tp", str(spec.tp)]
     if spec.nnodes > 1:
-        args += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
-                 "--dist-init-addr", dist_init_addr]
+        args += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank), "--dist-init-addr", dist_init_addr]
     return args
 
 
@@ -142,4 +151,3 @@ def _limit_args(spec: EngineNodeSpec) -> list[str]:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
-

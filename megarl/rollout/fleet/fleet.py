@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from megarl.rollout.client.client import RolloutClient
 from megarl.rollout.fleet.engine_launcher import EngineLauncher, EngineNodeSpec
@@ -49,10 +49,17 @@ class _Engine:
 
 
 class RolloutFleet:
-    def __init__(self, engine_specs: list[list[EngineNodeSpec]], *, api_key: str | None = None,
-                 router: RouterSpec | None = None, placement: Callable[[int, int], dict] | None = None,
-                 gpu_ids: Callable[[int, int], list[str]] | None = None, request_timeout_s: float = 60.0,
-                 max_restarts: int = 3):
+    def __init__(
+        self,
+        engine_specs: list[list[EngineNodeSpec]],
+        *,
+        api_key: str | None = None,
+        router: RouterSpec | None = None,
+        placement: Callable[[int, int], dict] | None = None,
+        gpu_ids: Callable[[int, int], list[str]] | None = None,
+        request_timeout_s: float = 60.0,
+        max_restarts: int = 3,
+    ):
         """engine_specs[e][k]: node k of engine e. placement(e, k) -> Ray actor options that pin
         that node's launcher (scheduling strategy, resources); gpu_ids(e, k) -> its GPUs."""
         self.specs, self.api_key, self.router_spec = engine_specs, api_key, router
@@ -70,7 +77,7 @@ class RolloutFleet:
         self._clients: dict[str, RolloutClient] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> "RolloutFleet":
+    def start(self) -> RolloutFleet:
         self.launch()
         self.wait_started()
         return self
@@ -81,9 +88,12 @@ class RolloutFleet:
 
         launcher_cls = ray.remote(EngineLauncher)
         for e, nodes in enumerate(self.specs):
-            launchers = [launcher_cls.options(name=f"rollout_{self._id}_{spec.name}", num_cpus=0,
-                                              **self._placement(e, spec.node_rank))
-                         .remote(spec, self.api_key, self._gpu_ids(e, spec.node_rank)) for spec in nodes]
+            launchers = [
+                launcher_cls.options(
+                    name=f"rollout_{self._id}_{spec.name}", num_cpus=0, **self._placement(e, spec.node_rank)
+                ).remote(spec, self.api_key, self._gpu_ids(e, spec.node_rank))
+                for spec in nodes
+            ]
             self.engines.append(_Engine(e, launchers))
         self._starting = {e.index: self._start_refs(e) for e in self.engines}  # all start together
 
@@ -125,21 +135,23 @@ class RolloutFleet:
                 raise EngineFailure(
                     f"rollout engine {engine.index} runs on another machine than the controller but binds "
                     f"rollout.host={self.specs[engine.index][0].host}; set rollout.host=0.0.0.0 so engines "
-                    "bind every interface and are reached at their node's IP (they get the run's API key)")
+                    "bind every interface and are reached at their node's IP (they get the run's API key)"
+                )
 
     def _start_router(self) -> None:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from megarl.rollout.fleet.router_actor import RouterActor
-
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         spec = self.router_spec
         # on the driver's node: a router bound to loopback must be where its client is
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = ray.remote(RouterActor).options(
-            name=f"rollout_{self._id}_router", num_cpus=0, scheduling_strategy=here).remote(
-            self.engine_urls, spec.policy, spec.host, spec.log_path, self.api_key)
+        self.router = (
+            ray.remote(RouterActor)
+            .options(name=f"rollout_{self._id}_router", num_cpus=0, scheduling_strategy=here)
+            .remote(self.engine_urls, spec.policy, spec.host, spec.log_path, self.api_key)
+        )
         self.router_url = ray.get(self.router.start.remote())
 
     def close(self) -> None:
@@ -151,7 +163,8 @@ class RolloutFleet:
         if not ray.is_initialized():
             return
         handles = ([self.router] if self.router is not None else []) + [
-            launcher for e in self.engines for launcher in e.launchers]
+            launcher for e in self.engines for launcher in e.launchers
+        ]
         stops = [h.stop.remote() for h in handles]
         try:
             ray.get(stops, timeout=60)
@@ -173,8 +186,9 @@ class RolloutFleet:
         return self._clients[url]
 
     def client(self, url: str, **kwargs) -> RolloutClient:
-        return RolloutClient(url, api_key=self.api_key, timeout_s=kwargs.pop("timeout_s", self.request_timeout_s),
-                             **kwargs)
+        return RolloutClient(
+            url, api_key=self.api_key, timeout_s=kwargs.pop("timeout_s", self.request_timeout_s), **kwargs
+        )
 
     def abort_all_requests(self) -> None:
         """Best effort: every engine aborts what it queues and runs, so its callers get answers at
@@ -216,11 +230,14 @@ class RolloutFleet:
             engine.restarts += 1
             self.restarts += 1
             if engine.restarts > self.max_restarts:
-                raise EngineFailure(f"rollout engine {index} died {engine.restarts} times; "
-                                    f"rollout.max_engine_restarts={self.max_restarts}. Its log says why: "
-                                    f"{self.specs[index][0].log_path}")
-            log.warning("rollout engine %d (%s) is dead; restarting it (restart %d)", index, engine.url,
-                        engine.restarts)
+                raise EngineFailure(
+                    f"rollout engine {index} died {engine.restarts} times; "
+                    f"rollout.max_engine_restarts={self.max_restarts}. Its log says why: "
+                    f"{self.specs[index][0].log_path}"
+                )
+            log.warning(
+                "rollout engine %d (%s) is dead; restarting it (restart %d)", index, engine.url, engine.restarts
+            )
             self._detach(engine)
             self._pending[index] = self._start_refs(engine)  # EngineLauncher.start stops leftovers first
         if wait or not self.live_urls():

@@ -114,8 +114,8 @@ from pathlib import Path
 import httpx
 
 from megarl.procs import lifeline
-from megarl.procs.net import free_port
 from megarl.procs.managed import HealthProbe, ManagedProcess, PortTaken, new_log_file
+from megarl.procs.net import free_port
 
 API_KEY_ENV = "MEGARL_ROUTER_API_KEY"
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
@@ -132,14 +132,29 @@ _ENTRY = (
 
 
 class RouterProcess(ManagedProcess):
-    def __init__(self, worker_urls: tuple[str, ...] | list[str] = (), *, host: str = "127.0.0.1", port: int = 0,
-                 prometheus_port: int = 0, policy: str = "round_robin", api_key: str | None = None,
-                 max_retries: int = 0, health_check_interval_s: int = 5, health_failure_threshold: int = 2,
-                 health_success_threshold: int = 1, health_check_timeout_s: int = 5,
-                 health_check_endpoint: str = "/health", worker_startup_timeout_s: int = 600,
-                 request_timeout_s: int = 1800, log_level: str = "info", extra_args: tuple[str, ...] = (),
-                 log_path: str | os.PathLike | None = None, startup_timeout_s: float = 60.0,
-                 python: str = sys.executable):
+    def __init__(
+        self,
+        worker_urls: tuple[str, ...] | list[str] = (),
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        prometheus_port: int = 0,
+        policy: str = "round_robin",
+        api_key: str | None = None,
+        max_retries: int = 0,
+        health_check_interval_s: int = 5,
+        health_failure_threshold: int = 2,
+        health_success_threshold: int = 1,
+        health_check_timeout_s: int = 5,
+        health_check_endpoint: str = "/health",
+        worker_startup_timeout_s: int = 600,
+        request_timeout_s: int = 1800,
+        log_level: str = "info",
+        extra_args: tuple[str, ...] = (),
+        log_path: str | os.PathLike | None = None,
+        startup_timeout_s: float = 60.0,
+        python: str = sys.executable,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r} is not one of {', '.join(POLICIES)}")
         if max_retries < 0:
@@ -149,13 +164,17 @@ class RouterProcess(ManagedProcess):
         self.port: int | None = None
         self.prometheus_port: int | None = None
         self.api_key = api_key
-        self.options = {"--policy": policy, "--health-check-interval-secs": health_check_interval_s,
-                        "--health-failure-threshold": health_failure_threshold,
-                        "--health-success-threshold": health_success_threshold,
-                        "--health-check-timeout-secs": health_check_timeout_s,
-                        "--health-check-endpoint": health_check_endpoint,
-                        "--worker-startup-timeout-secs": worker_startup_timeout_s,
-                        "--request-timeout-secs": request_timeout_s, "--log-level": log_level}
+        self.options = {
+            "--policy": policy,
+            "--health-check-interval-secs": health_check_interval_s,
+            "--health-failure-threshold": health_failure_threshold,
+            "--health-success-threshold": health_success_threshold,
+            "--health-check-timeout-secs": health_check_timeout_s,
+            "--health-check-endpoint": health_check_endpoint,
+            "--worker-startup-timeout-secs": worker_startup_timeout_s,
+            "--request-timeout-secs": request_timeout_s,
+            "--log-level": log_level,
+        }
         # --retry-max-retries counts attempts, the first included; --disable-retries is one attempt.
         self.retry_args = ["--disable-retries"] if max_retries == 0 else ["--retry-max-retries", str(max_retries + 1)]
         self.extra_args, self.python, self.startup_timeout_s = list(extra_args), python, startup_timeout_s
@@ -173,8 +192,16 @@ class RouterProcess(ManagedProcess):
 
     def flags(self) -> list[str]:
         """The `python -m sglang_router.launch_router` flags; never the API key, so safe to log."""
-        flags = ["--host", self.host, "--port", str(self.port),
-                 "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port)]
+        flags = [
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            self.host,
+            "--prometheus-port",
+            str(self.prometheus_port),
+        ]
         if self.initial_workers:
             flags += ["--worker-urls", *self.initial_workers]
         for flag, value in self.options.items():
@@ -184,7 +211,7 @@ class RouterProcess(ManagedProcess):
     def command(self) -> list[str]:
         return [self.python, "-c", _ENTRY, *self.flags()]
 
-    def start(self) -> "RouterProcess":
+    def start(self) -> RouterProcess:
         if self.alive():
             raise RuntimeError(f"the router at {self.url} is already running (pid {self.process.pid})")
         picks_ports = self.requested_port == 0 or self.requested_prometheus_port == 0
@@ -198,9 +225,11 @@ class RouterProcess(ManagedProcess):
                 return self
             except PortTaken:
                 if attempt == attempts - 1:
-                    raise RuntimeError(f"the router could not bind its ports after {attempts} tries "
-                                       f"(port {self.port}, prometheus port {self.prometheus_port}); "
-                                       f"log tail from {self.log_path}:\n{self.log_tail()}") from None
+                    raise RuntimeError(
+                        f"the router could not bind its ports after {attempts} tries "
+                        f"(port {self.port}, prometheus port {self.prometheus_port}); "
+                        f"log tail from {self.log_path}:\n{self.log_tail()}"
+                    ) from None
 
     def _spawn(self) -> None:
         env = dict(os.environ)
@@ -208,8 +237,14 @@ class RouterProcess(ManagedProcess):
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
         with open(self.log_path, "ab") as log_file:
-            self.process = subprocess.Popen(lifeline.guarded(self.command()), stdout=log_file, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            self.process = subprocess.Popen(
+                lifeline.guarded(self.command()),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         atexit.register(self.stop)
 
     def _wait_until_ready(self) -> None:
@@ -241,15 +276,19 @@ class RouterProcess(ManagedProcess):
         self.stop()
         if "address already in use" in tail.lower():
             raise PortTaken()
-        raise RuntimeError(f"sglang-router exited with code {code} during startup (flags: "
-                           f"{' '.join(self.flags())}); last log lines from {self.log_path}:\n{tail}")
+        raise RuntimeError(
+            f"sglang-router exited with code {code} during startup (flags: "
+            f"{' '.join(self.flags())}); last log lines from {self.log_path}:\n{tail}"
+        )
 
     def _startup_timeout(self, what: str) -> None:
         tail = self.log_tail()
         url = self.url
         self.stop()
-        raise TimeoutError(f"sglang-router at {url} {what} within {self.startup_timeout_s:.0f}s; "
-                           f"last log lines from {self.log_path}:\n{tail}")
+        raise TimeoutError(
+            f"sglang-router at {url} {what} within {self.startup_timeout_s:.0f}s; "
+            f"last log lines from {self.log_path}:\n{tail}"
+        )
 
     # --- workers -------------------------------------------------------------------------------
 
@@ -278,22 +317,27 @@ class RouterProcess(ManagedProcess):
             record = self._request("GET", f"/workers/{worker_id}").json()
             job = record.get("job_status") or {}
             if job.get("status") == "failed" and job.get("job_type") == "AddWorker":
-                raise RuntimeError(f"the router could not register worker {url}: {job.get('message')}; "
-                                   f"check that {url}/health answers 200 from the router's host")
+                raise RuntimeError(
+                    f"the router could not register worker {url}: {job.get('message')}; "
+                    f"check that {url}/health answers 200 from the router's host"
+                )
             if record.get("is_healthy") and not job:
                 return worker_id
             time.sleep(0.02)
         self._request("DELETE", f"/workers/{worker_id}")  # drop the pending job, it would keep retrying
-        raise TimeoutError(f"the router did not register worker {url} within {timeout_s:.0f}s; "
-                           f"check that {url}/health answers 200 from the router's host")
+        raise TimeoutError(
+            f"the router did not register worker {url} within {timeout_s:.0f}s; "
+            f"check that {url}/health answers 200 from the router's host"
+        )
 
     def remove_worker(self, url: str, *, timeout_s: float = 10.0) -> None:
         """Deregister `url`; requests already running on it finish, new ones go elsewhere."""
         url = _normalise(url)
         ids = {w["url"]: w["id"] for w in self._worker_records()}
         if url not in ids:
-            raise ValueError(f"worker {url} is not registered with the router at {self.url}; "
-                             f"registered: {sorted(ids) or 'none'}")
+            raise ValueError(
+                f"worker {url} is not registered with the router at {self.url}; registered: {sorted(ids) or 'none'}"
+            )
         self._request("DELETE", f"/workers/{ids[url]}")
         deadline = time.monotonic() + timeout_s
         while url in self.workers():
@@ -308,12 +352,13 @@ class RouterProcess(ManagedProcess):
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         response = self._http.client.request(method, self.url + path, headers=headers, **kwargs)
         if response.status_code >= 400:
-            raise RuntimeError(f"sglang-router {method} {path} answered {response.status_code}: "
-                               f"{response.text[:300] or '(empty body)'}")
+            raise RuntimeError(
+                f"sglang-router {method} {path} answered {response.status_code}: "
+                f"{response.text[:300] or '(empty body)'}"
+            )
         return response
 
     # --- lifecycle -----------------------------------------------------------------------------
-
 
 
 def _normalise(url: str) -> str:

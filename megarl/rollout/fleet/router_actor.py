@@ -11,8 +11,7 @@ from megarl.rollout.fleet.router import RouterProcess
 
 class RouterActor:
     def __init__(self, worker_urls: list[str], policy: str, host: str, log_path: str, api_key: str | None):
-        self.router = RouterProcess(list(worker_urls), host=host, policy=policy, log_path=log_path,
-                                    api_key=api_key)
+        self.router = RouterProcess(list(worker_urls), host=host, policy=policy, log_path=log_path, api_key=api_key)
 
     def start(self) -> str:
         """The router's URL as other nodes reach it (the node's IP when bound to every interface)."""

@@ -31,15 +31,32 @@ _PACKAGE_ROOT = str(Path(megarl.__file__).resolve().parent.parent)
 
 
 class RolloutServerProcess(ManagedProcess):
-    def __init__(self, model_path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 0,
-                 max_batch_size: int = 32, seed: int | None = None, device: str = "cpu",
-                 dtype: str = "float32", torch_threads: int | None = None, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                 startup_timeout_s: float = 180.0, python: str = sys.executable):
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_batch_size: int = 32,
+        seed: int | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        torch_threads: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        startup_timeout_s: float = 180.0,
+        python: str = sys.executable,
+    ):
         self.model_path, self.host, self.requested_port = str(model_path), host, port
         self.port: int | None = None
-        self.options = {"--max-batch-size": max_batch_size, "--seed": seed, "--device": device,
-                        "--dtype": dtype, "--torch-threads": torch_threads}
+        self.options = {
+            "--max-batch-size": max_batch_size,
+            "--seed": seed,
+            "--device": device,
+            "--dtype": dtype,
+            "--torch-threads": torch_threads,
+        }
         self.extra_args, self.python, self.startup_timeout_s = list(extra_args), python, startup_timeout_s
         self.env = env
         # ports a picked free port must not be (EngineLauncher: its earlier servers' ports)
@@ -54,14 +71,23 @@ class RolloutServerProcess(ManagedProcess):
         return f"http://{self.host}:{self.port}"
 
     def command(self, port: int) -> list[str]:
-        cmd = [self.python, "-m", "megarl.rollout.server", "--model-path", self.model_path,
-               "--host", self.host, "--port", str(port)]
+        cmd = [
+            self.python,
+            "-m",
+            "megarl.rollout.server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+        ]
         for flag, value in self.options.items():
             if value is not None:
                 cmd += [flag, str(value)]
         return cmd + self.extra_args
 
-    def start(self) -> "RolloutServerProcess":
+    def start(self) -> RolloutServerProcess:
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError(f"the rollout server at {self.url} is already running (pid {self.process.pid})")
         attempts = 3 if self.requested_port == 0 else 1
@@ -73,16 +99,23 @@ class RolloutServerProcess(ManagedProcess):
                 return self
             except PortTaken:
                 if attempt == attempts - 1:
-                    raise RuntimeError(f"could not bind a free port after {attempts} tries; log tail:\n"
-                                       f"{self.log_tail()}") from None
+                    raise RuntimeError(
+                        f"could not bind a free port after {attempts} tries; log tail:\n{self.log_tail()}"
+                    ) from None
 
     def _spawn(self) -> None:
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(self.log_path, "ab") as log_file:
-            self.process = subprocess.Popen(lifeline.guarded(self.command(self.port)), stdout=log_file, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            self.process = subprocess.Popen(
+                lifeline.guarded(self.command(self.port)),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         atexit.register(self.stop)
 
     def _wait_until_healthy(self) -> None:
@@ -93,8 +126,10 @@ class RolloutServerProcess(ManagedProcess):
                     return
                 time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"rollout server at {self.url} was not healthy within {self.startup_timeout_s:.0f}s; "
-                           f"last log lines from {self.log_path}:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"rollout server at {self.url} was not healthy within {self.startup_timeout_s:.0f}s; "
+            f"last log lines from {self.log_path}:\n{self.log_tail()}"
+        )
 
     def _healthy_or_failed(self, probe: HealthProbe) -> bool:
         """True once /health answers; raises if the process exited (PortTaken for a lost port)."""
@@ -104,7 +139,9 @@ class RolloutServerProcess(ManagedProcess):
             self.stop()
             if "address already in use" in tail.lower():
                 raise PortTaken()
-            raise RuntimeError(f"rollout server exited with code {code} during startup "
-                               f"(command: {' '.join(self.command(self.port))}); last log lines "
-                               f"from {self.log_path}:\n{tail}")
+            raise RuntimeError(
+                f"rollout server exited with code {code} during startup "
+                f"(command: {' '.join(self.command(self.port))}); last log lines "
+                f"from {self.log_path}:\n{tail}"
+            )
         return probe.ok(f"{self.url}/health")

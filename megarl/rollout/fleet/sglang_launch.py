@@ -50,21 +50,21 @@ class SGLangServerSpec:
     tokenizer_path: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
-    tp_size: int = 1                     # GPUs of the whole engine, over all its nodes
+    tp_size: int = 1  # GPUs of the whole engine, over all its nodes
     ep_size: int = 1
     dp_size: int = 1
     enable_dp_attention: bool = False
     nnodes: int = 1
     node_rank: int = 0
-    dist_init_addr: str | None = None    # "host:port" of node rank 0; required when nnodes > 1
+    dist_init_addr: str | None = None  # "host:port" of node rank 0; required when nnodes > 1
     mem_fraction_static: float | None = None
-    enable_memory_saver: bool = False    # colocated: weights and KV cache can be released and resumed
+    enable_memory_saver: bool = False  # colocated: weights and KV cache can be released and resumed
     enable_return_routed_experts: bool = False  # MoE routing replay: meta_info.routed_experts on request
     base_gpu_id: int = 0
     dtype: str = "auto"
     random_seed: int | None = None
     api_key: str | None = None
-    api_key_config: str | None = None    # path of a YAML file holding the key (see api_key_config_yaml)
+    api_key_config: str | None = None  # path of a YAML file holding the key (see api_key_config_yaml)
     trust_remote_code: bool = False
     skip_server_warmup: bool = False
     log_level: str = "info"
@@ -73,16 +73,33 @@ class SGLangServerSpec:
 
 # The flags a spec field owns; extra_args must not repeat them (argparse would keep the last one).
 _FIELD_OF_FLAG = {
-    "--model-path": "model_path", "--model": "model_path", "--tokenizer-path": "tokenizer_path",
-    "--host": "host", "--port": "port", "--tp-size": "tp_size", "--tensor-parallel-size": "tp_size",
-    "--ep-size": "ep_size", "--expert-parallel-size": "ep_size", "--ep": "ep_size", "--dp-size": "dp_size",
-    "--data-parallel-size": "dp_size", "--enable-dp-attention": "enable_dp_attention", "--nnodes": "nnodes",
-    "--node-rank": "node_rank", "--dist-init-addr": "dist_init_addr", "--nccl-init-addr": "dist_init_addr",
-    "--mem-fraction-static": "mem_fraction_static", "--enable-memory-saver": "enable_memory_saver",
+    "--model-path": "model_path",
+    "--model": "model_path",
+    "--tokenizer-path": "tokenizer_path",
+    "--host": "host",
+    "--port": "port",
+    "--tp-size": "tp_size",
+    "--tensor-parallel-size": "tp_size",
+    "--ep-size": "ep_size",
+    "--expert-parallel-size": "ep_size",
+    "--ep": "ep_size",
+    "--dp-size": "dp_size",
+    "--data-parallel-size": "dp_size",
+    "--enable-dp-attention": "enable_dp_attention",
+    "--nnodes": "nnodes",
+    "--node-rank": "node_rank",
+    "--dist-init-addr": "dist_init_addr",
+    "--nccl-init-addr": "dist_init_addr",
+    "--mem-fraction-static": "mem_fraction_static",
+    "--enable-memory-saver": "enable_memory_saver",
     "--enable-return-routed-experts": "enable_return_routed_experts",
-    "--base-gpu-id": "base_gpu_id", "--dtype": "dtype", "--random-seed": "random_seed",
-    "--api-key": "api_key", "--trust-remote-code": "trust_remote_code",
-    "--skip-server-warmup": "skip_server_warmup", "--log-level": "log_level",
+    "--base-gpu-id": "base_gpu_id",
+    "--dtype": "dtype",
+    "--random-seed": "random_seed",
+    "--api-key": "api_key",
+    "--trust-remote-code": "trust_remote_code",
+    "--skip-server-warmup": "skip_server_warmup",
+    "--log-level": "log_level",
 }
 
 
@@ -96,24 +113,33 @@ def validate(spec: SGLangServerSpec) -> None:
     if not 1 <= spec.port <= 65535:
         raise ValueError(f"port={spec.port} is not a TCP port (1-65535)")
     if spec.tp_size % spec.nnodes:
-        raise ValueError(f"tp_size={spec.tp_size} is not divisible by nnodes={spec.nnodes}: each node of an "
-                         f"engine holds tp_size / nnodes GPUs")
+        raise ValueError(
+            f"tp_size={spec.tp_size} is not divisible by nnodes={spec.nnodes}: each node of an "
+            f"engine holds tp_size / nnodes GPUs"
+        )
     if not 0 <= spec.node_rank < spec.nnodes:
         raise ValueError(f"node_rank={spec.node_rank} must be in [0, nnodes={spec.nnodes})")
     if spec.nnodes > 1 and not spec.dist_init_addr:
-        raise ValueError(f"dist_init_addr is required when nnodes={spec.nnodes} > 1: set it to "
-                         f"'<node 0 address>:<free port>', the same on every node")
+        raise ValueError(
+            f"dist_init_addr is required when nnodes={spec.nnodes} > 1: set it to "
+            f"'<node 0 address>:<free port>', the same on every node"
+        )
     if spec.dist_init_addr is not None:
         _check_host_port("dist_init_addr", spec.dist_init_addr)
     if spec.tp_size % spec.ep_size:
-        raise ValueError(f"ep_size={spec.ep_size} does not divide tp_size={spec.tp_size}: SGLang places the "
-                         f"expert-parallel group inside the tensor-parallel group")
+        raise ValueError(
+            f"ep_size={spec.ep_size} does not divide tp_size={spec.tp_size}: SGLang places the "
+            f"expert-parallel group inside the tensor-parallel group"
+        )
     if spec.dp_size > 1 and spec.nnodes > 1 and not spec.enable_dp_attention:
-        raise ValueError(f"dp_size={spec.dp_size} with nnodes={spec.nnodes} needs enable_dp_attention=True: "
-                         f"SGLang has no multi-node data parallelism otherwise; run one engine per replica")
+        raise ValueError(
+            f"dp_size={spec.dp_size} with nnodes={spec.nnodes} needs enable_dp_attention=True: "
+            f"SGLang has no multi-node data parallelism otherwise; run one engine per replica"
+        )
     if spec.enable_dp_attention and spec.tp_size % spec.dp_size:
-        raise ValueError(f"dp_size={spec.dp_size} does not divide tp_size={spec.tp_size}, which "
-                         f"enable_dp_attention requires")
+        raise ValueError(
+            f"dp_size={spec.dp_size} does not divide tp_size={spec.tp_size}, which enable_dp_attention requires"
+        )
     if spec.mem_fraction_static is not None and not 0.0 < spec.mem_fraction_static < 1.0:
         raise ValueError(f"mem_fraction_static={spec.mem_fraction_static} must be in (0, 1)")
     if spec.base_gpu_id < 0:
@@ -123,14 +149,18 @@ def validate(spec: SGLangServerSpec) -> None:
     if spec.log_level not in LOG_LEVELS:
         raise ValueError(f"log_level={spec.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
     if spec.api_key is not None and spec.api_key_config is not None:
-        raise ValueError("api_key and api_key_config are both set: give the key one way (api_key_config "
-                         "keeps it out of the process list)")
+        raise ValueError(
+            "api_key and api_key_config are both set: give the key one way (api_key_config "
+            "keeps it out of the process list)"
+        )
     if spec.api_key == "":
         raise ValueError("api_key is empty: use None for no key")
     _check_extra_args(spec.extra_args)
     if spec.api_key_config is not None and any(a.split("=", 1)[0] == "--config" for a in spec.extra_args):
-        raise ValueError("extra_args has --config and api_key_config is set: SGLang reads one --config file; "
-                         "put the api-key line (api_key_config_yaml) in yours")
+        raise ValueError(
+            "extra_args has --config and api_key_config is set: SGLang reads one --config file; "
+            "put the api-key line (api_key_config_yaml) in yours"
+        )
 
 
 def _check_host_port(name: str, value: str) -> None:
@@ -143,8 +173,9 @@ def _check_extra_args(extra_args: tuple[str, ...]) -> None:
     for arg in extra_args:
         flag = arg.split("=", 1)[0]
         if flag in _FIELD_OF_FLAG:
-            raise ValueError(f"extra_args repeats {flag}, which the field {_FIELD_OF_FLAG[flag]} sets; "
-                             f"set the field instead")
+            raise ValueError(
+                f"extra_args repeats {flag}, which the field {_FIELD_OF_FLAG[flag]} sets; set the field instead"
+            )
 
 
 def server_argv(spec: SGLangServerSpec, python: str = sys.executable) -> list[str]:
@@ -154,8 +185,18 @@ def server_argv(spec: SGLangServerSpec, python: str = sys.executable) -> list[st
     # SGLang has no --weight-dirs / --max-body-mb: disk-update paths and body sizes are not confined there.
     if spec.tokenizer_path:
         argv += ["--tokenizer-path", spec.tokenizer_path]
-    argv += ["--host", spec.host, "--port", str(spec.port),
-             "--tp-size", str(spec.tp_size), "--ep-size", str(spec.ep_size), "--dp-size", str(spec.dp_size)]
+    argv += [
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--tp-size",
+        str(spec.tp_size),
+        "--ep-size",
+        str(spec.ep_size),
+        "--dp-size",
+        str(spec.dp_size),
+    ]
     if spec.enable_dp_attention:
         argv.append("--enable-dp-attention")
     if spec.nnodes > 1:
@@ -224,8 +265,10 @@ def sglang_unavailable_reason() -> str | None:
         missing.append(cuda)
     if not missing:
         return None
-    return (f"rollout.backend=sglang needs the sglang package and a CUDA GPU, but {' and '.join(missing)}; "
-            f"install sglang on a GPU machine, or use rollout.backend=embedded")
+    return (
+        f"rollout.backend=sglang needs the sglang package and a CUDA GPU, but {' and '.join(missing)}; "
+        f"install sglang on a GPU machine, or use rollout.backend=embedded"
+    )
 
 
 def _cuda_problem() -> str | None:

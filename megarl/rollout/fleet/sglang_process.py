@@ -18,18 +18,35 @@ from megarl.rollout.fleet.sglang_launch import SGLangServerSpec, api_key_config_
 
 class SGLangServerProcess(RolloutServerProcess):
     def __init__(self, node, dist_init_addr: str | None, api_key: str | None, env: dict):
-        super().__init__(node.model_path, host=node.host, port=node.port, env=env, log_path=node.log_path,
-                         startup_timeout_s=node.startup_timeout_s)
+        super().__init__(
+            node.model_path,
+            host=node.host,
+            port=node.port,
+            env=env,
+            log_path=node.log_path,
+            startup_timeout_s=node.startup_timeout_s,
+        )
         self.node, self.dist_init_addr = node, dist_init_addr
         self._key_file = _write_key_file(api_key) if api_key else None
 
     def command(self, port: int) -> list[str]:
         n = self.node
         spec = SGLangServerSpec(
-            model_path=n.model_path, host=n.host, port=port, tp_size=n.tp, ep_size=n.ep, dp_size=n.dp,
-            nnodes=n.nnodes, node_rank=n.node_rank, dist_init_addr=self.dist_init_addr,
-            enable_memory_saver=n.colocated, random_seed=n.seed, api_key_config=self._key_file,
-            mem_fraction_static=n.mem_fraction_static, enable_return_routed_experts=n.routed_experts)
+            model_path=n.model_path,
+            host=n.host,
+            port=port,
+            tp_size=n.tp,
+            ep_size=n.ep,
+            dp_size=n.dp,
+            nnodes=n.nnodes,
+            node_rank=n.node_rank,
+            dist_init_addr=self.dist_init_addr,
+            enable_memory_saver=n.colocated,
+            random_seed=n.seed,
+            api_key_config=self._key_file,
+            mem_fraction_static=n.mem_fraction_static,
+            enable_return_routed_experts=n.routed_experts,
+        )
         return server_argv(spec)
 
     def __del__(self):

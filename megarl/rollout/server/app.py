@@ -36,31 +36,39 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from megarl.procs.net import is_loopback
+from megarl.rollout.engine.generation import GenerationEngine
+from megarl.rollout.engine.protocol import GenerationRequest, InvalidRequest, SamplingParams, WeightsUnavailable
+from megarl.rollout.engine.runner import mesh
 from megarl.rollout.server.auth import ApiKeyMiddleware, redacted, resolve_api_key
 from megarl.rollout.server.body_limit import DEFAULT_MAX_BODY_MB, MAX_BODY_FLAG, BodySizeLimitMiddleware, max_body_bytes
-from megarl.rollout.engine.generation import GenerationEngine
 from megarl.rollout.server.generate_input import GenerateCall, parse_generate
 from megarl.rollout.server.generate_output import output_item
 from megarl.rollout.server.http_common import ApiError, FastJSONResponse, control, field, read_body
-from megarl.rollout.engine.protocol import GenerationRequest, InvalidRequest, SamplingParams, WeightsUnavailable
-from megarl.rollout.server.streaming import GenerationStream
-from megarl.rollout.engine.runner import mesh
-from megarl.rollout.server.weight_dirs import WEIGHT_DIRS_ENV, WEIGHT_DIRS_FLAG, resolve_weight_dirs
 from megarl.rollout.server.routes_weights import register_weight_routes
+from megarl.rollout.server.streaming import GenerationStream
+from megarl.rollout.server.weight_dirs import WEIGHT_DIRS_ENV, WEIGHT_DIRS_FLAG, resolve_weight_dirs
 
 log = logging.getLogger(__name__)
 _MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-def create_app(engine: GenerationEngine, server_args: dict | None = None, api_key: str | None = None, *,
-               max_body_mb: float = DEFAULT_MAX_BODY_MB, weight_dirs: list[str] | None = None) -> FastAPI:
+def create_app(
+    engine: GenerationEngine,
+    server_args: dict | None = None,
+    api_key: str | None = None,
+    *,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    weight_dirs: list[str] | None = None,
+) -> FastAPI:
     """`api_key`: when set, every request except /health* and /metrics* needs the Bearer key.
     `max_body_mb`: larger request bodies get 413. `weight_dirs`: where /update_weights_from_disk
     may read (default: the engine's model directory only)."""
     app = FastAPI(title="megarl embedded rollout server")
     weight_dirs = list(weight_dirs) if weight_dirs else resolve_weight_dirs(None, engine.model_path)
-    app.state.engine, server_args = engine, redacted({**(server_args or {}), "api_key": api_key,
-                                                      "max_body_mb": max_body_mb, "weight_dirs": weight_dirs})
+    app.state.engine, server_args = (
+        engine,
+        redacted({**(server_args or {}), "api_key": api_key, "max_body_mb": max_body_mb, "weight_dirs": weight_dirs}),
+    )
     # The last middleware added runs first: the key is checked from the headers before the body
     # limiter (or any route) reads a byte, so a keyless body of any size costs nothing.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes(max_body_mb))
@@ -111,8 +119,11 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
     async def health_generate():
         if not engine.weights_ready or engine.paused:
             return Response("weights released or generation paused", status_code=503)
-        probe = GenerationRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=[engine.pad_token_id],
-                                  params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        probe = GenerationRequest(
+            rid=f"health-{uuid.uuid4().hex}",
+            input_ids=[engine.pad_token_id],
+            params=SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
         try:
             await asyncio.wait_for(asyncio.wrap_future(engine.submit([probe])[0]), timeout=60)
         except Exception as exc:  # noqa: BLE001  (any failure is "unhealthy", reported)
@@ -123,11 +134,17 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
     @app.get("/model_info")
     async def model_info():
         config = engine.model.config
-        return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
-                "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": engine.weight_version, "has_image_understanding": False,
-                "has_audio_understanding": False, "model_type": getattr(config, "model_type", None),
-                "architectures": getattr(config, "architectures", None)}
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
 
     @app.get("/get_weight_version")
     async def get_weight_version():
@@ -143,14 +160,29 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
     async def server_info():
         # The ServerArgs fields SGLang clients read (slime checks tp/dp/pp/ep sizes and
         # enable_memory_saver of an external engine) next to this server's own state.
-        return {**server_args, "model_path": engine.model_path, "version": "megarl-embedded",
-                "tp_size": getattr(engine.runner, "tp_size", 1), "dp_size": 1, "pp_size": 1, "ep_size": 1,
-                "nnodes": getattr(engine.runner, "nnodes", 1), "node_rank": 0, "enable_memory_saver": True, "random_seed": server_args.get("seed"),
-                "context_length": engine.context_length, "max_running_requests": engine.max_batch_size,
-                "weight_version": engine.weight_version, "max_batch_size": engine.max_batch_size,
-                "device": str(engine.device), "dtype": engine.dtype, "paused": engine.paused,
-                "weights_ready": engine.weights_ready, "pending_requests": engine.pending(),
-                "engine_stats": dict(engine.stats)}
+        return {
+            **server_args,
+            "model_path": engine.model_path,
+            "version": "megarl-embedded",
+            "tp_size": getattr(engine.runner, "tp_size", 1),
+            "dp_size": 1,
+            "pp_size": 1,
+            "ep_size": 1,
+            "nnodes": getattr(engine.runner, "nnodes", 1),
+            "node_rank": 0,
+            "enable_memory_saver": True,
+            "random_seed": server_args.get("seed"),
+            "context_length": engine.context_length,
+            "max_running_requests": engine.max_batch_size,
+            "weight_version": engine.weight_version,
+            "max_batch_size": engine.max_batch_size,
+            "device": str(engine.device),
+            "dtype": engine.dtype,
+            "paused": engine.paused,
+            "weights_ready": engine.weights_ready,
+            "pending_requests": engine.pending(),
+            "engine_stats": dict(engine.stats),
+        }
 
     @app.get("/get_parallelism_config")
     async def get_parallelism_config():
@@ -169,8 +201,9 @@ def create_app(engine: GenerationEngine, server_args: dict | None = None, api_ke
     async def abort_request(request: Request):
         body = await read_body(request)
         rid, abort_all = field(body, "rid", "string"), field(body, "abort_all", "boolean", False)
-        engine.abort(rid, abort_all=abort_all,
-                     message=field(body, "abort_message", "string") or "aborted by /abort_request")
+        engine.abort(
+            rid, abort_all=abort_all, message=field(body, "abort_message", "string") or "aborted by /abort_request"
+        )
         return Response(status_code=200)
 
     @app.api_route("/pause_generation", methods=["GET", "POST"])
@@ -259,15 +292,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' (prefer the MEGARL_ROLLOUT_API_KEY environment "
-                             "variable: a command line is visible to every user of the machine)")
-    parser.add_argument(MAX_BODY_FLAG, type=float, default=DEFAULT_MAX_BODY_MB,
-                        help="larger request bodies are refused with 413 (default: %(default)s MB, room above "
-                             "the largest weight-update and batched /generate bodies; body_limit.py says why)")
-    parser.add_argument(WEIGHT_DIRS_FLAG, default=None, metavar="DIR[,DIR]",
-                        help=f"the only directories /update_weights_from_disk may read (or {WEIGHT_DIRS_ENV}); "
-                             "default: --model-path only")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (prefer the MEGARL_ROLLOUT_API_KEY environment "
+        "variable: a command line is visible to every user of the machine)",
+    )
+    parser.add_argument(
+        MAX_BODY_FLAG,
+        type=float,
+        default=DEFAULT_MAX_BODY_MB,
+        help="larger request bodies are refused with 413 (default: %(default)s MB, room above "
+        "the largest weight-update and batched /generate bodies; body_limit.py says why)",
+    )
+    parser.add_argument(
+        WEIGHT_DIRS_FLAG,
+        default=None,
+        metavar="DIR[,DIR]",
+        help=f"the only directories /update_weights_from_disk may read (or {WEIGHT_DIRS_ENV}); "
+        "default: --model-path only",
+    )
     parser.add_argument("--log-level", default="info")
     mesh.add_mesh_arguments(parser)
     return parser
@@ -281,8 +325,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.api_key and not is_loopback(args.host):
         # /update_weights_from_tensor maps memory the caller names and /generate spends compute:
         # a server other machines can reach must not be open to all of them.
-        parser.error(f"--host {args.host} is reachable from other machines; set an API key (--api-key or the "
-                     "MEGARL_ROLLOUT_API_KEY environment variable) or bind a loopback address such as 127.0.0.1")
+        parser.error(
+            f"--host {args.host} is reachable from other machines; set an API key (--api-key or the "
+            "MEGARL_ROLLOUT_API_KEY environment variable) or bind a loopback address such as 127.0.0.1"
+        )
     try:
         max_body_bytes(args.max_body_mb)
         spec = mesh.mesh_spec(args)
@@ -302,10 +348,18 @@ def main(argv: list[str] | None = None) -> None:
     if spec.node_rank > 0:
         return mesh.run_node(*mesh_args, host=args.host, port=args.port)
     runner, tp_mesh = mesh.start_rank0(*mesh_args) if spec.tp > 1 else (None, None)
-    engine = GenerationEngine(args.model_path, args.tokenizer_path, device=args.device, dtype=args.dtype,
-                              max_batch_size=args.max_batch_size, seed=args.seed, runner=runner)
-    app = create_app(engine, vars(args), api_key=args.api_key, max_body_mb=args.max_body_mb,
-                     weight_dirs=args.weight_dirs)
+    engine = GenerationEngine(
+        args.model_path,
+        args.tokenizer_path,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        seed=args.seed,
+        runner=runner,
+    )
+    app = create_app(
+        engine, vars(args), api_key=args.api_key, max_body_mb=args.max_body_mb, weight_dirs=args.weight_dirs
+    )
 
     def stop() -> None:
         engine.close()

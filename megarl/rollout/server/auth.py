@@ -41,10 +41,21 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or self._exempt(scope) or self._authorized(scope):
             return await self.app(scope, receive, send)
-        body = json.dumps({"error": {"message": "missing or wrong API key: send the header "
-                                                "'Authorization: Bearer <key>' (the server's --api-key)"}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        body = json.dumps(
+            {
+                "error": {
+                    "message": "missing or wrong API key: send the header "
+                    "'Authorization: Bearer <key>' (the server's --api-key)"
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     @staticmethod

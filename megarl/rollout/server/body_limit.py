@@ -77,18 +77,29 @@ class BodySizeLimitMiddleware:
         except BodyTooLarge:
             if started:  # no route answers before reading its body; if one did, end the connection
                 raise
-            await _answer(send, 413, self._message(f"the request body (at least {received} bytes, sent "
-                                                   "without Content-Length)"))
+            await _answer(
+                send, 413, self._message(f"the request body (at least {received} bytes, sent without Content-Length)")
+            )
 
     def _message(self, what: str) -> str:
         mb = self.max_bytes / 2**20
-        return (f"{what} is over this server's limit of {mb:g} MB ({self.max_bytes} bytes); start the "
-                f"server with {MAX_BODY_FLAG} N to accept larger bodies")
+        return (
+            f"{what} is over this server's limit of {mb:g} MB ({self.max_bytes} bytes); start the "
+            f"server with {MAX_BODY_FLAG} N to accept larger bodies"
+        )
 
 
 async def _answer(send, status: int, message: str) -> None:
     body = json.dumps({"error": {"message": message}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

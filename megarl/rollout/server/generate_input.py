@@ -46,8 +46,7 @@ def _integer(value, where: str, minimum: int | None = None) -> int:
     return int(value)
 
 
-def _number(value, where: str, low: float | None = None, high: float | None = None,
-            rule: str | None = None) -> float:
+def _number(value, where: str, low: float | None = None, high: float | None = None, rule: str | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InvalidRequest(f"{where}={value!r} must be a finite number")
     if (low is not None and value < low) or (high is not None and value > high):
@@ -77,8 +76,9 @@ def _strings(value, where: str) -> tuple[str, ...]:
 
 
 # ---- sampling_params -----------------------------------------------------------------------------
-def parse_sampling_params(raw: dict | None, where: str = "sampling_params",
-                          room: int | None = None) -> tuple[SamplingParams, int]:
+def parse_sampling_params(
+    raw: dict | None, where: str = "sampling_params", room: int | None = None
+) -> tuple[SamplingParams, int]:
     """SGLang sampling_params dict -> (SamplingParams, n). `room`: tokens left in the context
     after the prompt, which an explicit "max_new_tokens": null asks for (SGLang's "no limit")."""
     raw = {} if raw is None else raw
@@ -95,26 +95,32 @@ def parse_sampling_params(raw: dict | None, where: str = "sampling_params",
         raise InvalidRequest(f"{where}.min_new_tokens={min_new} must be <= max_new_tokens={max_new}")
     seed, interval = raw.get("sampling_seed"), raw.get("stream_interval")
     params = SamplingParams(
-        max_new_tokens=max_new, temperature=0.0 if temperature < _GREEDY_BELOW else temperature,
+        max_new_tokens=max_new,
+        temperature=0.0 if temperature < _GREEDY_BELOW else temperature,
         top_p=_positive(get("top_p", 1.0), f"{where}.top_p", 1, "in (0, 1]"),
         top_k=_integer(get("top_k", -1), f"{where}.top_k", minimum=-1),
         min_p=_number(get("min_p", 0.0), f"{where}.min_p", 0, 1),
         frequency_penalty=_number(get("frequency_penalty", 0.0), f"{where}.frequency_penalty", -2, 2),
         presence_penalty=_number(get("presence_penalty", 0.0), f"{where}.presence_penalty", -2, 2),
-        repetition_penalty=_positive(get("repetition_penalty", 1.0), f"{where}.repetition_penalty", 2,
-                                     "in (0, 2] (1 = no penalty)"),
-        min_new_tokens=min_new, logit_bias=_logit_bias(raw.get("logit_bias"), f"{where}.logit_bias"),
+        repetition_penalty=_positive(
+            get("repetition_penalty", 1.0), f"{where}.repetition_penalty", 2, "in (0, 2] (1 = no penalty)"
+        ),
+        min_new_tokens=min_new,
+        logit_bias=_logit_bias(raw.get("logit_bias"), f"{where}.logit_bias"),
         stop=_strings(raw.get("stop"), f"{where}.stop"),
-        stop_regex=tuple(_compile(s, f"{where}.stop_regex") for s in _strings(raw.get("stop_regex"),
-                                                                              f"{where}.stop_regex")),
+        stop_regex=tuple(
+            _compile(s, f"{where}.stop_regex") for s in _strings(raw.get("stop_regex"), f"{where}.stop_regex")
+        ),
         stop_token_ids=_token_ids(raw.get("stop_token_ids"), f"{where}.stop_token_ids"),
         ignore_eos=_flag(get("ignore_eos", False), f"{where}.ignore_eos"),
         skip_special_tokens=_flag(get("skip_special_tokens", True), f"{where}.skip_special_tokens"),
-        spaces_between_special_tokens=_flag(get("spaces_between_special_tokens", True),
-                                            f"{where}.spaces_between_special_tokens"),
+        spaces_between_special_tokens=_flag(
+            get("spaces_between_special_tokens", True), f"{where}.spaces_between_special_tokens"
+        ),
         no_stop_trim=_flag(get("no_stop_trim", False), f"{where}.no_stop_trim"),
         sampling_seed=None if seed is None else _integer(seed, f"{where}.sampling_seed"),
-        stream_interval=1 if interval is None else _integer(interval, f"{where}.stream_interval", minimum=1))
+        stream_interval=1 if interval is None else _integer(interval, f"{where}.stream_interval", minimum=1),
+    )
     return params, _integer(get("n", 1), f"{where}.n", minimum=1)
 
 
@@ -246,8 +252,9 @@ def _rids(raw, count: int, single: bool) -> list[str]:
         raise InvalidRequest(f"rid={str(bad[0])[:80]} must be a string (or a list of strings, one per prompt)")
     rids = [r if r is not None else uuid.uuid4().hex for r in rids]
     if len(set(rids)) != len(rids):
-        raise InvalidRequest(f"rid has duplicates {sorted({r for r in rids if rids.count(r) > 1})}; "
-                             "each prompt needs its own request id")
+        raise InvalidRequest(
+            f"rid has duplicates {sorted({r for r in rids if rids.count(r) > 1})}; each prompt needs its own request id"
+        )
     return rids
 
 
@@ -265,8 +272,10 @@ def parse_generate(body: Any, engine) -> GenerateCall:
     if any(k != n for _, k in parsed):
         raise InvalidRequest("sampling_params.n must be the same for every prompt (as in SGLang)")
     if count * n > MAX_SAMPLES_PER_CALL:
-        raise InvalidRequest(f"{count} prompts x n={n} is {count * n} samples, over the {MAX_SAMPLES_PER_CALL} one "
-                             "/generate may ask for; split the batch into several calls")
+        raise InvalidRequest(
+            f"{count} prompts x n={n} is {count * n} samples, over the {MAX_SAMPLES_PER_CALL} one "
+            "/generate may ask for; split the batch into several calls"
+        )
     rids = _rids(body.get("rid"), count, single)
     return_lp = _per_prompt(body.get("return_logprob"), count, "return_logprob", False)
     start = _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len", -1)
@@ -280,20 +289,38 @@ def parse_generate(body: Any, engine) -> GenerateCall:
         where = "input_ids" if single else f"input_ids[{i}]"
         for j in range(n):
             req = GenerationRequest(
-                rid=rids[i] if n == 1 else f"{rids[i]}-{j}", input_ids=ids, params=params,
+                rid=rids[i] if n == 1 else f"{rids[i]}-{j}",
+                input_ids=ids,
+                params=params,
                 return_logprob=_flag(return_lp[i] or False, "return_logprob"),
                 logprob_start_len=_integer(start[i], "logprob_start_len", minimum=-1),
                 top_logprobs_num=_integer(top_k[i] or 0, "top_logprobs_num", minimum=0),
-                token_ids_logprob=chosen[i], return_entropy=entropy, return_routed_experts=routed,
+                token_ids_logprob=chosen[i],
+                return_entropy=entropy,
+                return_routed_experts=routed,
                 routed_experts_start_len=_integer(routed_start[i] or 0, "routed_experts_start_len", minimum=0),
-                group_rid=rids[i] if n > 1 else None)
+                group_rid=rids[i] if n > 1 else None,
+            )
             engine.validate(req, where)
             requests.append(req)
-    options = {key: _flag(body.get(key) or False, key) for key in (
-        "stream", "return_text_in_logprobs", "return_flat_raw_top_logprobs", "return_flat_raw_top_logprobs_b64",
-        "return_prompt_token_ids")}
+    options = {
+        key: _flag(body.get(key) or False, key)
+        for key in (
+            "stream",
+            "return_text_in_logprobs",
+            "return_flat_raw_top_logprobs",
+            "return_flat_raw_top_logprobs_b64",
+            "return_prompt_token_ids",
+        )
+    }
     if options["return_flat_raw_top_logprobs_b64"] and not options["return_flat_raw_top_logprobs"]:
         raise InvalidRequest("return_flat_raw_top_logprobs_b64 needs return_flat_raw_top_logprobs=true (as in SGLang)")
-    return GenerateCall(requests, single and n == 1, options["stream"], options["return_text_in_logprobs"],
-                        options["return_flat_raw_top_logprobs"], options["return_flat_raw_top_logprobs_b64"],
-                        options["return_prompt_token_ids"])
+    return GenerateCall(
+        requests,
+        single and n == 1,
+        options["stream"],
+        options["return_text_in_logprobs"],
+        options["return_flat_raw_top_logprobs"],
+        options["return_flat_raw_top_logprobs_b64"],
+        options["return_prompt_token_ids"],
+    )

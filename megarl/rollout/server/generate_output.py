@@ -19,22 +19,28 @@ from __future__ import annotations
 
 import base64
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from megarl.wire import routing
-from megarl.rollout.server.generate_input import GenerateCall
 from megarl.rollout.engine.protocol import GenerationRequest, GenerationResult
+from megarl.rollout.server.generate_input import GenerateCall
+from megarl.wire import routing
 
 TokenText = Callable[[int], str]
 
 
 def output_item(result: GenerationResult, req: GenerationRequest, call: GenerateCall, token_text: TokenText) -> dict:
     """One answer item; a result with finish_reason None is a streamed snapshot (no e2e_latency)."""
-    meta = {"id": result.rid, "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": len(result.output_ids), "cached_tokens": 0,
-            "weight_version": result.weight_version, "num_retractions": result.num_retractions}
+    meta = {
+        "id": result.rid,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+        "weight_version": result.weight_version,
+        "num_retractions": result.num_retractions,
+    }
     if result.weight_versions is not None:
         meta["weight_versions"] = result.weight_versions
     if result.finish_reason is not None:
@@ -57,7 +63,7 @@ def _logprob_fields(result: GenerationResult, req: GenerationRequest, call: Gene
     if result.output_logprobs is not None:
         fields["output_token_logprobs"] = _triples(zip(result.output_logprobs, result.output_ids), text_of)
     if result.input_logprobs is not None:
-        prompt = result.input_ids[len(result.input_ids) - len(result.input_logprobs):]
+        prompt = result.input_ids[len(result.input_ids) - len(result.input_logprobs) :]
         fields["input_token_logprobs"] = _triples(zip(result.input_logprobs, prompt), text_of)
     if req.top_logprobs_num:
         if result.output_top_logprobs is not None:
@@ -98,10 +104,16 @@ def flat_top_logprobs(per_position: list, k: int, b64: bool) -> dict:
     ids = [t for pairs in rows for _, t in pairs]
     fields = {"input_top_logprobs_shape": [len(rows), width], "input_top_logprobs_null_prefix": null_prefix}
     if not b64:
-        return {"input_top_logprobs_val_flat": [_finite(v) for v in values], "input_top_logprobs_idx_flat": ids,
-                **fields}
+        return {
+            "input_top_logprobs_val_flat": [_finite(v) for v in values],
+            "input_top_logprobs_idx_flat": ids,
+            **fields,
+        }
     encode = lambda array: base64.b64encode(array.tobytes()).decode("ascii")  # noqa: E731
-    return {"input_top_logprobs_val_flat_b64": encode(np.asarray(values, dtype="<f4")),
-            "input_top_logprobs_idx_flat_b64": encode(np.asarray(ids, dtype="<i4")),
-            "input_top_logprobs_val_flat_b64_dtype": "float32", "input_top_logprobs_idx_flat_b64_dtype": "int32",
-            **fields}
+    return {
+        "input_top_logprobs_val_flat_b64": encode(np.asarray(values, dtype="<f4")),
+        "input_top_logprobs_idx_flat_b64": encode(np.asarray(ids, dtype="<i4")),
+        "input_top_logprobs_val_flat_b64_dtype": "float32",
+        "input_top_logprobs_idx_flat_b64_dtype": "int32",
+        **fields,
+    }

@@ -54,13 +54,23 @@ _KINDS = {
     "string": (lambda v: isinstance(v, str), "a string"),
     "boolean": (lambda v: isinstance(v, bool), "true or false"),
     "integer": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "version": (lambda v: isinstance(v, str) or isinstance(v, int) and not isinstance(v, bool),
-                "a string (or an integer)"),
+    "version": (
+        lambda v: isinstance(v, str) or isinstance(v, int) and not isinstance(v, bool),
+        "a string (or an integer)",
+    ),
 }
 
 
-def field(body: dict, name: str, kind: str, default=None, *, required: bool = False,
-          low: int | None = None, high: int | None = None):
+def field(
+    body: dict,
+    name: str,
+    kind: str,
+    default=None,
+    *,
+    required: bool = False,
+    low: int | None = None,
+    high: int | None = None,
+):
     """body[name] checked to be of `kind` (see _KINDS; a version comes back as a string) and in
     [low, high]; `default` when absent or null; ApiError(400) naming the field otherwise."""
     check, what = _KINDS[kind]

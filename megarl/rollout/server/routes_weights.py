@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from megarl.rollout.server.http_common import control, field, read_body
 from megarl.rollout.engine.protocol import WeightsUnavailable
+from megarl.rollout.server.http_common import control, field, read_body
 from megarl.rollout.server.weight_dirs import PathNotAllowed, confine
 
 _FAILURES = (ValueError, WeightsUnavailable, RuntimeError, OSError)  # UpdateRejected is a ValueError
@@ -38,8 +38,9 @@ def register_weight_routes(app: FastAPI, engine, weight_dirs: list[str]) -> None
         except _FAILURES as exc:
             return control(False, f"{what} failed: {exc}", **extra)
 
-    def abort_requests_if_asked(body: dict, default: bool = False,
-                                message: str = "aborted for a weight update") -> None:
+    def abort_requests_if_asked(
+        body: dict, default: bool = False, message: str = "aborted for a weight update"
+    ) -> None:
         if field(body, "abort_all_requests", "boolean", default):
             engine.abort(abort_all=True, message=message)
 
@@ -49,10 +50,16 @@ def register_weight_routes(app: FastAPI, engine, weight_dirs: list[str]) -> None
         payloads = body.get("serialized_named_tensors")
         payloads = [payloads] if isinstance(payloads, str) else payloads
         if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
-            return control(False, "serialized_named_tensors must be a non-empty list of base64 strings "
-                                  "(one per TP rank: rank r reads entry r; a single entry is read by every rank)")
-        args = (field(body, "load_format", "string"), field(body, "weight_version", "version"),
-                field(body, "defer", "boolean", False))
+            return control(
+                False,
+                "serialized_named_tensors must be a non-empty list of base64 strings "
+                "(one per TP rank: rank r reads entry r; a single entry is read by every rank)",
+            )
+        args = (
+            field(body, "load_format", "string"),
+            field(body, "weight_version", "version"),
+            field(body, "defer", "boolean", False),
+        )
         abort_requests_if_asked(body)
         # every rank decodes its entry through the allow-list unpickler (weights_codec)
         return await run("update_weights_from_tensor", engine.update_weights_from_payloads, payloads, *args)
@@ -70,8 +77,9 @@ def register_weight_routes(app: FastAPI, engine, weight_dirs: list[str]) -> None
         except ValueError as exc:  # a NUL byte in the path
             return control(False, f"model_path is not a usable path: {exc}", num_paused_requests=0)
         abort_requests_if_asked(body)
-        return await run("update_weights_from_disk", engine.update_weights_from_disk, path, version,
-                         num_paused_requests=0)
+        return await run(
+            "update_weights_from_disk", engine.update_weights_from_disk, path, version, num_paused_requests=0
+        )
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
@@ -86,11 +94,19 @@ def register_weight_routes(app: FastAPI, engine, weight_dirs: list[str]) -> None
         body = await read_body(request)
         missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if body.get(k) is None]
         if missing:
-            return control(False, f"init_weights_update_group needs {missing} (SGLang's fields: master_address, "
-                                  "master_port, rank_offset, world_size, group_name, backend)")
-        args = (field(body, "master_address", "string"), field(body, "master_port", "integer", low=1, high=65535),
-                field(body, "rank_offset", "integer", low=0), field(body, "world_size", "integer", low=1),
-                field(body, "group_name", "string") or "weight_update_group", field(body, "backend", "string"))
+            return control(
+                False,
+                f"init_weights_update_group needs {missing} (SGLang's fields: master_address, "
+                "master_port, rank_offset, world_size, group_name, backend)",
+            )
+        args = (
+            field(body, "master_address", "string"),
+            field(body, "master_port", "integer", low=1, high=65535),
+            field(body, "rank_offset", "integer", low=0),
+            field(body, "world_size", "integer", low=1),
+            field(body, "group_name", "string") or "weight_update_group",
+            field(body, "backend", "string"),
+        )
         if args[-1] not in (None, "gloo", "nccl"):
             return control(False, f"backend={args[-1]!r} must be 'gloo' (CPU) or 'nccl' (CUDA)")
         return await run("init_weights_update_group", engine.init_weights_update_group, *args)
@@ -98,8 +114,11 @@ def register_weight_routes(app: FastAPI, engine, weight_dirs: list[str]) -> None
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):
         body = await read_body(request)
-        return await run("destroy_weights_update_group", engine.destroy_weights_update_group,
-                         field(body, "group_name", "string") or "weight_update_group")
+        return await run(
+            "destroy_weights_update_group",
+            engine.destroy_weights_update_group,
+            field(body, "group_name", "string") or "weight_update_group",
+        )
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
@@ -110,10 +129,20 @@ def register_weight_routes(app: FastAPI, engine, weight_dirs: list[str]) -> None
         # flush_cache: nothing to flush, the embedded engine keeps no KV cache between batches.
         # Malformed names/dtypes/shapes are refused by the ranks, which then close the group: its
         # sender is waiting in a broadcast that would otherwise never be matched.
-        fields = {"group_name": group, "names": body.get("names"), "dtypes": body.get("dtypes"),
-                  "shapes": body.get("shapes"), "load_format": body.get("load_format")}
-        return await run(f"update_weights_from_distributed over group {group!r}",
-                         engine.update_weights_from_distributed, fields, version, defer)
+        fields = {
+            "group_name": group,
+            "names": body.get("names"),
+            "dtypes": body.get("dtypes"),
+            "shapes": body.get("shapes"),
+            "load_format": body.get("load_format"),
+        }
+        return await run(
+            f"update_weights_from_distributed over group {group!r}",
+            engine.update_weights_from_distributed,
+            fields,
+            version,
+            defer,
+        )
 
     @app.post("/update_weights_from_reshard")
     async def update_weights_from_reshard(request: Request):
@@ -123,8 +152,14 @@ def register_weight_routes(app: FastAPI, engine, weight_dirs: list[str]) -> None
             return control(False, "group_name (the reshard group, created with /init_weights_update_group) is required")
         version, defer = field(body, "weight_version", "version"), field(body, "defer", "boolean", True)
         abort_requests_if_asked(body)
-        return await run(f"update_weights_from_reshard over group {group!r}", engine.update_weights_from_reshard,
-                         group, body.get("ranks"), version, defer)
+        return await run(
+            f"update_weights_from_reshard over group {group!r}",
+            engine.update_weights_from_reshard,
+            group,
+            body.get("ranks"),
+            version,
+            defer,
+        )
 
     @app.post("/commit_weight_update")
     async def commit_weight_update(request: Request):
@@ -132,8 +167,9 @@ def register_weight_routes(app: FastAPI, engine, weight_dirs: list[str]) -> None
         if body.get("weight_version") is None:
             return control(False, "weight_version (the version the staged update was built for) is required")
         try:
-            message, count = await run_in_threadpool(engine.commit_weight_update,
-                                                     field(body, "weight_version", "version"))
+            message, count = await run_in_threadpool(
+                engine.commit_weight_update, field(body, "weight_version", "version")
+            )
         except _FAILURES as exc:
             return control(False, f"commit_weight_update failed: {exc}")
         return control(True, message, num_tensors=count)

@@ -49,30 +49,47 @@ _OBSERVABILITY = "metrics and request logging; this server keeps neither per req
 
 GENERATE_FIELDS: dict[str, Field] = {
     # the prompt
-    "text": Field(HONOURED), "input_ids": Field(HONOURED), "rid": Field(HONOURED),
+    "text": Field(HONOURED),
+    "input_ids": Field(HONOURED),
+    "rid": Field(HONOURED),
     "input_embeds": _off("prompt embeddings are not accepted; send text or input_ids"),
     "sampling_params": Field(HONOURED),
     # what comes back
-    "return_logprob": Field(HONOURED), "logprob_start_len": Field(HONOURED),
-    "top_logprobs_num": Field(HONOURED), "token_ids_logprob": Field(HONOURED),
-    "return_text_in_logprobs": Field(HONOURED, False), "stream": Field(HONOURED, False),
+    "return_logprob": Field(HONOURED),
+    "logprob_start_len": Field(HONOURED),
+    "top_logprobs_num": Field(HONOURED),
+    "token_ids_logprob": Field(HONOURED),
+    "return_text_in_logprobs": Field(HONOURED, False),
+    "stream": Field(HONOURED, False),
     "return_flat_raw_top_logprobs": Field(HONOURED, False),
     "return_flat_raw_top_logprobs_b64": Field(HONOURED, False),
-    "return_entropy": Field(HONOURED, False), "return_prompt_token_ids": Field(HONOURED, False),
+    "return_entropy": Field(HONOURED, False),
+    "return_prompt_token_ids": Field(HONOURED, False),
     "return_sampling_mask": _off("per-token sampling-support masks are not produced by this engine"),
     "return_hidden_states": _off("hidden states are not returned by this engine", False),
     # MoE routing records, SGLang's wire format (megarl/wire/routing.py says it): base64 int32
     # [prompt + output - 1 - routed_experts_start_len, num_hidden_layers, top_k] in meta_info
-    "return_routed_experts": Field(HONOURED, False), "routed_experts_start_len": Field(HONOURED, 0),
+    "return_routed_experts": Field(HONOURED, False),
+    "routed_experts_start_len": Field(HONOURED, 0),
     "return_indexer_topk": _off("sparse-attention indexer records are not kept by this engine", False),
     "return_bytes": _noop("only image generation returns bytes", False),
     # inputs this engine cannot take
-    "image_data": _off(_TEXT_ONLY), "video_data": _off(_TEXT_ONLY), "audio_data": _off(_TEXT_ONLY),
-    "modalities": _off(_TEXT_ONLY), "mm_hashes": _off(_TEXT_ONLY), "mm_content_hashes": _off(_TEXT_ONLY),
-    "use_audio_in_video": _noop(_NO_MM, False), "video_config": _noop(_NO_MM), "images_config": _noop(_NO_MM),
-    "max_dynamic_patch": _noop(_NO_MM), "min_dynamic_patch": _noop(_NO_MM),
-    "image_max_dynamic_patch": _noop(_NO_MM), "video_max_dynamic_patch": _noop(_NO_MM),
-    "need_wait_for_mm_inputs": _noop(_NO_MM), "num_items_assigned": _noop(_NO_MM), "encoder_urls": _noop(_NO_MM),
+    "image_data": _off(_TEXT_ONLY),
+    "video_data": _off(_TEXT_ONLY),
+    "audio_data": _off(_TEXT_ONLY),
+    "modalities": _off(_TEXT_ONLY),
+    "mm_hashes": _off(_TEXT_ONLY),
+    "mm_content_hashes": _off(_TEXT_ONLY),
+    "use_audio_in_video": _noop(_NO_MM, False),
+    "video_config": _noop(_NO_MM),
+    "images_config": _noop(_NO_MM),
+    "max_dynamic_patch": _noop(_NO_MM),
+    "min_dynamic_patch": _noop(_NO_MM),
+    "image_max_dynamic_patch": _noop(_NO_MM),
+    "video_max_dynamic_patch": _noop(_NO_MM),
+    "need_wait_for_mm_inputs": _noop(_NO_MM),
+    "num_items_assigned": _noop(_NO_MM),
+    "encoder_urls": _noop(_NO_MM),
     "positional_embed_overrides": _off("embedding overrides are not accepted; send token ids"),
     "multi_item_delimiter_indices": _off("multi-item scoring is not implemented by this engine"),
     "session_params": _off("continual-prompting sessions are not kept by this engine"),
@@ -82,15 +99,26 @@ GENERATE_FIELDS: dict[str, Field] = {
     "require_reasoning": _off("only hybrid reasoning models honour it", False),
     "max_thinking_tokens": _off("thinking budgets need a reasoning parser this engine does not have"),
     # hints and bookkeeping that change nothing here
-    "log_metrics": _noop(_OBSERVABILITY, True), "no_logs": _noop(_OBSERVABILITY, False),
-    "custom_labels": _noop(_OBSERVABILITY), "external_trace_header": _noop(_OBSERVABILITY),
-    "received_time": _noop(_OBSERVABILITY), "conversation_id": _noop(_OBSERVABILITY),
-    "priority": _noop(_ROUTING), "routing_key": _noop(_ROUTING), "routed_dp_rank": _noop(_ROUTING),
-    "data_parallel_rank": _noop(_ROUTING), "dp_balance_id": _noop(_ROUTING),
-    "disagg_prefill_dp_rank": _noop(_PD), "kv_router_hint": _noop(_ROUTING),
-    "http_worker_ipc": _noop(_ROUTING), "session_id": _noop("a session label that does not change the prompt"),
-    "bootstrap_host": _noop(_PD), "bootstrap_port": _noop(_PD), "bootstrap_room": _noop(_PD),
-    "bootstrap_pair_key": _noop(_PD), "decode_tp_size": _noop(_PD),
+    "log_metrics": _noop(_OBSERVABILITY, True),
+    "no_logs": _noop(_OBSERVABILITY, False),
+    "custom_labels": _noop(_OBSERVABILITY),
+    "external_trace_header": _noop(_OBSERVABILITY),
+    "received_time": _noop(_OBSERVABILITY),
+    "conversation_id": _noop(_OBSERVABILITY),
+    "priority": _noop(_ROUTING),
+    "routing_key": _noop(_ROUTING),
+    "routed_dp_rank": _noop(_ROUTING),
+    "data_parallel_rank": _noop(_ROUTING),
+    "dp_balance_id": _noop(_ROUTING),
+    "disagg_prefill_dp_rank": _noop(_PD),
+    "kv_router_hint": _noop(_ROUTING),
+    "http_worker_ipc": _noop(_ROUTING),
+    "session_id": _noop("a session label that does not change the prompt"),
+    "bootstrap_host": _noop(_PD),
+    "bootstrap_port": _noop(_PD),
+    "bootstrap_room": _noop(_PD),
+    "bootstrap_pair_key": _noop(_PD),
+    "decode_tp_size": _noop(_PD),
     "extra_key": _noop("a prefix-cache key; this engine keeps no cache between batches"),
     "cache_salt": _noop("a prefix-cache namespace; this engine keeps no cache between batches"),
     "background": _noop("the OpenAI responses API's flag; /generate answers in the foreground", False),
@@ -100,26 +128,48 @@ GENERATE_FIELDS: dict[str, Field] = {
 # meta_info fields of a /generate answer that SGLang does not send (generate_output.py says them)
 MEGARL_META_INFO: dict[str, str] = {
     "weight_versions": "[[weight_version, n_tokens], ...]: which weights produced each output token, "
-                       "run-length encoded in output order (a request spanning a weight update has several)",
+    "run-length encoded in output order (a request spanning a weight update has several)",
 }
 
 _GRAMMAR = "constrained decoding (grammars, JSON schemas, regexes) is not implemented by this engine"
 _INTERNAL = "set by SGLang's tokenizer manager from 'stop' / 'stop_regex', recomputed here the same way"
 
 SAMPLING_FIELDS: dict[str, Field] = {
-    **{name: Field(HONOURED, default) for name, default in [
-        ("max_new_tokens", 128), ("stop", None), ("stop_token_ids", None), ("stop_regex", None),
-        ("temperature", 1.0), ("top_p", 1.0), ("top_k", TOP_K_ALL), ("min_p", 0.0),
-        ("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
-        ("min_new_tokens", 0), ("n", 1), ("ignore_eos", False), ("skip_special_tokens", True),
-        ("spaces_between_special_tokens", True), ("no_stop_trim", False), ("logit_bias", None),
-        ("sampling_seed", None), ("stream_interval", None)]},
-    "json_schema": _off(_GRAMMAR), "regex": _off(_GRAMMAR), "ebnf": _off(_GRAMMAR),
+    **{
+        name: Field(HONOURED, default)
+        for name, default in [
+            ("max_new_tokens", 128),
+            ("stop", None),
+            ("stop_token_ids", None),
+            ("stop_regex", None),
+            ("temperature", 1.0),
+            ("top_p", 1.0),
+            ("top_k", TOP_K_ALL),
+            ("min_p", 0.0),
+            ("frequency_penalty", 0.0),
+            ("presence_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+            ("min_new_tokens", 0),
+            ("n", 1),
+            ("ignore_eos", False),
+            ("skip_special_tokens", True),
+            ("spaces_between_special_tokens", True),
+            ("no_stop_trim", False),
+            ("logit_bias", None),
+            ("sampling_seed", None),
+            ("stream_interval", None),
+        ]
+    },
+    "json_schema": _off(_GRAMMAR),
+    "regex": _off(_GRAMMAR),
+    "ebnf": _off(_GRAMMAR),
     "structural_tag": _off(_GRAMMAR),
     "beam_width": _off("beam search is not implemented by this engine", 1),
     "custom_params": _noop("only custom logit processors read it, and those are refused"),
-    "stop_strs": _noop(_INTERNAL), "stop_regex_strs": _noop(_INTERNAL),
-    "stop_str_max_len": _noop(_INTERNAL, 0), "stop_regex_max_len": _noop(_INTERNAL, 0),
+    "stop_strs": _noop(_INTERNAL),
+    "stop_regex_strs": _noop(_INTERNAL),
+    "stop_str_max_len": _noop(_INTERNAL, 0),
+    "stop_regex_max_len": _noop(_INTERNAL, 0),
     "is_normalized": _off("SGLang's internal 'already normalised' marker", False),
 }
 
@@ -140,12 +190,16 @@ def check_fields(raw: dict, table: dict[str, Field], where: str) -> None:
         rule = table.get(key)
         if rule is None:
             hint = difflib.get_close_matches(key, table, n=1)
-            raise InvalidRequest(f"{where}{key!r} is not a field of SGLang's {_kind(table)}"
-                                 + (f"; did you mean {hint[0]!r}?" if hint else "")
-                                 + " (megarl/rollout/server/sglang_fields.py lists every accepted field)")
+            raise InvalidRequest(
+                f"{where}{key!r} is not a field of SGLang's {_kind(table)}"
+                + (f"; did you mean {hint[0]!r}?" if hint else "")
+                + " (megarl/rollout/server/sglang_fields.py lists every accepted field)"
+            )
         if rule.kind == OFF_ONLY and not is_off(value, rule.default):
-            raise InvalidRequest(f"{where}{key}={value!r:.120} is not supported by the embedded rollout server: "
-                                 f"{rule.why}; leave it out or set it to {rule.default!r}")
+            raise InvalidRequest(
+                f"{where}{key}={value!r:.120} is not supported by the embedded rollout server: "
+                f"{rule.why}; leave it out or set it to {rule.default!r}"
+            )
 
 
 def _kind(table: dict[str, Field]) -> str:

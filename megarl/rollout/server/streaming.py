@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 
-from megarl.rollout.server.generate_input import GenerateCall
 from megarl.rollout.engine.protocol import GenerationRequest, GenerationResult, TokenStep
 from megarl.rollout.engine.rows import run_lengths
+from megarl.rollout.server.generate_input import GenerateCall
 
 DISCONNECT_POLL_S = 0.5
 DONE = b"data: [DONE]\n\n"
@@ -51,16 +51,23 @@ class _Progress:
         ids = [s.token for s in self.steps]
         logprob = req.return_logprob
         return GenerationResult(
-            rid=req.rid, text=engine.decode(ids, p.skip_special_tokens, p.spaces_between_special_tokens),
-            input_ids=req.input_ids, output_ids=ids,
-            output_logprobs=[s.logprob for s in self.steps] if logprob else None, input_logprobs=None,
-            finish_reason=None, prompt_tokens=len(req.input_ids), weight_version=engine.weight_version,
+            rid=req.rid,
+            text=engine.decode(ids, p.skip_special_tokens, p.spaces_between_special_tokens),
+            input_ids=req.input_ids,
+            output_ids=ids,
+            output_logprobs=[s.logprob for s in self.steps] if logprob else None,
+            input_logprobs=None,
+            finish_reason=None,
+            prompt_tokens=len(req.input_ids),
+            weight_version=engine.weight_version,
             e2e_latency=0.0,
             output_top_logprobs=[s.top_logprobs for s in self.steps] if logprob and req.top_logprobs_num else None,
-            output_token_ids_logprobs=([s.token_ids_logprobs for s in self.steps]
-                                       if logprob and req.token_ids_logprob else None),
+            output_token_ids_logprobs=(
+                [s.token_ids_logprobs for s in self.steps] if logprob and req.token_ids_logprob else None
+            ),
             output_entropy=[s.entropy for s in self.steps] if req.return_entropy else None,
-            weight_versions=run_lengths([s.weight_version for s in self.steps]))
+            weight_versions=run_lengths([s.weight_version for s in self.steps]),
+        )
 
 
 class GenerationStream:
@@ -80,9 +87,11 @@ class GenerationStream:
 
     def _forwarder(self, k: int):
         """Engine thread -> event loop: a TokenStep, or the finished future."""
+
         def forward(item) -> None:
             if not self._loop.is_closed():  # a closed loop (server shut down) has no reader left
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, (k, item))
+
         return forward
 
     async def events(self, request: Request) -> AsyncIterator[bytes]:
@@ -90,7 +99,7 @@ class GenerationStream:
             while not self._failed and any(p.result is None for p in self._progress):
                 try:
                     first = await asyncio.wait_for(self._queue.get(), timeout=DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if await request.is_disconnected():
                         return
                     continue

@@ -39,15 +39,25 @@ class _GatherKV(torch.autograd.Function):
         dist.all_reduce(grad, group=ctx.group)
         n = grad.shape[0] // dist.get_world_size(ctx.group)
         rank = dist.get_rank(ctx.group)
-        return grad[rank * n:(rank + 1) * n], None
+        return grad[rank * n : (rank + 1) * n], None
 
 
 class CpuCoreAttention(torch.nn.Module):
     """Drop-in `core_attention` submodule: [sq, b, np, hk] x [sk, b, ng, hk] x [sk, b, ng, hv]
     -> [sq, b, np * hv]."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **_widths):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **_widths,
+    ):
         # `_widths`: MLA passes k_channels / v_channels; the tensors carry them, so they are unused.
         super().__init__()
         from megatron.core import parallel_state as ps
@@ -55,11 +65,14 @@ class CpuCoreAttention(torch.nn.Module):
         self.config = config
         self.attn_mask_type = attn_mask_type
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"softmax_type={config.softmax_type!r}: CpuCoreAttention implements "
-                             "only 'vanilla'; use the TransformerEngine spec on GPU")
+            raise ValueError(
+                f"softmax_type={config.softmax_type!r}: CpuCoreAttention implements "
+                "only 'vanilla'; use the TransformerEngine spec on GPU"
+            )
         if getattr(config, "window_size", None) is not None:
-            raise ValueError("window_size is set: CpuCoreAttention has no sliding-window mask; "
-                             "use the TransformerEngine spec on GPU")
+            raise ValueError(
+                "window_size is set: CpuCoreAttention has no sliding-window mask; use the TransformerEngine spec on GPU"
+            )
         # Stock default: 1/sqrt(kv_channels). Layer-scaling (apply_query_key_layer_scaling) divides
         # the scores by layer_number and the softmax multiplies it back: a no-op in fp32, skipped.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
@@ -71,23 +84,27 @@ class CpuCoreAttention(torch.nn.Module):
             cp_group = ps.get_context_parallel_group()
         self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **_):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None, **_
+    ):
         if attention_bias is not None:
             raise NotImplementedError("CpuCoreAttention: attention_bias is not supported")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = getattr(mask_type, "name", str(mask_type)) in ("causal", "padding_causal")
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd" or attention_mask is not None or not causal:
-                raise NotImplementedError("CpuCoreAttention: packed sequences must be THD, causal "
-                                          "and without an explicit attention_mask")
+                raise NotImplementedError(
+                    "CpuCoreAttention: packed sequences must be THD, causal and without an explicit attention_mask"
+                )
             return self._forward_thd(query, key, value, packed_seq_params)
 
         sq = query.shape[0]
         if self.cp_group is not None:
             if attention_mask is not None:
-                raise NotImplementedError("CpuCoreAttention under context parallel: an explicit "
-                                          "attention_mask is not supported (the engine passes None)")
+                raise NotImplementedError(
+                    "CpuCoreAttention under context parallel: an explicit "
+                    "attention_mask is not supported (the engine passes None)"
+                )
             key = _GatherKV.apply(key, self.cp_group)
             value = _GatherKV.apply(value, self.cp_group)
             c = self.cp_group.size()
@@ -111,8 +128,8 @@ class CpuCoreAttention(torch.nn.Module):
             keep = ~attention_mask.bool()
             allowed = keep if allowed is None else keep & allowed
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0)
+            q, k, v, attn_mask=allowed, scale=self.softmax_scale, dropout_p=self.dropout if self.training else 0.0
+        )
         # [b, np, sq, hv] -> [sq, b, np * hv]
         out = out.permute(2, 0, 1, 3).contiguous()
         return out.view(out.shape[0], out.shape[1], -1)
@@ -138,14 +155,20 @@ class CpuCoreAttention(torch.nn.Module):
         for start, end in zip(cu[:-1], cu[1:]):
             lo, hi = start // c, end // c  # this sequence's tokens on every rank
             q = query[lo:hi]
-            k = torch.cat([key[r * t_local + lo:r * t_local + hi] for r in range(c)])
-            v = torch.cat([value[r * t_local + lo:r * t_local + hi] for r in range(c)])
+            k = torch.cat([key[r * t_local + lo : r * t_local + hi] for r in range(c)])
+            v = torch.cat([value[r * t_local + lo : r * t_local + hi] for r in range(c)])
             q_pos = cp_positions(end - start, c, self.cp_group.rank())
             allowed = (all_positions(end - start, c).unsqueeze(0) <= q_pos.unsqueeze(1)).to(q.device)
             q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))  # [1, h, s, d]
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed, scale=self.softmax_scale,
-                dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
+                q,
+                k,
+                v,
+                attn_mask=allowed,
+                scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
             outs.append(out[0].permute(1, 0, 2).reshape(hi - lo, -1))
         return torch.cat(outs)
 
@@ -169,8 +192,14 @@ class CpuCoreAttention(torch.nn.Module):
             idx = (s.unsqueeze(1) + torch.minimum(col.unsqueeze(0), (n - 1).unsqueeze(1))).to(query.device)
             q, k, v = (x[idx].transpose(1, 2) for x in (query, key, value))  # [b, h, L, d]
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale,
-                dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
+                q,
+                k,
+                v,
+                is_causal=True,
+                scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
             out = out.transpose(1, 2).reshape(len(group), width, -1)  # [b, L, np * hv]
             real = real.to(query.device)
             pieces.append(out[real])

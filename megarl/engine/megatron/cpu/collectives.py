@@ -37,13 +37,13 @@ from __future__ import annotations
 import array
 import functools
 import math
+import mmap
 import os
 import platform
 import socket
 import sys
 import time
 import uuid
-import mmap
 
 import torch
 import torch.distributed as dist
@@ -52,19 +52,21 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 ENV = "MEGARL_CPU_COLLECTIVES"
 ENV_MB = "MEGARL_CPU_COLLECTIVES_MB"
-SLOT_MB = 4            # per rank and buffer; larger tensors go through gloo
-SPIN_S = 0.0001        # spin this long (the common case: the peer is microseconds away) ...
-YIELD_S = 0.02         # ... then yield the core (to any process that wants it: an engine that
-SLEEP_S = 0.0005       # generates while the ranks train) this long, then sleep between looks
-TIMEOUT_S = 1800.0     # as megarl's process groups (controller/worker.py)
+SLOT_MB = 4  # per rank and buffer; larger tensors go through gloo
+SPIN_S = 0.0001  # spin this long (the common case: the peer is microseconds away) ...
+YIELD_S = 0.02  # ... then yield the core (to any process that wants it: an engine that
+SLEEP_S = 0.0005  # generates while the ranks train) this long, then sleep between looks
+TIMEOUT_S = 1800.0  # as megarl's process groups (controller/worker.py)
 
 _INSTALLED = False
 _CREATING = object()
-_channels: dict = {}   # ProcessGroup -> _Channel | None (gloo) | _CREATING
+_channels: dict = {}  # ProcessGroup -> _Channel | None (gloo) | _CREATING
 _orig: dict = {}
 _REDUCE = {
-    dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum,
-    dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.PRODUCT: torch.mul,
+    dist.ReduceOp.SUM: torch.add,
+    dist.ReduceOp.MAX: torch.maximum,
+    dist.ReduceOp.MIN: torch.minimum,
+    dist.ReduceOp.PRODUCT: torch.mul,
 }
 
 
@@ -83,10 +85,16 @@ def install() -> bool:
     if _INSTALLED:
         return True
     mode()  # a bad value fails here
-    for name, impl in (("all_to_all_single", _all_to_all_single), ("all_gather_into_tensor", _all_gather_into),
-                       ("all_gather", _all_gather), ("all_reduce", _all_reduce),
-                       ("reduce_scatter_tensor", _reduce_scatter), ("broadcast", _broadcast),
-                       ("barrier", _barrier), ("destroy_process_group", _destroy)):
+    for name, impl in (
+        ("all_to_all_single", _all_to_all_single),
+        ("all_gather_into_tensor", _all_gather_into),
+        ("all_gather", _all_gather),
+        ("all_reduce", _all_reduce),
+        ("reduce_scatter_tensor", _reduce_scatter),
+        ("broadcast", _broadcast),
+        ("barrier", _barrier),
+        ("destroy_process_group", _destroy),
+    ):
         orig = getattr(c10d, name)
         _orig[name] = orig
         wrapped = functools.wraps(orig)(impl)
@@ -98,8 +106,12 @@ def install() -> bool:
 
 
 # megatron binds some collectives to module names at import (dist_all_gather_func = ...)
-ALIAS_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.distributed.param_and_grad_buffer",
-                 "megatron.core.utils", "megatron.core.transformer.multi_token_prediction")
+ALIAS_MODULES = (
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",
+    "megatron.core.transformer.multi_token_prediction",
+)
 
 
 def _rebind_aliases() -> None:
@@ -126,7 +138,7 @@ class _Channel:
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group)
         self.words = _words(self.n)
-        self.hdr = memoryview(mm)[:self.n * self.words * 8].cast("q")
+        self.hdr = memoryview(mm)[: self.n * self.words * 8].cast("q")
         self.data = torch.frombuffer(mm, dtype=torch.uint8)
         self.base = _header_bytes(self.n)
         self.seq = 0
@@ -141,7 +153,7 @@ class _Channel:
 
     def buf(self, p: int, seq: int, nbytes: int) -> torch.Tensor:
         start = self.base + (p * 2 + seq % 2) * self.slot
-        return self.data[start:start + nbytes]
+        return self.data[start : start + nbytes]
 
     def post(self, tensor: torch.Tensor | None, offsets: list[int] | None = None) -> int:
         """Copy tensor into this rank's slot and publish it; returns the op's sequence number. A
@@ -154,7 +166,7 @@ class _Channel:
             self.buf(self.rank, seq, nbytes).view(tensor.dtype).view(tensor.shape).copy_(tensor)
         at = self.field(self.rank, seq)
         if offsets is not None:
-            h[at + 1:at + 2 + self.n] = array.array("q", offsets)
+            h[at + 1 : at + 2 + self.n] = array.array("q", offsets)
         h[at] = status
         h[self.rank * w] = seq  # last: peers read the data once they see it
         return seq
@@ -188,15 +200,15 @@ class _Channel:
             state = "gone"
         where = f"{op} on group ranks {self.ranks} (this is rank {self.ranks[self.rank]})"
         if state in ("gone", "Z", "X"):
-            raise RuntimeError(f"cpu_collectives: {where}: rank {self.ranks[p]} (pid {self.pids[p]}) exited "
-                               "before joining it")
+            raise RuntimeError(
+                f"cpu_collectives: {where}: rank {self.ranks[p]} (pid {self.pids[p]}) exited before joining it"
+            )
         if waited > TIMEOUT_S:
-            raise RuntimeError(f"cpu_collectives: {where}: rank {self.ranks[p]} did not join within "
-                               f"{TIMEOUT_S:.0f} s")
+            raise RuntimeError(f"cpu_collectives: {where}: rank {self.ranks[p]} did not join within {TIMEOUT_S:.0f} s")
 
     def offsets(self, p: int, seq: int) -> list[int]:
         start = self.field(p, seq) + 1
-        return list(self.hdr[start:start + self.n + 1])
+        return list(self.hdr[start : start + self.n + 1])
 
 
 def _words(n: int) -> int:
@@ -373,12 +385,12 @@ def _all_gather(tensor_list, tensor, group=None, async_op=False):
     return _done(async_op)
 
 
-def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                       async_op=False):
+def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     ch = _channel(group, output, input)
     if ch is None or not output.is_contiguous():
-        return _orig["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group=group,
-                                          async_op=async_op)
+        return _orig["all_to_all_single"](
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        )
     n = ch.n
     row = input.element_size() * math.prod(input.shape[1:])
     # split sizes come as lists, tensors or numpy arrays (megatron's dispatcher)
@@ -389,17 +401,20 @@ def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes
         offsets.append(offsets[-1] + s * row)
     seq = ch.post(input, offsets)
     if not ch.wait(seq, "all_to_all_single"):
-        return _orig["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group=group,
-                                          async_op=async_op)
+        return _orig["all_to_all_single"](
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        )
     flat, at = output.view(torch.uint8).view(-1) if output.numel() else None, 0
     for p in range(n):
         theirs = ch.offsets(p, seq)
         lo, hi = theirs[ch.rank], theirs[ch.rank + 1]
         if hi - lo != outs[p] * row:
-            raise RuntimeError(f"all_to_all_single: rank {ch.ranks[p]} sends {(hi - lo) // row} rows to rank "
-                               f"{ch.ranks[ch.rank]}, whose output_split_sizes expect {outs[p]}")
+            raise RuntimeError(
+                f"all_to_all_single: rank {ch.ranks[p]} sends {(hi - lo) // row} rows to rank "
+                f"{ch.ranks[ch.rank]}, whose output_split_sizes expect {outs[p]}"
+            )
         if hi > lo:
-            flat[at:at + hi - lo].copy_(ch.buf(p, seq, hi)[lo:hi])
+            flat[at : at + hi - lo].copy_(ch.buf(p, seq, hi)[lo:hi])
         at += hi - lo
     return _done(async_op)
 
@@ -416,8 +431,10 @@ def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     if ch.rank != root:
         sent = ch.hdr[ch.field(root, seq)]
         if sent != nbytes:
-            raise RuntimeError(f"broadcast: rank {ch.ranks[root]} sent {sent} bytes, rank {ch.ranks[ch.rank]} "
-                               f"expects {nbytes} ({tuple(tensor.shape)} {tensor.dtype})")
+            raise RuntimeError(
+                f"broadcast: rank {ch.ranks[root]} sent {sent} bytes, rank {ch.ranks[ch.rank]} "
+                f"expects {nbytes} ({tuple(tensor.shape)} {tensor.dtype})"
+            )
         tensor.copy_(ch.buf(root, seq, nbytes).view(tensor.dtype).view(tensor.shape))
     return _done(async_op)
 

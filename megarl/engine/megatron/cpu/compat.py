@@ -81,9 +81,31 @@ def import_megatron() -> None:
 # op, 19% of an actor's CPU time in the quickstart (py-spy). These wrappers run only on the calls
 # that can carry a device: no other op pays anything.
 
-_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
-              "randint", "randperm", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
-              "randn_like", "empty_strided", "linspace", "logspace", "eye", "tril_indices", "triu_indices")
+_FACTORIES = (
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "empty_strided",
+    "linspace",
+    "logspace",
+    "eye",
+    "tril_indices",
+    "triu_indices",
+)
 _NEW_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
 
@@ -107,6 +129,7 @@ def _redirect_factory(fn):
     @functools.wraps(fn)
     def factory(*args, **kwargs):
         return fn(*args, **_cpu_kwargs(kwargs)) if kwargs else fn(*args)
+
     factory.__megarl_cpu__ = fn
     return factory
 
@@ -256,8 +279,15 @@ def _patch_rng():
 def _patch_torch_norm():
     from megatron.core.transformer import torch_norm
 
-    def _new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-             zero_centered_gamma=False, normalization="LayerNorm"):
+    def _new(
+        cls,
+        config,
+        hidden_size,
+        eps=1e-5,
+        persist_layer_norm=False,
+        zero_centered_gamma=False,
+        normalization="LayerNorm",
+    ):
         if config.layernorm_zero_centered_gamma:
             raise ValueError("layernorm_zero_centered_gamma needs TransformerEngine norms")
         kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
@@ -303,7 +333,10 @@ def _patch_torch_adam_checkpoints():
         return
     cls = dopt.DistributedOptimizer
     state_dict, load_state_dict, set_states = (
-        cls.state_dict, cls.load_state_dict, cls._set_main_param_and_optimizer_states)
+        cls.state_dict,
+        cls.load_state_dict,
+        cls._set_main_param_and_optimizer_states,
+    )
 
     def materialised_state_dict(self):
         # `assert len(steps) == 1`: torch's Adam creates its state lazily at the first step, so a
@@ -315,8 +348,11 @@ def _patch_torch_adam_checkpoints():
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
-                    inner.state[p].update(step=torch.zeros((), dtype=torch.float32),
-                                          exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                    inner.state[p].update(
+                        step=torch.zeros((), dtype=torch.float32),
+                        exp_avg=torch.zeros_like(p),
+                        exp_avg_sq=torch.zeros_like(p),
+                    )
         return state_dict(self)
 
     def unshared_load_state_dict(self, state):
@@ -351,4 +387,3 @@ def seed_model_parallel(seed: int) -> None:
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-

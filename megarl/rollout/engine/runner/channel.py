@@ -26,11 +26,11 @@ class CommandChannel:
     def send(self, command: dict) -> None:
         """Rank 0: broadcast one command (all followers must be waiting in `receive`)."""
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        head = len(data).to_bytes(_HEADER, "little") + data[:FRAME_BYTES - _HEADER]
-        self._frame[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        head = len(data).to_bytes(_HEADER, "little") + data[: FRAME_BYTES - _HEADER]
+        self._frame[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
         dist.broadcast(self._frame, src=0)
         if len(data) > FRAME_BYTES - _HEADER:
-            tail = torch.frombuffer(bytearray(data[FRAME_BYTES - _HEADER:]), dtype=torch.uint8)
+            tail = torch.frombuffer(bytearray(data[FRAME_BYTES - _HEADER :]), dtype=torch.uint8)
             dist.broadcast(tail.to(self.device), src=0)
 
     def receive(self) -> dict:
@@ -38,7 +38,7 @@ class CommandChannel:
         dist.broadcast(self._frame, src=0)
         frame = self._frame.cpu().numpy().tobytes()
         length = int.from_bytes(frame[:_HEADER], "little")
-        data = frame[_HEADER:_HEADER + length]
+        data = frame[_HEADER : _HEADER + length]
         if length > FRAME_BYTES - _HEADER:
             tail = torch.empty(length - (FRAME_BYTES - _HEADER), dtype=torch.uint8, device=self.device)
             dist.broadcast(tail, src=0)

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from megarl.procs import lifeline
 from megarl.rollout.engine.runner.channel import CommandChannel
 from megarl.rollout.engine.runner.follower import follow
+from megarl.rollout.engine.runner.rank import RankWorker
 from megarl.rollout.engine.runner.runners import TPRunner
 from megarl.rollout.engine.runner.sharding import load_sharded_model, validate_tp
 from megarl.rollout.engine.runner.watchdog import PEER_TIMEOUT_S, Watchdog
-from megarl.rollout.engine.runner.rank import RankWorker
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,9 @@ class MeshSpec:
         if self.tp < 1 or self.nnodes < 1:
             raise ValueError(f"--tp {self.tp} and --nnodes {self.nnodes} must be >= 1")
         if self.tp % self.nnodes:
-            raise ValueError(f"--tp {self.tp} must be a multiple of --nnodes {self.nnodes} (each node runs tp/nnodes ranks)")
+            raise ValueError(
+                f"--tp {self.tp} must be a multiple of --nnodes {self.nnodes} (each node runs tp/nnodes ranks)"
+            )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -89,8 +91,12 @@ def add_mesh_arguments(parser) -> None:
     group.add_argument("--nnodes", type=int, default=1, help="nodes one engine spans")
     group.add_argument("--node-rank", type=int, default=0, help="this node's rank; 0 serves HTTP")
     group.add_argument("--dist-init-addr", default=None, help="HOST:PORT of node rank 0's rendezvous")
-    group.add_argument("--heartbeat-timeout", type=float, default=PEER_TIMEOUT_S,
-                       help="seconds without a heartbeat from a rank before the whole engine exits (megarl's)")
+    group.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=PEER_TIMEOUT_S,
+        help="seconds without a heartbeat from a rank before the whole engine exits (megarl's)",
+    )
 
 
 def mesh_spec(args) -> MeshSpec:
@@ -124,12 +130,20 @@ class MeshProcess:
         # tied to the spawning thread, so only when that is the main thread
         parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
         for rank in range(spec.first_rank + 1, spec.first_rank + spec.ranks_per_node):
-            child = context.Process(target=_child_main, args=(self.setup, rank, parent), name=f"tp-rank-{rank}",
-                                    daemon=True)
+            child = context.Process(
+                target=_child_main, args=(self.setup, rank, parent), name=f"tp-rank-{rank}", daemon=True
+            )
             child.start()
             self.children[rank] = child
-        self.watchdog = Watchdog(self.setup.store_host, self.setup.store_port, self.rank, spec.tp,
-                                 self.fatal, spec.heartbeat_timeout_s, self.children).start()
+        self.watchdog = Watchdog(
+            self.setup.store_host,
+            self.setup.store_port,
+            self.rank,
+            spec.tp,
+            self.fatal,
+            spec.heartbeat_timeout_s,
+            self.children,
+        ).start()
 
     def join(self, store) -> RankWorker:
         """Join the process group and load this rank's shard; returns once every rank has."""
@@ -140,9 +154,16 @@ class MeshProcess:
             device = torch.device("cuda", local)
             torch.cuda.set_device(device)
             os.environ["LOCAL_RANK"] = str(local)  # transformers' TP loader reads it
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore("megarl/tp/pg", store),
-                                rank=self.rank, world_size=spec.tp, timeout=GROUP_TIMEOUT)
-        model, plan, shapes = load_sharded_model(self.setup.model_path, getattr(torch, self.setup.dtype), device, spec.tp)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=dist.PrefixStore("megarl/tp/pg", store),
+            rank=self.rank,
+            world_size=spec.tp,
+            timeout=GROUP_TIMEOUT,
+        )
+        model, plan, shapes = load_sharded_model(
+            self.setup.model_path, getattr(torch, self.setup.dtype), device, spec.tp
+        )
         dist.barrier()
         self.watchdog.watch_peers()
         log.info("TP rank %d/%d ready (node rank %d)", self.rank, spec.tp, spec.node_rank)
@@ -185,13 +206,15 @@ def start_rank0(spec: MeshSpec, model_path: str, dtype: str, device: str, torch_
     return TPRunner(worker, CommandChannel(worker.device), spec.nnodes, on_fatal=process.fatal), process
 
 
-def run_node(spec: MeshSpec, model_path: str, dtype: str, device: str, torch_threads: int,
-             host: str, port: int) -> None:
+def run_node(
+    spec: MeshSpec, model_path: str, dtype: str, device: str, torch_threads: int, host: str, port: int
+) -> None:
     """Node rank R > 0: answer /health, run this node's ranks until rank 0 shuts the engine down."""
     health = _serve_health(host, port, spec.node_rank)
     store_host, store_port = spec.store_address()
-    process = MeshProcess(RankSetup(spec, model_path, dtype, device, torch_threads, store_host, store_port),
-                          spec.first_rank)
+    process = MeshProcess(
+        RankSetup(spec, model_path, dtype, device, torch_threads, store_host, store_port), spec.first_rank
+    )
     process.spawn_children()
     store = dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False, timeout=JOIN_TIMEOUT)
     process.follow(process.join(store))
@@ -205,10 +228,12 @@ def _child_main(setup: RankSetup, rank: int, parent: int | None = None) -> None:
     torch.set_num_threads(setup.torch_threads)  # ranks share the cores; more threads each collapse
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
     process = MeshProcess(setup, rank)
-    process.watchdog = Watchdog(setup.store_host, setup.store_port, rank, setup.spec.tp, process.fatal,
-                                setup.spec.heartbeat_timeout_s).start()
-    store = dist.TCPStore(setup.store_host, setup.store_port, is_master=False, wait_for_workers=False,
-                          timeout=JOIN_TIMEOUT)
+    process.watchdog = Watchdog(
+        setup.store_host, setup.store_port, rank, setup.spec.tp, process.fatal, setup.spec.heartbeat_timeout_s
+    ).start()
+    store = dist.TCPStore(
+        setup.store_host, setup.store_port, is_master=False, wait_for_workers=False, timeout=JOIN_TIMEOUT
+    )
     process.follow(process.join(store))
     process.shutdown()
 
@@ -225,8 +250,11 @@ def _serve_health(host: str, port: int, node_rank: int) -> ThreadingHTTPServer:
         def do_GET(self):
             if self.path.split("?")[0] in ("/health", "/health_generate"):
                 return self._reply(200, b"")
-            self._reply(404, f"node rank {node_rank} of a multi-node engine serves only /health; send requests "
-                             "to node rank 0".encode())
+            self._reply(
+                404,
+                f"node rank {node_rank} of a multi-node engine serves only /health; send requests "
+                "to node rank 0".encode(),
+            )
 
         do_POST = do_GET
 

@@ -13,9 +13,9 @@ receive that failed on any rank destroys that group on every rank. Any other exc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
 
 import numpy as np
 import torch
@@ -23,8 +23,14 @@ import torch.distributed as dist
 
 from megarl.rollout.engine import kv_merge
 from megarl.rollout.engine.attn_mask import forward_step, prepare_model
-from megarl.rollout.engine.runner.receive import (ReceiveBuffer, ReceiveFailed, UpdateGroups, message_pieces,
-                                       receive_full_tensors, receive_messages)
+from megarl.rollout.engine.runner.receive import (
+    ReceiveBuffer,
+    ReceiveFailed,
+    UpdateGroups,
+    message_pieces,
+    receive_full_tensors,
+    receive_messages,
+)
 from megarl.rollout.engine.runner.sharding import ShardSpec, shard_spec
 from megarl.rollout.engine.runner.stage import Piece, Stage, covered_names, names_of, write_pieces
 
@@ -71,19 +77,33 @@ def _reject_if(problems: list[str]) -> None:
 def encode_inputs(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> dict:
     """Model inputs in a compact, picklable form (the 0/1 mask bit-packed: it grows every step)."""
     mask = mask.cpu().numpy()
-    return {"ids": ids.cpu().numpy(), "positions": positions.cpu().numpy(),
-            "mask": np.packbits(mask.astype(bool), axis=-1), "mask_width": mask.shape[-1]}
+    return {
+        "ids": ids.cpu().numpy(),
+        "positions": positions.cpu().numpy(),
+        "mask": np.packbits(mask.astype(bool), axis=-1),
+        "mask_width": mask.shape[-1],
+    }
 
 
 def decode_inputs(cmd: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask = np.unpackbits(cmd["mask"], axis=-1, count=cmd["mask_width"])
-    return (torch.from_numpy(cmd["ids"]).to(device), torch.from_numpy(mask).long().to(device),
-            torch.from_numpy(cmd["positions"]).to(device))
+    return (
+        torch.from_numpy(cmd["ids"]).to(device),
+        torch.from_numpy(mask).long().to(device),
+        torch.from_numpy(cmd["positions"]).to(device),
+    )
 
 
 class RankWorker:
-    def __init__(self, model, plan: dict[str, str], full_shapes: dict[str, tuple[int, ...]], tp: int,
-                 rank: int, device: torch.device):
+    def __init__(
+        self,
+        model,
+        plan: dict[str, str],
+        full_shapes: dict[str, tuple[int, ...]],
+        tp: int,
+        rank: int,
+        device: torch.device,
+    ):
         prepare_model(model)  # grouped KV heads without copies under a mask (attn_mask.py)
         self.model, self.plan, self.full_shapes = model, plan, full_shapes
         self.tp, self.rank, self.device = tp, rank, device
@@ -95,8 +115,14 @@ class RankWorker:
         self.buffers = ReceiveBuffer(device)  # receive memory kept across syncs (staging copies out of it)
 
     def execute(self, cmd: dict):
-        handler = {"forward": self.forward, "update": self.update, "commit": self.commit, "abort": self.abort,
-                   "init_group": self.init_group, "destroy_group": self.destroy_group}.get(cmd["op"])
+        handler = {
+            "forward": self.forward,
+            "update": self.update,
+            "commit": self.commit,
+            "abort": self.abort,
+            "init_group": self.init_group,
+            "destroy_group": self.destroy_group,
+        }.get(cmd["op"])
         if handler is not None:
             return handler(cmd)
         if cmd["op"] == "release":
@@ -153,8 +179,10 @@ class RankWorker:
                 except Exception as exc:  # noqa: BLE001  (e.g. out of memory; carried by the vote)
                     raise RuntimeError(f"staging failed ({type(exc).__name__}: {exc})") from exc
             elif self._released and cmd["source"] in _GROUP_SOURCES:  # (other sources: the engine checks first)
-                raise ValueError("weights are released; call /resume_memory_occupation before updating them "
-                                 "(or send the update with defer=true and commit it after resuming)")
+                raise ValueError(
+                    "weights are released; call /resume_memory_occupation before updating them "
+                    "(or send the update with defer=true and commit it after resuming)"
+                )
         except ReceiveFailed as exc:
             error, broken = str(exc), True
         except Exception as exc:  # noqa: BLE001  (reported to rank 0 through the vote, never dropped)
@@ -167,9 +195,11 @@ class RankWorker:
             if any(b for _, b in votes):
                 self.stage.discard(message)
                 self.groups.destroy(cmd["group_name"])
-                raise UpdateRejected(f"{message}. Nothing was written; the group was destroyed on every rank of "
-                                     "this engine and any staged update discarded: create a new group with "
-                                     "/init_weights_update_group and send the whole update again")
+                raise UpdateRejected(
+                    f"{message}. Nothing was written; the group was destroyed on every rank of "
+                    "this engine and any staged update discarded: create a new group with "
+                    "/init_weights_update_group and send the whole update again"
+                )
             if newly_discarded:
                 message += f"; the staged update for weight_version {version!r} was discarded"
             raise UpdateRejected(message)
@@ -187,8 +217,10 @@ class RankWorker:
             error = str(exc)
         errors = self._vote(error)
         if any(errors):
-            raise UpdateRejected(f"commit of weight_version {cmd['weight_version']!r} refused, nothing was "
-                                 f"written: {self._describe(errors)}")
+            raise UpdateRejected(
+                f"commit of weight_version {cmd['weight_version']!r} refused, nothing was "
+                f"written: {self._describe(errors)}"
+            )
         return self._write(pieces, swap=True)
 
     def abort(self, cmd: dict) -> int:
@@ -202,8 +234,9 @@ class RankWorker:
             ranks = cmd.get("ranks")
             if not isinstance(ranks, list) or len(ranks) != self.tp:
                 got = len(ranks) if isinstance(ranks, list) else type(ranks).__name__
-                raise ReceiveFailed(group.name, f"'ranks' must hold one list of messages per engine rank "
-                                                f"({self.tp}), got {got}")
+                raise ReceiveFailed(
+                    group.name, f"'ranks' must hold one list of messages per engine rank ({self.tp}), got {got}"
+                )
             buffers = receive_messages(group, ranks[self.rank], self.buffers)
             pieces, problems = message_pieces(ranks[self.rank], buffers, self._local_shape)
             _reject_if(problems)
@@ -262,8 +295,10 @@ class RankWorker:
         votes = self._gather((error, covered))
         errors = [e for e, _ in votes]
         if any(errors):
-            raise UpdateFailed(f"weight update failed while writing ({self._describe(errors)}); ranks may now "
-                               "hold a mix of old and new weights: send a full update")
+            raise UpdateFailed(
+                f"weight update failed while writing ({self._describe(errors)}); ranks may now "
+                "hold a mix of old and new weights: send a full update"
+            )
         on_every_rank = set.intersection(*(set(c) for _, c in votes))
         return Applied(names_of(pieces), [n for n in covered if n in on_every_rank])
 
@@ -285,15 +320,21 @@ class RankWorker:
         errors = self._vote(error)
         if any(errors):
             self.groups.destroy(cmd["group_name"])
-            raise UpdateRejected(f"weight update group {cmd['group_name']!r} was not formed, no rank kept it: "
-                                 f"{self._describe(errors)}")
+            raise UpdateRejected(
+                f"weight update group {cmd['group_name']!r} was not formed, no rank kept it: {self._describe(errors)}"
+            )
         first = cmd["rank_offset"]
-        return (f"joined weight update group {group.name!r} as ranks {first}..{first + self.tp - 1} of "
-                f"{group.world_size} ({group.backend})")
+        return (
+            f"joined weight update group {group.name!r} as ranks {first}..{first + self.tp - 1} of "
+            f"{group.world_size} ({group.backend})"
+        )
 
     def destroy_group(self, cmd: dict) -> str:
-        errors = self._vote(None if self.groups.destroy(cmd["group_name"]) else
-                            f"weight update group {cmd['group_name']!r} does not exist on this engine")
+        errors = self._vote(
+            None
+            if self.groups.destroy(cmd["group_name"])
+            else f"weight update group {cmd['group_name']!r} does not exist on this engine"
+        )
         if any(errors):
             raise UpdateRejected(self._describe(errors))
         return f"destroyed weight update group {cmd['group_name']!r}"

@@ -35,7 +35,7 @@ class ReceiveFailed(RuntimeError):
 
 
 def parse_dtype(text) -> torch.dtype:
-    """"float32", "bfloat16" (SGLang's strings; "torch.float32" also accepted) -> torch dtype."""
+    """ "float32", "bfloat16" (SGLang's strings; "torch.float32" also accepted) -> torch dtype."""
     dtype = getattr(torch, str(text).removeprefix("torch."), None) if isinstance(text, str) else None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype {text!r} is not a torch dtype name such as 'float32' or 'bfloat16'")
@@ -65,7 +65,7 @@ class ReceiveBuffer:
         if self._buffer is None or self._buffer.numel() < end:
             self._buffer = None  # the old one is freed before the new one is taken
             self._buffer = torch.empty(end, dtype=torch.uint8, device=self.device)
-        return [self._buffer[o:o + size] for o, size in zip(offsets, sizes)]
+        return [self._buffer[o : o + size] for o, size in zip(offsets, sizes)]
 
     def drop(self) -> None:
         self._buffer = None
@@ -81,23 +81,35 @@ class UpdateGroups:
     def check_new(self, cmd: dict) -> None:
         name, rank, world = cmd["group_name"], cmd["rank_offset"] + self.rank, cmd["world_size"]
         if name in self._groups:
-            raise ValueError(f"weight update group {name!r} already exists on this engine; destroy it first "
-                             "(/destroy_weights_update_group)")
+            raise ValueError(
+                f"weight update group {name!r} already exists on this engine; destroy it first "
+                "(/destroy_weights_update_group)"
+            )
         if not 0 <= rank < world:
-            raise ValueError(f"weight update group {name!r}: engine rank {self.rank} would be group rank "
-                             f"rank_offset + {self.rank} = {rank}, outside world_size {world}")
+            raise ValueError(
+                f"weight update group {name!r}: engine rank {self.rank} would be group rank "
+                f"rank_offset + {self.rank} = {rank}, outside world_size {world}"
+            )
 
     def join(self, cmd: dict) -> UpdateGroup:
         """Blocks until every member has joined (or the group's timeout passes)."""
-        group = join_update_group(cmd["master_address"], cmd["master_port"], cmd["rank_offset"] + self.rank,
-                                  cmd["world_size"], cmd["group_name"], cmd["backend"])
+        group = join_update_group(
+            cmd["master_address"],
+            cmd["master_port"],
+            cmd["rank_offset"] + self.rank,
+            cmd["world_size"],
+            cmd["group_name"],
+            cmd["backend"],
+        )
         self._groups[group.name] = group
         return group
 
     def get(self, name: str) -> UpdateGroup:
         if name not in self._groups:
-            raise ValueError(f"weight update group {name!r} does not exist on this engine (it has "
-                             f"{sorted(self._groups) or 'none'}); create it with /init_weights_update_group")
+            raise ValueError(
+                f"weight update group {name!r} does not exist on this engine (it has "
+                f"{sorted(self._groups) or 'none'}); create it with /init_weights_update_group"
+            )
         return self._groups[name]
 
     def destroy(self, name: str) -> bool:
@@ -119,8 +131,12 @@ def _wait(group: UpdateGroup, works, what: str) -> None:
 def receive_full_tensors(group: UpdateGroup, cmd: dict, memory: ReceiveBuffer) -> list[tuple[str, torch.Tensor]]:
     names, dtypes, shapes, load_format = cmd.get("names"), cmd.get("dtypes"), cmd.get("shapes"), cmd.get("load_format")
     try:
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)):
+        if not (
+            isinstance(names, list)
+            and isinstance(dtypes, list)
+            and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)
+        ):
             raise ValueError("names, dtypes and shapes must be lists of equal length")
         metas = [(str(n), parse_dtype(d), tuple(int(s) for s in shape)) for n, d, shape in zip(names, dtypes, shapes)]
         if load_format not in (None, "flattened_bucket"):
@@ -144,7 +160,7 @@ def receive_full_tensors(group: UpdateGroup, cmd: dict, memory: ReceiveBuffer) -
 
 
 def _view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    raw = buffer[offset:offset + nbytes]
+    raw = buffer[offset : offset + nbytes]
     if offset % dtype.itemsize:  # packed without padding: a view needs the dtype's alignment
         raw = raw.clone()
     return raw.view(dtype).reshape(shape)
@@ -158,8 +174,9 @@ def receive_messages(group: UpdateGroup, messages, memory: ReceiveBuffer) -> lis
             raise TypeError(f"a rank's entry must be a list of messages, got {type(messages).__name__}")
         wanted = [(int(m["src"]), int(m["tag"]), int(m["nbytes"])) for m in messages]
     except (KeyError, TypeError, ValueError) as exc:
-        raise ReceiveFailed(group.name, f"the request does not say what to receive ({exc!r}); each message "
-                                        "needs src, tag and nbytes") from exc
+        raise ReceiveFailed(
+            group.name, f"the request does not say what to receive ({exc!r}); each message needs src, tag and nbytes"
+        ) from exc
     buffers, works = [], []
     try:
         buffers = memory.carve([nbytes for _, _, nbytes in wanted])
@@ -171,8 +188,7 @@ def receive_messages(group: UpdateGroup, messages, memory: ReceiveBuffer) -> lis
     return buffers
 
 
-def message_pieces(messages: list[dict], buffers: list[torch.Tensor],
-                   local_shape) -> tuple[list[Piece], list[str]]:
+def message_pieces(messages: list[dict], buffers: list[torch.Tensor], local_shape) -> tuple[list[Piece], list[str]]:
     """Every entry of the received messages as a piece, checked against this rank's shard
     (`local_shape(name)`: None for a name the model lacks). Returns (pieces, problems)."""
     pieces, problems = [], []
@@ -182,8 +198,9 @@ def message_pieces(messages: list[dict], buffers: list[torch.Tensor],
             try:
                 pieces.append(_entry_piece(entry, buffer, local_shape))
             except (KeyError, TypeError, ValueError) as exc:
-                problems.append(f"{name!r} (message {index} from group rank {message.get('src')}, tag "
-                                f"{message.get('tag')}): {exc}")
+                problems.append(
+                    f"{name!r} (message {index} from group rank {message.get('src')}, tag {message.get('tag')}): {exc}"
+                )
     return pieces, problems
 
 

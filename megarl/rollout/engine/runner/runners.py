@@ -27,16 +27,16 @@ import itertools
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Callable
 
 import torch
 
 from megarl.rollout.engine import kv_merge
 from megarl.rollout.engine.attn_mask import forward_step
 from megarl.rollout.engine.runner.channel import CommandChannel
-from megarl.rollout.engine.runner.sharding import parameter_layout
 from megarl.rollout.engine.runner.rank import Applied, RankWorker, UpdateFailed, UpdateRejected, encode_inputs
+from megarl.rollout.engine.runner.sharding import parameter_layout
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +98,13 @@ class LocalRunner(_WeightCommands):
         kv_merge.trim_front(cache, columns)
 
     def load_named(self, named, defer: bool = False, weight_version: str | None = None) -> Applied:
-        return self._run({"op": "update", "source": "named", "named": named, "defer": defer,
-                          "weight_version": weight_version})
+        return self._run(
+            {"op": "update", "source": "named", "named": named, "defer": defer, "weight_version": weight_version}
+        )
 
-    def load_payloads(self, payloads: list[str], load_format: str | None, defer: bool = False,
-                      weight_version: str | None = None) -> Applied:
+    def load_payloads(
+        self, payloads: list[str], load_format: str | None, defer: bool = False, weight_version: str | None = None
+    ) -> Applied:
         """One rank: it reads entry 0, whatever the number of entries (as SGLang with tp=1)."""
         from megarl.wire.weights_codec import decode_payload
 
@@ -177,8 +179,15 @@ class TPRunner(_WeightCommands):
         dropped = []
         while self._dropped:  # finalizers may append from any thread meanwhile
             dropped.append(self._dropped.pop())
-        cmd = {"op": "forward", "cache": cache.id, "headroom": cache.headroom, "edits": cache.take_pending(),
-               "drop": dropped, "keep_all": keep_all, **encode_inputs(ids, mask, positions)}
+        cmd = {
+            "op": "forward",
+            "cache": cache.id,
+            "headroom": cache.headroom,
+            "edits": cache.take_pending(),
+            "drop": dropped,
+            "keep_all": keep_all,
+            **encode_inputs(ids, mask, positions),
+        }
         return SimpleNamespace(logits=self._run(cmd), past_key_values=cache)
 
     def merge_caches(self, into: _CacheHandle, other: _CacheHandle) -> None:
@@ -193,14 +202,25 @@ class TPRunner(_WeightCommands):
 
         return self.load_payloads([serialize_named_tensors(named)], None, defer, weight_version)
 
-    def load_payloads(self, payloads: list[str], load_format: str | None, defer: bool = False,
-                      weight_version: str | None = None) -> Applied:
+    def load_payloads(
+        self, payloads: list[str], load_format: str | None, defer: bool = False, weight_version: str | None = None
+    ) -> Applied:
         """SGLang's rule: rank r reads entry r; a single entry is read by every rank."""
         if len(payloads) not in (1, self.tp_size):
-            raise UpdateRejected(f"serialized_named_tensors has {len(payloads)} entries for a tp={self.tp_size} "
-                                 f"engine: give one per TP rank (rank r reads entry r) or one that every rank reads")
-        return self._run({"op": "update", "source": "payloads", "payloads": payloads, "load_format": load_format,
-                          "defer": defer, "weight_version": weight_version})
+            raise UpdateRejected(
+                f"serialized_named_tensors has {len(payloads)} entries for a tp={self.tp_size} "
+                f"engine: give one per TP rank (rank r reads entry r) or one that every rank reads"
+            )
+        return self._run(
+            {
+                "op": "update",
+                "source": "payloads",
+                "payloads": payloads,
+                "load_format": load_format,
+                "defer": defer,
+                "weight_version": weight_version,
+            }
+        )
 
     def load_files(self, files: list[str]) -> Applied:
         """Every rank opens the files itself and reads only its slices (the path must be visible to all)."""

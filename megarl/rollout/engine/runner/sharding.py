@@ -27,8 +27,14 @@ VOCAB_HEAD = "megarl_vocab_head"
 BLOCK_GATHER = "gather"  # transformers' GatherParallel: all-reduce a block's first output
 _COLWISE, _ROWWISE = "local_colwise", "local_rowwise"
 # config keys whose values are split across ranks (heads split whole; sizes split evenly)
-_SPLIT_CONFIG_KEYS = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size",
-                      "moe_intermediate_size", "shared_expert_intermediate_size")
+_SPLIT_CONFIG_KEYS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 
 
 def tp_plan_for(config) -> dict[str, str]:
@@ -40,8 +46,10 @@ def tp_plan_for(config) -> dict[str, str]:
     """
     base = getattr(type(config), "base_model_tp_plan", None) or {}
     if not base:
-        raise ValueError(f"{type(config).__name__} has no tensor-parallel plan in transformers "
-                         f"(base_model_tp_plan is empty); this model can only run with --tp 1")
+        raise ValueError(
+            f"{type(config).__name__} has no tensor-parallel plan in transformers "
+            f"(base_model_tp_plan is empty); this model can only run with --tp 1"
+        )
     plan: dict[str, str] = {}
     for pattern, style in base.items():
         kind = style.removeprefix("local_")
@@ -51,8 +59,10 @@ def tp_plan_for(config) -> dict[str, str]:
         if kind == "rowwise":
             parts = pattern.split(".")
             if parts[:2] != ["layers", "*"] or len(parts) < 4:
-                raise ValueError(f"row-parallel layer {pattern!r} of {type(config).__name__} is not inside a "
-                                 "'layers.*.<block>' module, so there is no block to all-reduce after it")
+                raise ValueError(
+                    f"row-parallel layer {pattern!r} of {type(config).__name__} is not inside a "
+                    "'layers.*.<block>' module, so there is no block to all-reduce after it"
+                )
             plan["model." + ".".join(parts[:3])] = BLOCK_GATHER
     plan["model.embed_tokens"] = VOCAB_EMBEDDING
     plan["lm_head"] = VOCAB_HEAD
@@ -66,8 +76,10 @@ def validate_tp(config, tp: int) -> None:
     for key in _SPLIT_CONFIG_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int) and value % tp:
-            raise ValueError(f"--tp {tp} does not divide the model's {key}={value}; choose a tp that divides "
-                             f"num_attention_heads, num_key_value_heads, vocab_size and the MLP sizes")
+            raise ValueError(
+                f"--tp {tp} does not divide the model's {key}={value}; choose a tp that divides "
+                f"num_attention_heads, num_key_value_heads, vocab_size and the MLP sizes"
+            )
 
 
 @dataclass(frozen=True)
@@ -94,8 +106,9 @@ class ShardSpec:
         """The slice as an index, e.g. for safetensors' `get_slice(name)[index]`."""
         if self.dim is None:
             return tuple(slice(None) for _ in self.global_shape)
-        return tuple(slice(self.start, self.stop) if d == self.dim else slice(None)
-                     for d in range(len(self.global_shape)))
+        return tuple(
+            slice(self.start, self.stop) if d == self.dim else slice(None) for d in range(len(self.global_shape))
+        )
 
 
 def style_of(name: str, plan: dict[str, str]) -> str | None:
@@ -115,8 +128,10 @@ def shard_dim(name: str, ndim: int, plan: dict[str, str]) -> int | None:
         dim = 0
     elif style == _ROWWISE:
         if is_bias:
-            raise ValueError(f"{name}: a row-parallel layer with a bias is not supported (every rank would "
-                             "add the bias before the all-reduce)")
+            raise ValueError(
+                f"{name}: a row-parallel layer with a bias is not supported (every rank would "
+                "add the bias before the all-reduce)"
+            )
         dim = -1
     else:
         return None
@@ -134,8 +149,7 @@ def shard_spec(name: str, global_shape, plan: dict[str, str], tp: int, rank: int
     return ShardSpec(name, shape, dim, rank * size, (rank + 1) * size)
 
 
-def parameter_layout(full_shapes: dict[str, tuple[int, ...]], plan: dict[str, str], tp: int,
-                     nnodes: int = 1) -> dict:
+def parameter_layout(full_shapes: dict[str, tuple[int, ...]], plan: dict[str, str], tp: int, nnodes: int = 1) -> dict:
     """The engine's layout, as `GET /get_parallelism_config` answers it (JSON-ready):
 
         {"tp_size": 2, "nnodes": 1,
@@ -157,9 +171,12 @@ def parameter_layout(full_shapes: dict[str, tuple[int, ...]], plan: dict[str, st
         params = {}
         for name, shape in full_shapes.items():
             spec = shard_spec(name, shape, plan, tp, rank)
-            params[name] = {"global_shape": list(spec.global_shape), "dim": spec.dim,
-                            "range": None if spec.dim is None else [spec.start, spec.stop],
-                            "local_shape": list(spec.local_shape)}
+            params[name] = {
+                "global_shape": list(spec.global_shape),
+                "dim": spec.dim,
+                "range": None if spec.dim is None else [spec.start, spec.stop],
+                "local_shape": list(spec.local_shape),
+            }
         ranks.append({"rank": rank, "node_rank": rank // per_node, "params": params})
     return {"tp_size": tp, "nnodes": nnodes, "ranks": ranks}
 
@@ -242,10 +259,13 @@ def load_sharded_model(model_path: str, dtype: torch.dtype, device: torch.device
     if device.type != "cpu":  # on CPU transformers' own mesh works; an explicit one breaks its loader
         kwargs["device_mesh"] = dist.device_mesh.init_device_mesh(device.type, (tp,))
     elif torch._C._get_accelerator().type != "cpu":
-        raise ValueError("--device cpu with --tp > 1 on a machine with an accelerator: transformers' TP "
-                         "loader would place the shards on the accelerator; use --device cuda")
-    model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=dtype, tp_plan="auto",
-                                                 tp_size=tp, **kwargs).eval()
+        raise ValueError(
+            "--device cpu with --tp > 1 on a machine with an accelerator: transformers' TP "
+            "loader would place the shards on the accelerator; use --device cuda"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, config=config, dtype=dtype, tp_plan="auto", tp_size=tp, **kwargs
+    ).eval()
     shapes = full_shapes(config)
     for name, tensor in model.state_dict().items():
         expected = shard_spec(name, shapes[name], plan, tp, dist.get_rank()).local_shape

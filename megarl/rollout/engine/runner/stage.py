@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -86,8 +86,11 @@ def covered_names(pieces: list[Piece], local_shape: Callable[[str], tuple[int, .
 
 def _disjoint(boxes: list[Box]) -> bool:
     """No two boxes share an element (two boxes are apart when some dim's ranges are)."""
-    return all(any(b1 <= a2 or b2 <= a1 for (a1, b1), (a2, b2) in zip(x, y))
-               for i, x in enumerate(boxes) for y in boxes[i + 1:])
+    return all(
+        any(b1 <= a2 or b2 <= a1 for (a1, b1), (a2, b2) in zip(x, y))
+        for i, x in enumerate(boxes)
+        for y in boxes[i + 1 :]
+    )
 
 
 class Stage:
@@ -103,8 +106,10 @@ class Stage:
         if version is None:
             raise ValueError("defer=true needs a weight_version: /commit_weight_update names the version it applies")
         if str(version) == self.version and self.failure:
-            raise ValueError(f"the staged update for weight_version {self.version!r} was already discarded "
-                             f"({self.failure}); abort it and send the whole version again")
+            raise ValueError(
+                f"the staged update for weight_version {self.version!r} was already discarded "
+                f"({self.failure}); abort it and send the whole version again"
+            )
 
     def copy(self, pieces: list[Piece]) -> list[Piece]:
         """Copy every piece into its parameter's spare (the values may be the sender's memory or a
@@ -167,14 +172,20 @@ class Stage:
         version = str(version)
         try:
             if self.version is None:
-                raise ValueError(f"nothing is staged for weight_version {version!r}: no update with defer=true "
-                                 "arrived since the last commit or abort")
+                raise ValueError(
+                    f"nothing is staged for weight_version {version!r}: no update with defer=true "
+                    "arrived since the last commit or abort"
+                )
             if self.failure:
-                raise ValueError(f"the staged update for weight_version {self.version!r} was discarded "
-                                 f"({self.failure}); send the whole version again")
+                raise ValueError(
+                    f"the staged update for weight_version {self.version!r} was discarded "
+                    f"({self.failure}); send the whole version again"
+                )
             if self.version != version:
-                raise ValueError(f"the stage holds weight_version {self.version!r}, not {version!r}; it was "
-                                 f"discarded: send weight_version {version!r} again")
+                raise ValueError(
+                    f"the stage holds weight_version {self.version!r}, not {version!r}; it was "
+                    f"discarded: send weight_version {version!r} again"
+                )
             return self.pieces
         finally:
             self.clear()
@@ -187,8 +198,12 @@ class Stage:
     def _switch_to(self, version: str) -> None:
         if self.version is not None and self.version != version:
             if self.pieces:
-                log.warning("discarding the stage of weight_version %r (%d pieces): a deferred update for "
-                            "weight_version %r arrived before it was committed or aborted",
-                            self.version, len(self.pieces), version)
+                log.warning(
+                    "discarding the stage of weight_version %r (%d pieces): a deferred update for "
+                    "weight_version %r arrived before it was committed or aborted",
+                    self.version,
+                    len(self.pieces),
+                    version,
+                )
             self.clear()
         self.version = version

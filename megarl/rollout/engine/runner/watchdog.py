@@ -14,19 +14,25 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
-
 
 HEARTBEAT_INTERVAL_S = 1.0
 PEER_TIMEOUT_S = 20.0  # default; generous: a loaded 2-core machine can stall a process for seconds
 
 
 class Watchdog:
-    def __init__(self, store_host: str, store_port: int, rank: int, world_size: int,
-                 on_failure: Callable[[str], None], peer_timeout_s: float = PEER_TIMEOUT_S,
-                 children: dict[int, object] | None = None):
+    def __init__(
+        self,
+        store_host: str,
+        store_port: int,
+        rank: int,
+        world_size: int,
+        on_failure: Callable[[str], None],
+        peer_timeout_s: float = PEER_TIMEOUT_S,
+        children: dict[int, object] | None = None,
+    ):
         self.store_host, self.store_port, self.rank, self.world_size = store_host, store_port, rank, world_size
         self.peer_timeout_s = peer_timeout_s
         self._on_failure = on_failure
@@ -35,7 +41,7 @@ class Watchdog:
         self._peers = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"tp-watchdog-{rank}", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread.start()
         return self
 
@@ -51,8 +57,13 @@ class Watchdog:
             store, seen = None, None
             while not self._stop.is_set():
                 if self._peers.is_set() and store is None:  # the store is certainly up once all ranks joined
-                    store = dist.TCPStore(self.store_host, self.store_port, is_master=False, wait_for_workers=False,
-                                          timeout=datetime.timedelta(seconds=self.peer_timeout_s))
+                    store = dist.TCPStore(
+                        self.store_host,
+                        self.store_port,
+                        is_master=False,
+                        wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=self.peer_timeout_s),
+                    )
                     seen = {r: (-1, time.monotonic()) for r in range(self.world_size) if r != self.rank}
                 if store is not None:
                     store.add(_key(self.rank), 1)
@@ -61,8 +72,10 @@ class Watchdog:
                     return self._fail(problem)
                 self._stop.wait(HEARTBEAT_INTERVAL_S)
         except Exception as exc:  # noqa: BLE001  (any store failure means the mesh is gone; reported)
-            self._fail(f"lost the rendezvous store at {self.store_host}:{self.store_port} ({exc!r}): "
-                       "node rank 0's server is gone")
+            self._fail(
+                f"lost the rendezvous store at {self.store_host}:{self.store_port} ({exc!r}): "
+                "node rank 0's server is gone"
+            )
 
     def _dead_child(self) -> str | None:
         for rank, process in self._children.items():
@@ -77,8 +90,10 @@ class Watchdog:
             if current != count:
                 seen[rank] = (current, now)
             elif now - since > self.peer_timeout_s:
-                return (f"TP rank {rank} sent no heartbeat for {self.peer_timeout_s:.0f}s: its process or node is "
-                        "gone or stuck")
+                return (
+                    f"TP rank {rank} sent no heartbeat for {self.peer_timeout_s:.0f}s: its process or node is "
+                    "gone or stuck"
+                )
         return None
 
     def _fail(self, message: str) -> None:
