@@ -271,7 +271,7 @@ class RayWorkerGroup:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
-        here = get_node_ip()  # the ranks on this machine: their torch shared-memory files go too
+        here = get_node_ip()  # the ranks on this host: their torch shared-memory files go too
         remove_torch_shm_files([p["pid"] for p in self.processes if p.get("node") == here])
         if self._owns_placement_group and self.placement_group is not None:
             remove_placement_group(self.placement_group)

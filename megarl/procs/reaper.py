@@ -138,7 +138,7 @@ def _descendants(root: int, exclude: set[int]) -> list[tuple[int, int]]:
     """(pid, start time in clock ticks) of every process below `root`, not below a child in
     `exclude`, from ONE pass over /proc. psutil's children() reads every process's stat file per
     call, and the reaper called it once per child: ~12 passes a poll, ~7% of a core all run long
-    on this 2-core machine (py-spy: the reaper used 4.1 s of CPU in a 54 s quickstart)."""
+    on a 2-core host (py-spy: the reaper used 4.1 s of CPU in a 54 s quickstart)."""
     parent_of = _proc_table() if os.path.isdir("/proc") else _psutil_table()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in parent_of.items():

@@ -253,24 +253,8 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cpu_compat.activate()
-        micro, order = rows.micro_batches(
-            batch, self.spec.micro_batch_size, self.spec.max_tokens_per_micro_batch, self.spec.parallel
-        )
-        if self.spec.pack_sequences:  # the allgather dispatcher (no variable lengths): one length everywhere
-            inputs = rows.packed_inputs(
-                micro, self.spec.parallel, self.config.variable_seq_lengths, agree=rows.agreed_max
-            )
-        else:
-            longest = max(mb["input_ids"].shape[1] for mb in micro)
-            fixed = not self.config.variable_seq_lengths
-            inputs = rows.padded_inputs(micro, self._padded_length(rows.agreed_max(longest) if fixed else longest))
         cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
-        if self.replay is not None:  # each micro-batch's expert records, queued for the routers
-            self.replay.attach(micro, inputs, cp_group)
-        device = rows.model_device(self.model)
-        if device.type != "cpu":  # rows arrive on the host; the model and the loss run on its device
-            micro = [mb.to(device) for mb in micro]
-            inputs = [rows.inputs_to(x, device) for x in inputs]
+        micro, inputs, order = self._micro_batches(batch, cp_group)
         cp_rank = ps.get_context_parallel_rank()
         results = []
 
@@ -320,11 +304,29 @@ class MegatronEngine:
         if not results:
             return None, []
         tensors = tuple(torch.cat(column).cpu() for column in zip(*(r[0] for r in results)))
-        if order is not None:  # back to the batch's row order
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(len(order))
-            tensors = tuple(t[inverse] for t in tensors)
-        return tensors, [r[1] for r in results]
+        return rows.in_row_order(tensors, order), [r[1] for r in results]
+
+    def _micro_batches(self, batch: Batch, cp_group) -> tuple[list[Batch], list[dict], torch.Tensor | None]:
+        """`batch` split into micro-batches, their model inputs (packed or padded) on the model's
+        device, and the permutation that put the rows in micro-batch order (None: unchanged)."""
+        micro, order = rows.micro_batches(
+            batch, self.spec.micro_batch_size, self.spec.max_tokens_per_micro_batch, self.spec.parallel
+        )
+        if self.spec.pack_sequences:  # the allgather dispatcher (no variable lengths): one length everywhere
+            inputs = rows.packed_inputs(
+                micro, self.spec.parallel, self.config.variable_seq_lengths, agree=rows.agreed_max
+            )
+        else:
+            longest = max(mb["input_ids"].shape[1] for mb in micro)
+            fixed = not self.config.variable_seq_lengths
+            inputs = rows.padded_inputs(micro, self._padded_length(rows.agreed_max(longest) if fixed else longest))
+        if self.replay is not None:  # each micro-batch's expert records, queued for the routers
+            self.replay.attach(micro, inputs, cp_group)
+        device = rows.model_device(self.model)
+        if device.type != "cpu":  # rows arrive on the host; the model and the loss run on its device
+            micro = [mb.to(device) for mb in micro]
+            inputs = [rows.inputs_to(x, device) for x in inputs]
+        return micro, inputs, order
 
     def _local_padding_mask(self, model, x: dict, cp_group) -> torch.Tensor:
         """This rank's part of the padding mask (True = padding), which keeps padding tokens out of

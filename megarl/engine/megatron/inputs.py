@@ -184,3 +184,12 @@ def interleaved_micro_batch_count(n: int, rows: int, p: ParallelConfig) -> int:
         )
     up = math.ceil(n / p.pp) * p.pp
     return up if up <= rows else rows // p.pp * p.pp
+
+
+def in_row_order(tensors: tuple[torch.Tensor, ...], order: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Per-row tensors in micro-batch order put back in the batch's row order."""
+    if order is None:
+        return tensors
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    return tuple(t[inverse] for t in tensors)

@@ -2,10 +2,10 @@
 
 Why: on a VM, a gloo collective between two ranks on one machine costs 0.45-0.9 ms however
 small its tensors, because every message crosses TCP and hops between threads that sleep in
-between: each hop wakes a halted vCPU. Measured on the 2-core CI machine (Firecracker, EPYC):
+between: each hop wakes a halted vCPU. Measured on a 2-core VM (Firecracker, EPYC):
 a two-rank all_to_all_single of 80 KB takes 527 us in gloo and 37 us here, and the quickstart's
 update step spent 32 ms a step (of 98) in 50 small gloo collectives, 24 of them the MoE
-dispatcher's all-to-alls (benchmarks/RESULTS.md, issue 13 fifth pass).
+dispatcher's all-to-alls (benchmarks/RESULTS.md, "CPU collectives").
 
 How: each group gets one shared segment (a /dev/shm file, unlinked as soon as every rank has
 mapped it). A rank copies its input into its own slot, publishes a sequence number, and spins
@@ -34,33 +34,26 @@ whose atomic re-acquire orders even streaming stores); other CPUs keep gloo.
 
 from __future__ import annotations
 
-import array
 import functools
 import math
-import mmap
 import os
 import platform
-import socket
 import sys
-import time
-import uuid
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import _create_work_from_future
 
+from megarl.engine.megatron.cpu.shm_channel import Channel, open_channel
+
 ENV = "MEGARL_CPU_COLLECTIVES"
 ENV_MB = "MEGARL_CPU_COLLECTIVES_MB"
 SLOT_MB = 4  # per rank and buffer; larger tensors go through gloo
-SPIN_S = 0.0001  # spin this long (the common case: the peer is microseconds away) ...
-YIELD_S = 0.02  # ... then yield the core (to any process that wants it: an engine that
-SLEEP_S = 0.0005  # generates while the ranks train) this long, then sleep between looks
-TIMEOUT_S = 1800.0  # as megarl's process groups (controller/worker.py)
 
 _INSTALLED = False
 _CREATING = object()
-_channels: dict = {}  # ProcessGroup -> _Channel | None (gloo) | _CREATING
+_channels: dict = {}  # ProcessGroup -> Channel | None (gloo) | _CREATING
 _orig: dict = {}
 _REDUCE = {
     dist.ReduceOp.SUM: torch.add,
@@ -124,163 +117,18 @@ def _rebind_aliases() -> None:
                 setattr(module, attr, wrapped[id(value)])
 
 
-def _host_key() -> str:
-    try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-class _Channel:
-    def __init__(self, group, mm: mmap.mmap, pids: list[int], slot: int):
-        self.group, self.mm, self.pids, self.slot = group, mm, pids, slot
-        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.ranks = dist.get_process_group_ranks(group)
-        self.words = _words(self.n)
-        self.hdr = memoryview(mm)[: self.n * self.words * 8].cast("q")
-        self.data = torch.frombuffer(mm, dtype=torch.uint8)
-        self.base = _header_bytes(self.n)
-        self.seq = 0
-
-    @staticmethod
-    def size(n: int, slot: int) -> int:
-        return _header_bytes(n) + n * 2 * slot
-
-    def field(self, p: int, seq: int) -> int:
-        """Where rank p's status for op seq is (its offsets follow); alternates like the buffers."""
-        return p * self.words + 1 + (seq % 2) * (self.n + 2)
-
-    def buf(self, p: int, seq: int, nbytes: int) -> torch.Tensor:
-        start = self.base + (p * 2 + seq % 2) * self.slot
-        return self.data[start : start + nbytes]
-
-    def post(self, tensor: torch.Tensor | None, offsets: list[int] | None = None) -> int:
-        """Copy tensor into this rank's slot and publish it; returns the op's sequence number. A
-        tensor over the slot publishes status -1: every rank then takes gloo (wait returns False)."""
-        self.seq += 1
-        seq, w, h = self.seq, self.words, self.hdr
-        nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
-        status = -1 if nbytes > self.slot else nbytes
-        if status > 0:
-            self.buf(self.rank, seq, nbytes).view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        at = self.field(self.rank, seq)
-        if offsets is not None:
-            h[at + 1 : at + 2 + self.n] = array.array("q", offsets)
-        h[at] = status
-        h[self.rank * w] = seq  # last: peers read the data once they see it
-        return seq
-
-    def wait(self, seq: int, op: str) -> bool:
-        """Until every rank posted seq; returns False when one overflowed (all take gloo)."""
-        h, w = self.hdr, self.words
-        t0 = time.perf_counter()
-        for p in range(self.n):
-            spins = 0
-            while h[p * w] < seq:
-                spins += 1
-                if spins < 256:
-                    continue
-                spins = 0
-                waited = time.perf_counter() - t0
-                if waited < SPIN_S:
-                    continue
-                if waited < YIELD_S:
-                    os.sched_yield()
-                    continue
-                time.sleep(SLEEP_S)
-                self._check_peer(p, op, waited)
-        return all(h[self.field(p, seq)] >= 0 for p in range(self.n))
-
-    def _check_peer(self, p: int, op: str, waited: float) -> None:
-        try:
-            with open(f"/proc/{self.pids[p]}/stat") as stat:
-                state = stat.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            state = "gone"
-        where = f"{op} on group ranks {self.ranks} (this is rank {self.ranks[self.rank]})"
-        if state in ("gone", "Z", "X"):
-            raise RuntimeError(
-                f"cpu_collectives: {where}: rank {self.ranks[p]} (pid {self.pids[p]}) exited before joining it"
-            )
-        if waited > TIMEOUT_S:
-            raise RuntimeError(f"cpu_collectives: {where}: rank {self.ranks[p]} did not join within {TIMEOUT_S:.0f} s")
-
-    def offsets(self, p: int, seq: int) -> list[int]:
-        start = self.field(p, seq) + 1
-        return list(self.hdr[start : start + self.n + 1])
-
-
-def _words(n: int) -> int:
-    """int64 header words per rank: seq, then per buffer a status and n+1 cumulative byte offsets."""
-    return 1 + 2 * (n + 2)
-
-
-def _header_bytes(n: int) -> int:
-    return -(-(n * _words(n) * 8) // 4096) * 4096
-
-
-def _open_channel(group) -> _Channel | None:
-    """Collective over the group (every member makes the same first call): agree on one host,
-    map one segment. None: this group stays on gloo."""
-    gather = _orig_object_gather
-    n = dist.get_world_size(group)
-    slot = int(float(os.environ.get(ENV_MB, SLOT_MB)) * (1 << 20))
-    # every rank takes part in this agreement whatever it wants (its peers may want otherwise)
+def _wanted() -> bool:
+    """This rank's vote: x86-64 (its stores become visible in program order), and the mode allows it
+    (`auto`: the world's ranks fit the host's cores, so spinning costs nothing the peers need)."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    want = x86 and (mode() == "shm" or mode() == "auto" and dist.get_world_size() <= (os.cpu_count() or 1))
-    infos = gather((_host_key(), os.getpid(), want), group)
-    if n < 2 or not all(want for _, _, want in infos) or len({key for key, _, _ in infos}) != 1:
-        return None
-    path, mm = None, None
-    if dist.get_rank(group) == 0:
-        path = f"/dev/shm/megarl-coll-{uuid.uuid4().hex}"
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except OSError:
-            path = None
-        else:
-            try:
-                os.posix_fallocate(fd, 0, _Channel.size(n, slot))  # ENOSPC now, not SIGBUS later
-            except OSError:
-                os.unlink(path)
-                path = None
-            finally:
-                os.close(fd)
-    path = _orig_object_broadcast(path, group)
-    if path is not None:
-        try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                mm = mmap.mmap(fd, _Channel.size(n, slot))
-            finally:
-                os.close(fd)
-        except OSError:
-            mm = None
-    # every rank mapped it and sees every peer's process (one PID namespace: a dead peer is
-    # noticed through /proc), or none uses it; then the file goes
-    pids = [pid for _, pid, _ in infos]
-    mapped = gather(mm is not None and all(os.path.exists(f"/proc/{pid}") for pid in pids), group)
-    if dist.get_rank(group) == 0 and path is not None:
-        os.unlink(path)
-    if not all(mapped):
-        return None
-    return _Channel(group, mm, pids, slot)
+    return x86 and (mode() == "shm" or mode() == "auto" and dist.get_world_size() <= (os.cpu_count() or 1))
 
 
-def _orig_object_gather(obj, group) -> list:
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def _slot_bytes() -> int:
+    return int(float(os.environ.get(ENV_MB, SLOT_MB)) * (1 << 20))
 
 
-def _orig_object_broadcast(obj, group):
-    box = [obj]
-    dist.broadcast_object_list(box, group_src=0, group=group)
-    return box[0]
-
-
-def _channel(group, *tensors) -> _Channel | None:
+def _channel(group, *tensors) -> Channel | None:
     if group is None:
         group = c10d._get_default_group()
     if group in c10d._world.pg_coalesce_state or c10d._rank_not_in_group(group):
@@ -291,11 +139,11 @@ def _channel(group, *tensors) -> _Channel | None:
     if ch is None and group not in _channels:
         _channels[group] = _CREATING  # the set-up's own object collectives take gloo
         try:
-            ch = _channels[group] = _open_channel(group)
+            ch = _channels[group] = open_channel(group, _wanted(), _slot_bytes())
         except BaseException:
             _channels.pop(group, None)
             raise
-    return ch if isinstance(ch, _Channel) else None
+    return ch if isinstance(ch, Channel) else None
 
 
 def _reduce_fn(op):
@@ -313,7 +161,7 @@ def _done(async_op: bool):
     return _create_work_from_future(fut)
 
 
-def _reduce(ch: _Channel, seq: int, shape, dtype, fn, pick=lambda part: part) -> torch.Tensor:
+def _reduce(ch: Channel, seq: int, shape, dtype, fn, pick=lambda part: part) -> torch.Tensor:
     """The ranks' posted tensors of op seq combined in rank order (bit-identical on every rank)."""
     nbytes = math.prod(shape) * dtype.itemsize
     parts = [pick(ch.buf(p, seq, nbytes).view(dtype).view(shape)) for p in range(ch.n)]

@@ -49,7 +49,7 @@ def import_megatron() -> None:
     """Import megatron-core without torch.compile when CUDA is absent (before anything else does).
 
     megatron decorates its fusions with `jit_fuser = torch.compile` at import time, which imports
-    torch._dynamo and torch._inductor: 5 of a rank's 14 s of imports on this 2-core machine, twice
+    torch._dynamo and torch._inductor: 5 of a rank's 14 s of imports on a 2-core host, twice
     per start-up (two ranks). On CPU the decorated functions run eagerly instead: the fusions are
     off in the CPU config anyway (model.py), and the few helpers that use the decorator too (the
     router's expert-bias update, L2Norm) compute the same in eager mode (the quickstart's curve is
