@@ -315,29 +315,56 @@ def _buffer_maker(fresh: bool, nbytes: int, sender: bool):
     return lambda: torch.empty(nbytes, dtype=torch.uint8)
 
 
-def broadcast_peer(rank, buckets: list[int], repeats: int, fresh: bool):
-    """Rank 0 broadcasts one uint8 buffer per bucket, in turn, to every other rank."""
-    makers = [_buffer_maker(fresh, n, rank == 0) for n in buckets]
-
-    def body():
-        for make in makers:
-            dist.broadcast(make(), src=0)
-
-    times = _timed(body, repeats)
-    return statistics.median(times) if rank == 0 else None
+def _warm_and_fresh(rank: int, run_with, repeats: int):
+    """(median s with warm buffers, median s with fresh ones) on rank 0, None elsewhere: both in
+    the same process group, one spawn of the ranks for the pair."""
+    medians = [statistics.median(_timed(run_with(fresh), repeats)) for fresh in (False, True)]
+    return tuple(medians) if rank == 0 else None
 
 
-def p2p_peer(rank, messages: list[tuple[int, int, int, int]], repeats: int, fresh: bool):
+def broadcast_peer(rank, buckets: list[int], repeats: int, receivers: int):
+    """Rank 0 broadcasts one uint8 buffer per bucket, in turn, to ranks 1..`receivers` (a subgroup
+    when the world is larger; the other ranks only meet the timing barriers)."""
+    members = list(range(1 + receivers))
+    group = dist.new_group(members) if len(members) < dist.get_world_size() else None
+
+    def run_with(fresh: bool):
+        makers = [_buffer_maker(fresh, n, rank == 0) for n in buckets] if rank in members else []
+
+        def body():
+            for make in makers:
+                dist.broadcast(make(), src=0, group=group)
+
+        return body
+
+    return _warm_and_fresh(rank, run_with, repeats)
+
+
+def p2p_peer(rank, messages: list[tuple[int, int, int, int]], repeats: int):
     """messages: (src, dst, tag, nbytes) in group ranks. Every sender posts all its sends at once,
     every receiver all its receives; then all wait."""
-    sends = [(dst, tag, _buffer_maker(fresh, n, True)) for src, dst, tag, n in messages if src == rank]
-    recvs = [(src, tag, _buffer_maker(fresh, n, False)) for src, dst, tag, n in messages if dst == rank]
 
-    def body():
-        works = [dist.isend(make(), dst=dst, tag=tag) for dst, tag, make in sends]
-        works += [dist.irecv(make(), src=src, tag=tag) for src, tag, make in recvs]
-        for work in works:
-            work.wait()
+    def run_with(fresh: bool):
+        sends = [(dst, tag, _buffer_maker(fresh, n, True)) for src, dst, tag, n in messages if src == rank]
+        recvs = [(src, tag, _buffer_maker(fresh, n, False)) for src, dst, tag, n in messages if dst == rank]
 
-    times = _timed(body, repeats)
-    return statistics.median(times) if rank == 0 else None
+        def body():
+            works = [dist.isend(make(), dst=dst, tag=tag) for dst, tag, make in sends]
+            works += [dist.irecv(make(), src=src, tag=tag) for src, tag, make in recvs]
+            for work in works:
+                work.wait()
+
+        return body
+
+    return _warm_and_fresh(rank, run_with, repeats)
+
+
+def gloo_peers(rank, buckets: list[int] | None, messages: list | None, repeats: int, receivers: int) -> dict:
+    """Both raw gloo peers in one process group, so the ranks are spawned once for the pair:
+    {"distributed": (warm s, fresh s), "reshard": (warm s, fresh s)} on rank 0 for those given."""
+    out = {}
+    if buckets is not None:
+        out["distributed"] = broadcast_peer(rank, buckets, repeats, receivers)
+    if messages is not None:
+        out["reshard"] = p2p_peer(rank, messages, repeats)
+    return out if rank == 0 else None

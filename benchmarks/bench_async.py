@@ -23,6 +23,9 @@ samples/s (rows trained / time) and steady samples/s (steps 3..N only: the first
 every process's first-call costs, the same in each mode), each with its ratio to the sync loop's;
 reward mean over the first and last --window steps, reward gained per minute ((last window -
 first window) / time).
+
+--smoke: fully_async only (the loop with the most moving parts; --modes still chooses), 3 steps
+of up to 8 new tokens, a window of 1: checks the script and the loop end to end in one runtime.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import numpy as np
 from megarl.rollout.client.manager import SamplingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
+SMOKE = dict(steps=3, max_new_tokens=8, window=1, modes="fully_async")  # --smoke: replaces these defaults
 
 
 def parse_args(argv=None):
@@ -63,7 +67,16 @@ def parse_args(argv=None):
         "shows medians, so a machine whose speed drifts over minutes compares like with like",
     )
     p.add_argument("--json", default=None, help="write the results here too")
-    return p.parse_args(argv)
+    p.add_argument("--model", default=None, help="HF checkpoint (default: the config's tiny preset, built per run)")
+    p.add_argument("--smoke", action="store_true", help="fully_async, 3 short steps (checks the script)")
+    args = p.parse_args(argv)
+    if args.smoke:  # smoke sizes replace the defaults only: flags given explicitly still win
+        for key, value in SMOKE.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+    if args.steps < 3:
+        p.error("--steps must be >= 3 (the steady rate is over steps 3..N)")
+    return args
 
 
 class _TimedLogger:
@@ -111,6 +124,7 @@ def run_mode(label: str, args, workdir: Path) -> dict:
                 "bridge.check_parity=false",
                 f"trainer.pause_mode={args.pause_mode}",
                 f"trainer.max_staleness={staleness or args.max_staleness}",
+                *([f"model.path={args.model}"] if args.model else []),
             ],
         )
     )  # the engines' log-probs are of the biased logits (as SGLang's)

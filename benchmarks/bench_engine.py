@@ -11,21 +11,26 @@ warm-up step; tokens/s counts real tokens only (prompt + response, never padding
    median of `--median` tokens and capped at 8x the median, the same rows and the same engine
    code; `actor.pack_sequences` true (THD, no padding) vs false (right-padded to the longest row).
    Each step: all rows in micro-batches of 8 rows, one policy-gradient loss, one Adam step.
-2. engine vs HF peer (16 rows x 256 tokens, no padding anywhere): megarl's MegatronEngine
+2. engine vs HF peer (`--peer-rows` 16 x `--peer-len` 256 tokens, no padding anywhere): megarl's MegatronEngine
    (`train_mini_batch`: forward, log-probs of the tokens, backward, distributed-optimizer Adam step)
    against Hugging Face `Qwen3MoeForCausalLM` doing the same work in plain torch (forward,
    log_softmax + gather, the same loss, backward, torch.optim.AdamW) on the same weights and
    tokens; and forward only (`compute_log_prob` vs `torch.no_grad()` forward + log-probs). Both
    sides live in the process at once and their steps are timed alternately, so drift in the
    machine's speed hits both alike. ratio = megarl tokens/s / peer tokens/s (1.0 = as fast).
+
+--smoke: a Qwen3-MoE of hidden 64 (2 layers, 4 experts), 8 rows around 16 tokens, the peer on
+4 x 32 tokens, 1 thread, 1 timed step: checks the script and both parts in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import math
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -46,6 +51,18 @@ MODEL = dict(
     num_experts_per_tok=2,
     max_position_embeddings=4096,
 )
+SMOKE_MODEL = dict(
+    MODEL,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+)
+SMOKE = dict(threads=1, steps=1, rows=8, median=16, peer_rows=4, peer_len=32)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,9 +71,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per measurement (median)")
     p.add_argument("--rows", type=int, default=32, help="rows of the long-tail mix")
     p.add_argument("--median", type=int, default=64, help="median row length of the long-tail mix")
+    p.add_argument("--peer-rows", type=int, default=16, help="rows of the engine vs HF peer part")
+    p.add_argument("--peer-len", type=int, default=256, help="tokens per row of the engine vs HF peer part")
     p.add_argument("--parts", default="packing,peer", help="comma-separated subset of packing,peer")
     p.add_argument("--workdir", default=None)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="a tiny model and batch, 1 step (checks the script)")
+    args = p.parse_args(argv)
+    if args.smoke:  # smoke sizes replace the defaults only: flags given explicitly still win
+        for key, value in SMOKE.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+    args.model = SMOKE_MODEL if args.smoke else MODEL
+    return args
 
 
 def long_tail_lengths(n: int, median: int, seed: int = 0) -> list[int]:
@@ -128,7 +154,7 @@ def timed(fn, steps: int) -> float:
 
 def bench_packing(model_path: str, args) -> list[tuple]:
     lengths = long_tail_lengths(args.rows, args.median)
-    rows = make_rows(lengths, MODEL["vocab_size"])
+    rows = make_rows(lengths, args.model["vocab_size"])
     tokens = sum(lengths)
     out = []
     for packed in (False, True):
@@ -148,7 +174,7 @@ def hf_peer(model_path: str, rows, device: str = "cpu", dtype=torch.float32):
     """Plain HF + torch on `rows` (no padding): (training step, forward) callables."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     ids, responses, mask, adv = (rows[k].to(device) for k in ("input_ids", "responses", "response_mask", "advantages"))
     p = int(rows["prompt_lengths"][0])
@@ -187,14 +213,14 @@ def interleaved(ours, peer, steps: int) -> tuple[float, float]:
 
 
 def bench_peer(model_path: str, args) -> list[tuple]:
-    rows = make_rows([256] * 16, MODEL["vocab_size"], seed=1)
-    tokens = 16 * 256
+    rows = make_rows([args.peer_len] * args.peer_rows, args.model["vocab_size"], seed=1)
+    tokens = args.peer_rows * args.peer_len
     peer_step, peer_forward = hf_peer(model_path, rows)
-    engine = make_engine(model_path, packed=True, micro_batch_size=16)
+    engine = make_engine(model_path, packed=True, micro_batch_size=args.peer_rows)
     # as MegatronActor.update_actor runs it: the entropy is a metric (no backward) without entropy_coeff
     head = engine.logprob_head(1.0, entropy_grad=False)
     train, peer_train = interleaved(lambda: engine.train_mini_batch(rows, pg_loss, head=head), peer_step, args.steps)
-    ref = make_engine(model_path, packed=True, micro_batch_size=16, train=False)
+    ref = make_engine(model_path, packed=True, micro_batch_size=args.peer_rows, train=False)
     fwd, peer_fwd = interleaved(lambda: ref.compute_log_prob(rows), peer_forward, args.steps)
     return [("train", tokens / train, tokens / peer_train), ("forward", tokens / fwd, tokens / peer_fwd)]
 
@@ -207,7 +233,9 @@ def main(argv=None) -> int:
     from megarl.models.tiny import build_tiny_checkpoint
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_engine_"))
-    model_path = str(build_tiny_checkpoint(work / "model", seed=0, **MODEL))
+    if args.workdir is None:  # a temporary work directory goes at exit
+        atexit.register(shutil.rmtree, work, True)
+    model_path = str(build_tiny_checkpoint(work / "model", seed=0, **args.model))
     store = dist.FileStore(str(work / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     n_params = sum(

@@ -16,6 +16,8 @@ Then the host-side pieces of the call, each timed on its own in this process: th
 JSON, `parse_generate`, `output_item` for every row, the answer's JSON (orjson, as the server
 renders it, next to json.dumps with starlette's options) and the client's parse of it.
 --model defaults to bench_vs_trl.py's quickstart checkpoint (built if missing).
+
+--smoke: 32 rows, one repeat (checks the script and every path in seconds).
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, default=256, help="rows (16 samples per prompt)")
     p.add_argument("--new", type=int, default=2, help="new tokens per row")
     p.add_argument("--repeats", type=int, default=40)
-    p.add_argument("--port", type=int, default=31557)
-    return p.parse_args(argv)
+    p.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
+    p.add_argument("--smoke", action="store_true", help="32 rows, 1 repeat (checks the script)")
+    args = p.parse_args(argv)
+    if args.smoke:  # smoke sizes replace the defaults only: flags given explicitly still win
+        args.rows = 32 if args.rows == p.get_default("rows") else args.rows
+        args.repeats = 1 if args.repeats == p.get_default("repeats") else args.repeats
+    return args
 
 
 def quickstart_model() -> str:
@@ -79,6 +86,10 @@ def main(argv=None) -> int:
     from megarl.rollout.server.generate_output import output_item
 
     model = args.model or quickstart_model()
+    if not args.port:
+        from megarl.procs.net import free_port
+
+        args.port = free_port("127.0.0.1")
     server = subprocess.Popen(
         [
             sys.executable,

@@ -27,7 +27,9 @@ Stages
   mfu_dense    the same for a dense Qwen3 of Qwen3-0.6B's shape.
   --ab-cu      in the mfu stages, also the engine with PackedSeqParams left on the host (not yet run
                on a GPU); --profile: one more step of each side under torch.profiler.
-  --smoke      tiny widths: runs on a CPU-only machine too (gloo), to check the script itself.
+  --smoke      tiny widths, 2 x 64 tokens, one timed step: runs on a CPU-only machine too (gloo),
+               to check the script itself in seconds.
+The exit status is 1 when a stage failed (after the JSON and the table are written).
 
 FLOPs model (per training step; forward only is a third of it):
   6 x active matmul parameters x tokens      (active: non-expert parameters + top_k / experts of the
@@ -94,6 +96,7 @@ SMOKE = dict(
     num_experts=8,
     vocab_size=512,
 )
+SMOKE_RUN = dict(rows=2, seq=64, dense_rows=2, dense_seq=64, steps=1)  # --smoke: batches and steps
 
 
 def _init_dist() -> None:
@@ -491,7 +494,7 @@ def table(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default=None, help="where bench_gpu.json goes (default: .; --smoke: a temp dir)")
     ap.add_argument("--stages", default="env,parity,rollout_ipc,mfu_moe,mfu_dense")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
@@ -500,8 +503,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--ab-cu", action="store_true", help="also time the engine with cu_seqlens kept on the host")
     ap.add_argument("--profile", action="store_true", help="profile one more train step of each side")
-    ap.add_argument("--smoke", action="store_true", help="tiny widths (a CPU check of the script itself)")
+    ap.add_argument("--smoke", action="store_true", help="tiny widths and batches (a CPU check of the script itself)")
     args = ap.parse_args()
+    args.out = args.out or (tempfile.mkdtemp(prefix="bench_gpu_smoke_") if args.smoke else ".")
+    if args.smoke:  # smoke sizes replace the defaults only: flags given explicitly still win
+        for key, value in SMOKE_RUN.items():
+            if getattr(args, key) == ap.get_default(key):
+                setattr(args, key, value)
     os.makedirs(args.out, exist_ok=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -528,6 +536,9 @@ def main() -> None:
             with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
                 json.dump(results, f, indent=1)
     print(table(results), flush=True)
+    failed = [name for name, r in results.items() if not r.get("ok")]
+    if failed:
+        sys.exit(f"bench_gpu: failed stages: {', '.join(failed)} (tracebacks above and in bench_gpu.json)")
 
 
 if __name__ == "__main__":

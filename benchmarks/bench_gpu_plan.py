@@ -17,8 +17,8 @@ megarl.perf.steptime.update_time with the GPU efficiencies, for a config made fr
 configs/quickstart.yaml with this model and shape. Each (model, recompute) is guarded: a failure
 records its traceback and the rest go on. Results: DIR/bench_gpu_plan.json and a markdown table.
 
---smoke: tiny widths on the CPU (gloo), to check the script itself; its predictions are the CPU
-device's.
+--smoke: tiny widths, 2 x 64 tokens, one timed step on the CPU (gloo), to check the script itself;
+its predictions are the CPU device's. The exit status is 1 when a (model, recompute) failed.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import DENSE, DEVICE, MOE, SMOKE, _init_dist, _pg_loss, _sync  # noqa: E402
+from bench_gpu import DENSE, DEVICE, MOE, SMOKE, SMOKE_RUN, _init_dist, _pg_loss, _sync  # noqa: E402
 
 PROMPT = 16
 GIB = 2**30
@@ -195,7 +195,7 @@ def table(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default=None, help="where bench_gpu_plan.json goes (default: .; --smoke: a temp dir)")
     ap.add_argument("--kinds", default="moe,dense")
     ap.add_argument("--recompute", default="none,selective,full")
     ap.add_argument("--rows", type=int, default=2)
@@ -205,6 +205,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    args.out = args.out or (tempfile.mkdtemp(prefix="bench_gpu_plan_smoke_") if args.smoke else ".")
+    if args.smoke:  # smoke sizes replace the defaults only: flags given explicitly still win
+        for key, value in SMOKE_RUN.items():
+            if getattr(args, key) == ap.get_default(key):
+                setattr(args, key, value)
     os.makedirs(args.out, exist_ok=True)
     _init_dist()
     results: dict = {}
@@ -228,6 +233,9 @@ def main() -> None:
                 with open(os.path.join(args.out, "bench_gpu_plan.json"), "w") as f:
                     json.dump(results, f, indent=1)
     print(table(results), flush=True)
+    failed = [key for key, r in results.items() if key != "env" and not r.get("ok")]
+    if failed:
+        sys.exit(f"bench_gpu_plan: failed: {', '.join(failed)} (tracebacks above and in bench_gpu_plan.json)")
 
 
 if __name__ == "__main__":

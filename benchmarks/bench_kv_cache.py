@@ -9,7 +9,9 @@ continuous batching lays rows out), then times `--steps` decode steps (median), 
 once with a row leaving the batch after every step (`batch_select_indices`, the scheduler's
 `keep_unfinished`), the engine's pattern on a long-tail workload. The two caches alternate
 within each repeat (this machine's speed drifts between minutes), and the logits of the two are
-checked to be equal.
+checked to be equal (the exit status is 1 when they are not).
+
+--smoke: one shape (4 rows x 8), 6 decode steps, one repeat: checks the script and the cache.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,7 +35,15 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--shapes", default="8x40,64x40,256x40,256x160", help="rows x prompt width, comma-separated")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="one small shape, 6 steps, 1 repeat (checks the script)")
+    args = p.parse_args(argv)
+    if args.smoke:  # smoke sizes replace the defaults only: flags given explicitly still win
+        for key, value in dict(steps=6, repeats=1, shapes="4x8").items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+    if args.steps < 4:
+        p.error("--steps must be >= 4 (the first 3 decode steps are left out of the median)")
+    return args
 
 
 def decode_ms(model, make_cache, rows: int, width: int, steps: int, leave: bool):
@@ -67,14 +78,16 @@ def main(argv=None):
 
     torch.set_num_threads(1)
     args = parse_args(argv)
-    path = build_tiny_checkpoint(tempfile.mkdtemp(), preset=args.preset)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory() as tmp:  # the model lives in memory once loaded
+        path = build_tiny_checkpoint(Path(tmp) / args.preset, preset=args.preset)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     prepare_model(model)
     print(
         f"{args.preset}, 1 torch thread, median of {args.steps} decode steps, best of {args.repeats} alternating repeats"
     )
     print("| rows x prompt | rows leave | DynamicCache ms/step | engine cache ms/step | ratio | logits equal |")
     print("|---|---|---|---|---|---|")
+    unequal = []
     for shape in args.shapes.split(","):
         rows, width = map(int, shape.split("x"))
         for leave in (False, True):
@@ -85,11 +98,17 @@ def main(argv=None):
                 theirs.append(t_ref)
                 ours.append(t_ours)
                 equal &= torch.equal(ref, got)
+            if not equal:
+                unequal.append(f"{shape}{' with rows leaving' if leave else ''}")
             print(
                 f"| {rows} x {width}+{args.steps} | {'one per step' if leave else 'no'} | {min(theirs):.2f} | "
                 f"{min(ours):.2f} | {min(theirs) / min(ours):.2f}x | {equal} |",
                 flush=True,
             )
+    if unequal:
+        raise SystemExit(
+            f"bench_kv_cache: the engine cache's logits differ from DynamicCache's at {', '.join(unequal)}"
+        )
 
 
 if __name__ == "__main__":

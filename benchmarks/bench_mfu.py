@@ -21,13 +21,18 @@ step time. MFU = that / the device's peak (megarl.perf.peak.device_peak_flops):
   command; `--rows` defaults to 32 there. Written but not yet run on a GPU.
 
 It prints the per-pass table as markdown, ready for benchmarks/RESULTS.md.
+
+--smoke: the chosen model at hidden 64 (4 heads, vocab 512; the MoE with 4 experts top-2), 2 x 32
+tokens, one timed step: checks the script, the FLOPs and the peak in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -68,6 +73,21 @@ MODELS = {
 }
 
 
+# --smoke: the model's widths (only the keys it has) and the run's sizes; flags given explicitly still win
+SMOKE_WIDTH = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
+SMOKE = dict(rows=2, seq=32, steps=1)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU); the CPU peak is for this count")
@@ -77,7 +97,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=512, help="tokens per sequence (prompt = the first quarter)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--workdir", default=None)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="tiny widths, 2 x 32 tokens, 1 step (checks the script)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+    return args
 
 
 def init_dist(device: str, work: Path) -> None:
@@ -135,7 +161,12 @@ def main(argv=None) -> int:
     from megarl.perf import forward_flops, mfu, param_counts, train_flops
 
     preset, overrides, desc = MODELS[args.model]
+    if args.smoke:
+        overrides = {**overrides, **{k: v for k, v in SMOKE_WIDTH.items() if k in overrides or k == "head_dim"}}
+        desc = f"{desc}; --smoke widths {overrides}"
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_mfu_"))
+    if args.workdir is None:  # a temporary work directory goes at exit
+        atexit.register(shutil.rmtree, work, True)
     t0 = time.perf_counter()
     model_path = str(build_tiny_checkpoint(work / args.model, seed=0, preset=preset, **overrides))
     config = json.loads((Path(model_path) / "config.json").read_text())

@@ -16,6 +16,9 @@ runs, with the range) and the ranks' measured memory
 The CPU constants in megarl/perf/steptime.py were set from earlier runs of the first layout; the
 second layout is the out-of-sample check.
 Prints markdown for benchmarks/RESULTS.md.
+
+--smoke: the calibration, and --cpu for the out-of-sample layout only: one run of 3 steps (the
+first 2 are left out, as always), to check the script and the planner against a real run.
 """
 
 from __future__ import annotations
@@ -222,6 +225,7 @@ def calibration() -> None:
 
 
 def _run_quickstart(out: Path, steps: int, overrides: list[str]) -> list[dict]:
+    """The quickstart's metrics rows; its output goes to a log whose tail a failure quotes."""
     cmd = [
         sys.executable,
         "-m",
@@ -235,28 +239,30 @@ def _run_quickstart(out: Path, steps: int, overrides: list[str]) -> list[dict]:
         "trainer.tensorboard=false",
         *overrides,
     ]
-    subprocess.run(
-        cmd,
-        check=True,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    log = out / "train.log"
+    with open(log, "w") as f:
+        done = subprocess.run(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
+    if done.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"bench_plan: the quickstart run exited {done.returncode}; its log's last lines:\n{tail}")
     return [json.loads(line) for line in (out / "quickstart" / "metrics.jsonl").read_text().splitlines()]
 
 
-def cpu(steps: int, repeats: int) -> None:
+LAYOUTS = {
+    "tp1 pp1 ep2 (default; its earlier runs set the CPU constants)": [],
+    "pp2 ep1 (out of sample)": ["actor.parallel.pp=2", "actor.parallel.ep=1"],
+}
+
+
+def cpu(steps: int, repeats: int, layouts: dict, extra: list[str]) -> None:
     from megarl.cli import _model_config
     from megarl.config.loader import load_config
     from megarl.config.validate import validate
     from megarl.perf.hardware import MiB, cpu_device
     from megarl.perf.plan import make_plan
 
-    layouts = {
-        "tp1 pp1 ep2 (default; its earlier runs set the CPU constants)": [],
-        "pp2 ep1 (out of sample)": ["actor.parallel.pp=2", "actor.parallel.ep=1"],
-    }
     times = {
         "generation s": ["perf/gen_s"],
         "log-probs s": ["perf/old_log_prob_s", "perf/ref_s"],
@@ -272,7 +278,7 @@ def cpu(steps: int, repeats: int) -> None:
     for _ in range(repeats):  # layouts interleaved, so machine noise hits both alike
         for name, overrides in layouts.items():
             with tempfile.TemporaryDirectory() as tmp:
-                rows = _run_quickstart(Path(tmp), steps, overrides)[2:]
+                rows = _run_quickstart(Path(tmp), steps, overrides + extra)[2:]
             runs[name].append(
                 {
                     q: statistics.median(sum(r.get(k, 0.0) for k in keys) for r in rows) * (1024 if "MiB" in q else 1)
@@ -299,21 +305,32 @@ def cpu(steps: int, repeats: int) -> None:
         for q in times:
             values = [run[q] for run in runs[name]]
             m, p = statistics.median(values), predicted[q]
-            print(f"| {name} | {q} | {m:.3g} ({min(values):.3g}-{max(values):.3g}) | {p:.3g} | {(p - m) / m:+.0%} |")
+            # a phase the loop did not run (e.g. old log-probs under actor.old_log_prob=rollout) logs nothing
+            error = f"{(p - m) / m:+.0%}" if m else "not run"
+            print(f"| {name} | {q} | {m:.3g} ({min(values):.3g}-{max(values):.3g}) | {p:.3g} | {error} |")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibration", action="store_true")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--model", default=None, help="--cpu: model.path of the runs (default: the quickstart's, built)")
+    ap.add_argument("--smoke", action="store_true", help="calibration + one 3-step run (checks the script)")
+    args = ap.parse_args(argv)
+    layouts = LAYOUTS
+    if args.smoke:  # smoke sizes replace the defaults only: flags given explicitly still win
+        args.steps = 3 if args.steps == ap.get_default("steps") else args.steps
+        args.repeats = 1 if args.repeats == ap.get_default("repeats") else args.repeats
+        layouts = {k: v for k, v in LAYOUTS.items() if "out of sample" in k}
+    if args.steps < 3:
+        ap.error("--steps must be >= 3 (the first 2 steps are left out)")
     if args.calibration or not args.cpu:
         calibration()
     if args.cpu or not args.calibration:
         print()
-        cpu(args.steps, args.repeats)
+        cpu(args.steps, args.repeats, layouts, [f"model.path={args.model}"] if args.model else [])
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ tokens/s counts each row's own tokens only; speedup = this path's tokens/s / HF'
 manager sends them through a router): one tp=1 engine, one tp=2 engine (2 processes, gloo), and
 two tp=1 engines behind sglang-router; plus the HF peer. On 2 cores the point is to know the
 cost of the mesh, not to win.
+
+--smoke (with any of the three): the tiny model, 4 prompts x n=2, 4 new tokens (--mixed: batches
+of 4, lengths 2-4 and 8), one repeat: checks the script and every path in seconds.
 """
 
 from __future__ import annotations
@@ -59,6 +62,20 @@ MODELS = {
         hidden_size=128, head_dim=32, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=5
     ),
 }
+
+# --smoke: replaces these defaults (flags given explicitly still win)
+SMOKE = dict(
+    prompts=4,
+    n=2,
+    max_new_tokens=4,
+    models="tiny",
+    repeats=1,
+    batch_size=4,
+    short_min=2,
+    short_max=4,
+    long_tokens=8,
+    long_fraction=0.25,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,7 +100,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--short-max", type=int, default=16)
     p.add_argument("--long-tokens", type=int, default=160)
     p.add_argument("--long-fraction", type=float, default=0.1)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="tiny model and workload, 1 repeat (checks the script)")
+    args = p.parse_args(argv)
+    if args.smoke:  # smoke sizes replace the defaults only: flags given explicitly still win
+        for key, value in SMOKE.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+    return args
 
 
 def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
@@ -237,7 +260,12 @@ def measure_server(model_dir: Path, prompts, args) -> list[dict]:
 
 
 def measure_mesh(model_dir: Path, prompts, args) -> list[dict]:
-    """One tp=1 engine, one tp=2 engine, two tp=1 engines behind sglang-router: per-prompt requests."""
+    """One tp=1 engine, one tp=2 engine, two tp=1 engines behind sglang-router: per-prompt requests.
+
+    The two tp=1 engines start together (start-up is not measured) and the first of them also
+    gives the one-engine row; an engine with no requests waits on a condition, so the idle ones
+    take no CPU from the one measured."""
+    import concurrent.futures
     import contextlib
 
     from megarl.rollout.fleet.router import RouterProcess
@@ -249,13 +277,19 @@ def measure_mesh(model_dir: Path, prompts, args) -> list[dict]:
     def per_prompt(url):
         return lambda: run_client(url, prompts, args, batched=False)
 
-    rows = []
-    for label, extra in (("1 engine, tp=1", ()), ("1 engine, tp=2 (2 processes)", ("--tp", "2"))):
-        with server(*extra) as engine:
-            run_client(engine.url, prompts[:2], warmup_args(args), batched=False)
-            rows.append({"path": label, **median_rate(per_prompt(engine.url), args.repeats)})
+    def measured(label: str, url: str) -> dict:
+        run_client(url, prompts[:2], warmup_args(args), batched=False)
+        return {"path": label, **median_rate(per_prompt(url), args.repeats)}
+
     with contextlib.ExitStack() as stack:
-        engines = [stack.enter_context(server()) for _ in range(2)]
+        engines = [server() for _ in range(2)]
+        for engine in engines:
+            stack.callback(engine.stop)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda e: e.start(), engines))
+        rows = [measured("1 engine, tp=1", engines[0].url)]
+        with server("--tp", "2") as tp2:
+            rows.append(measured("1 engine, tp=2 (2 processes)", tp2.url))
         router = stack.enter_context(RouterProcess([e.url for e in engines], policy=args.router_policy))
         run_client(router.url, prompts[:2], warmup_args(args), batched=False)
         before = [engine_stats(e.url).get("requests_finished", 0) for e in engines]

@@ -4,7 +4,7 @@ and loss, run in alternating pairs, each run a fresh process; reports time ratio
     bash benchmarks/setup_trl_env.sh      # once: .venv-trl (torch 2.13.0, then trl 1.16.0); also
                                           # run by this script when --trl-python is not given
     .venv/bin/python benchmarks/bench_vs_trl.py [--variants quickstart,compute] [--pairs 3]
-        [--steps N] [--json out.json] [--trl-python PATH] [--megarl-arg key=value ...]
+        [--steps N] [--json out.json] [--trl-python PATH] [--megarl-arg key=value ...] [--model DIR]
 
 TRL is a benchmark-only dependency: it lives in .venv-trl (transformers 5.x there, 4.57 in .venv),
 never in requirements.lock, and the test suite does not need it. Its side is benchmarks/_trl_grpo.py,
@@ -45,6 +45,13 @@ megarl's perf/step_s spans generation to the end of the weight sync (SyncTrainer
 validation, not logging) and a step's start is its progress line's arrival minus it; TRL's rounds
 (generation + 2 optimizer steps) are timed by a TrainerCallback. Logs and per-run files: --workdir.
 
+--smoke: the quickstart variant, one pair of 3 steps, in a temporary --workdir: checks the script
+end to end (megarl's run, its stages, the reference curve's first 3 steps, the tables). TRL runs
+only if its venv is already there (--trl-python, or .venv-trl); --smoke never builds it, and
+without it says so and runs megarl's side alone. Its exit status is 1 when megarl's 3 steps depart
+from the reference (a full run only reports a departure: the reference's later steps differ by
+~3e-5 on some CPUs, the first 30 on none).
+
 Noise: TRL's one process runs torch's default 2 threads, which slow down many-fold when anything
 else runs on the 2 cores (quickstart: 0.29 s/step alone, 3-9 s/step beside two busy processes);
 megarl's one-thread ranks suffer less (~0.18 -> ~0.5 s/step). Trust only pairs whose load averages stay low.
@@ -59,6 +66,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,8 +160,9 @@ def check_reward_equal() -> None:
             raise SystemExit(f"bench_vs_trl: _trl_grpo.digits_score({text!r}, {gold!r}) differs from megarl's")
 
 
-def trl_python(arg: str | None) -> str:
-    """--trl-python, or .venv-trl built (or checked) by benchmarks/setup_trl_env.sh."""
+def trl_python(arg: str | None, build: bool = True) -> str | None:
+    """--trl-python, or .venv-trl built (or checked) by benchmarks/setup_trl_env.sh; with
+    build=False (--smoke) .venv-trl only if it is already there, else None (TRL is not run)."""
     if arg:
         if not Path(arg).exists():
             raise SystemExit(
@@ -161,6 +170,9 @@ def trl_python(arg: str | None) -> str:
                 "`bash benchmarks/setup_trl_env.sh` (it makes .venv-trl)"
             )
         return arg
+    if not build:
+        existing = ROOT / ".venv-trl" / "bin" / "python"
+        return str(existing) if existing.exists() else None
     script = ROOT / "benchmarks" / "setup_trl_env.sh"
     print("bench_vs_trl: checking .venv-trl (bash benchmarks/setup_trl_env.sh; the first time ~2 min)", flush=True)
     if subprocess.run(["bash", str(script)], cwd=ROOT).returncode != 0:
@@ -207,7 +219,7 @@ def run_megarl(variant: Variant, model: Path, steps: int, run_dir: Path, extra: 
     exp = run_dir.name
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run (trainer.resume=auto would continue)
     cmd = [
-        str(ROOT / ".venv" / "bin" / "megarl"),
+        str(Path(sys.executable).with_name("megarl")),  # this venv's entry point
         "train",
         "configs/quickstart.yaml",
         f"trainer.output_dir={run_dir.parent}",
@@ -394,7 +406,7 @@ def fmt(v) -> str:
 
 def print_stages(runs: list[dict]) -> None:
     """Where a step went on each side: per stage, the median over a side's runs of each run's
-    median (steps after the warm-up)."""
+    median (steps after the warm-up); '-' for a side that did not run."""
     med = {}
     for side in SIDES:
         per_run = [r["summary"].get("stages") or {} for r in runs if r["side"] == side]
@@ -412,8 +424,10 @@ def print_stages(runs: list[dict]) -> None:
 def report(variant: Variant, runs: list[dict]) -> dict:
     """Print the variant's table; return its medians and ratios."""
     n = len(runs[0]["steps"])
+    pairs = len({r["pair"] for r in runs})
+    alone = "" if {r["side"] for r in runs} == set(SIDES) else f" ({runs[0]['side']} only)"
     print(
-        f"\n### {variant.name}: {len(runs) // 2} pairs, {n} steps, s/step = median after "
+        f"\n### {variant.name}: {pairs} pairs{alone}, {n} steps, s/step = median after "
         f"{warmup_of(n, variant.warmup)} warm-up steps\n"
     )
     print(
@@ -433,7 +447,11 @@ def report(variant: Variant, runs: list[dict]) -> dict:
     for side in SIDES:
         mine = [r["summary"] for r in runs if r["side"] == side]
         medians[side] = {
-            k: (statistics.median(v) if len(v := [m[k] for m in mine if m[k] is not None]) == len(mine) else None)
+            k: (
+                statistics.median(v)
+                if mine and len(v := [m[k] for m in mine if m[k] is not None]) == len(mine)
+                else None
+            )
             for k, _ in COLUMNS
         }
     for k, _ in COLUMNS:
@@ -468,23 +486,57 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the variant's)")
     p.add_argument("--trl-python", default=None, help="python of a TRL venv (default: .venv-trl, built if missing)")
     p.add_argument("--megarl-arg", action="append", default=[], help="extra megarl override (repeatable)")
-    p.add_argument("--workdir", default=str(ROOT / "outputs" / "bench_vs_trl"))
+    p.add_argument("--workdir", default=None, help="default: outputs/bench_vs_trl (--smoke: a temp dir)")
     p.add_argument("--json", default=None, help="write everything (per-step curves too) here")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the initial HF checkpoint of both sides (default: the variant's, built; with --model one variant only)",
+    )
+    p.add_argument("--smoke", action="store_true", help="quickstart, 1 pair of 3 steps; TRL only if installed")
+    args = p.parse_args(argv)
+    if args.smoke:  # smoke sizes replace the defaults only: flags given explicitly still win
+        args.variants = "quickstart" if args.variants == p.get_default("variants") else args.variants
+        args.pairs = 1 if args.pairs == p.get_default("pairs") else args.pairs
+        args.steps = args.steps or 3
+    return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
+    if args.model and len(names) != 1:
+        raise SystemExit("bench_vs_trl: --model is the initial checkpoint of one variant: name one with --variants")
     if unknown or not names or args.pairs < 1:
         raise SystemExit(
             f"bench_vs_trl: --variants must name some of {sorted(VARIANTS)} (got {unknown or names}) "
             f"and --pairs must be >= 1"
         )
     check_reward_equal()
-    python = trl_python(args.trl_python)
-    work = Path(args.workdir).resolve()
+    python = trl_python(args.trl_python, build=not args.smoke)
+    sides = SIDES if python else ("megarl",)
+    if python is None:
+        print(
+            "bench_vs_trl: TRL not run: no .venv-trl here and no --trl-python (--smoke does not build it; "
+            "bash benchmarks/setup_trl_env.sh does); megarl's side runs alone",
+            flush=True,
+        )
+    temporary = args.workdir is None and args.smoke
+    work = Path(
+        tempfile.mkdtemp(prefix="bench_vs_trl_") if temporary else args.workdir or ROOT / "outputs" / "bench_vs_trl"
+    )
+    try:
+        departed = run_variants(args, names, python, sides, work.resolve())
+    finally:
+        if temporary:
+            shutil.rmtree(work, ignore_errors=True)
+    if departed and args.smoke:
+        raise SystemExit("bench_vs_trl: megarl's curve departs from the reference: " + "; ".join(departed))
+
+
+def run_variants(args, names: list[str], python: str | None, sides: tuple, work: Path) -> list[str]:
+    """Every variant's pairs and tables; returns the reference-curve departures (empty if none)."""
     (work / "inputs").mkdir(parents=True, exist_ok=True)
     train = write_train_rows(work / "inputs" / "train.jsonl")
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -492,10 +544,10 @@ def main(argv=None) -> None:
     for name in names:
         variant = VARIANTS[name]
         steps = args.steps or variant.steps
-        model = build_model(variant, work / "inputs" / f"model-{name}")
+        model = Path(args.model).resolve() if args.model else build_model(variant, work / "inputs" / f"model-{name}")
         runs = []
         for pair in range(1, args.pairs + 1):
-            for side in SIDES if pair % 2 else SIDES[::-1]:
+            for side in sides if pair % 2 else sides[::-1]:
                 tag = f"{name}-{stamp}-p{pair}-{side}"
                 print(f"bench_vs_trl: {tag} ({steps} steps) ...", flush=True)
                 before = load_avg()
@@ -526,6 +578,12 @@ def main(argv=None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"\nbench_vs_trl: wrote {args.json}")
+    return [
+        f"{name} pair {r['pair']}: {r['curve_check']}"
+        for name, v in result["variants"].items()
+        for r in v["runs"]
+        if "DEPART" in r.get("curve_check", "")
+    ]
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ Stages
             --precision fp32 (TF32 matmuls) or bf16 (engine: Megatron mixed precision; HF: bf16).
   hf_speed  a plain HF Qwen3-MoE training step in bf16 on the GPU at a realistic width, as the
             peer a later MFU comparison needs (tokens/s, model TFLOP/s by 6 x active params x tokens).
+
+--smoke: every stage at tiny sizes (hidden 64, 1 x 64 tokens, one timed step); without CUDA on the
+CPU (gloo, fp32; the ipc stage's tensors then travel as shared memory, not CUDA IPC handles), to
+check the script itself in seconds. The exit status is 1 when a stage failed.
 """
 
 from __future__ import annotations
@@ -38,8 +42,35 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --smoke, to check this script cheaply
+SMOKE_STAGES = "env,ipc,engine,hf_speed,engine_speed"
+# --smoke: sizes of the speed stages (flags given explicitly still win)
+SMOKE = dict(
+    layers=1,
+    rows=1,
+    seq=64,
+    steps=1,
+    speed_hidden=64,
+    speed_layers=1,
+    speed_experts=4,
+    speed_topk=2,
+    speed_rows=1,
+    speed_seq=64,
+)
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_mem_gib() -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 1) if DEVICE == "cuda" else None
+
 
 def stage_env() -> dict:
+    if DEVICE == "cpu":
+        return dict(torch=torch.__version__, gpu=None)
     p = torch.cuda.get_device_properties(0)
     return dict(
         torch=torch.__version__,
@@ -69,11 +100,11 @@ def stage_ipc(tmp: str) -> dict:
 
     from megarl.wire.weights_codec import pack_flattened_bucket, serialize
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     bucket = [
-        ("a.weight", torch.randn(64, 32, device="cuda", generator=g)),
-        ("b.bias", torch.randn(7, device="cuda", generator=g).to(torch.bfloat16)),
-        ("c.weight", torch.randn(3, 5, 11, device="cuda", generator=g).half()),
+        ("a.weight", torch.randn(64, 32, device=DEVICE, generator=g)),
+        ("b.bias", torch.randn(7, device=DEVICE, generator=g).to(torch.bfloat16)),
+        ("c.weight", torch.randn(3, 5, 11, device=DEVICE, generator=g).half()),
     ]
     flat, metadata = pack_flattened_bucket(bucket)
     payload = serialize({"flattened_tensor": flat, "metadata": metadata})
@@ -87,8 +118,10 @@ def stage_ipc(tmp: str) -> dict:
     proc.join(60)
     if "_error" in result:
         raise RuntimeError("receiver failed:\n" + result["_error"])
-    ok = all(v for k, v in result.items() if not k.startswith("_"))
-    return dict(bit_exact=ok, tensors=len(bucket), payload_chars=len(payload), receiver_devices=result["_devices"])
+    ok = all(v for k, v in result.items() if not k.startswith("_")) and len(result) == len(bucket) + 1
+    return dict(
+        ok=ok, bit_exact=ok, tensors=len(bucket), payload_chars=len(payload), receiver_devices=result["_devices"]
+    )
 
 
 def _init_dist() -> None:
@@ -97,8 +130,9 @@ def _init_dist() -> None:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
+        if DEVICE == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=0, world_size=1)
 
 
 def stage_engine(tmp: str) -> dict:
@@ -146,31 +180,46 @@ def stage_engine(tmp: str) -> dict:
 def stage_hf_speed(args) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    width = (
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_attention_heads=4,
+            head_dim=16,
+            num_experts=8,
+        )
+        if args.smoke
+        else dict(
+            vocab_size=32768,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_attention_heads=32,
+            head_dim=128,
+            num_experts=64,
+        )
+    )
     cfg = Qwen3MoeConfig(
-        vocab_size=32768,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
+        **width,
         num_hidden_layers=args.layers,
-        num_attention_heads=32,
         num_key_value_heads=4,
-        head_dim=128,
-        num_experts=64,
         num_experts_per_tok=8,
         max_position_embeddings=8192,
         torch_dtype="bfloat16",
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg).to("cuda", torch.bfloat16)
+    model = Qwen3MoeForCausalLM(cfg).to(DEVICE, torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     total = sum(p.numel() for p in model.parameters())
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     active = total - expert + expert * cfg.num_experts_per_tok // cfg.num_experts
-    ids = torch.randint(0, cfg.vocab_size, (args.rows, args.seq), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (args.rows, args.seq), device=DEVICE)
     times = []
     for i in range(args.steps + 1):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         logits = model(ids).logits.float()
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -178,7 +227,7 @@ def stage_hf_speed(args) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        _sync()
         if i:
             times.append(time.perf_counter() - t)
         del logits, logp, loss
@@ -195,7 +244,7 @@ def stage_hf_speed(args) -> dict:
         tokens_per_s=round(tokens / step),
         model_tflops=round(flops / step / 1e12, 1),
         mfu_vs_989=round(flops / step / 989e12, 3),
-        peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        peak_mem_gib=_peak_mem_gib(),
     )
 
 
@@ -219,7 +268,7 @@ def stage_engine_speed(tmp: str, args) -> dict:
         intermediate_size=3 * h,
         moe_intermediate_size=h * 3 // 8,
         num_hidden_layers=args.speed_layers,
-        num_attention_heads=h // 64,
+        num_attention_heads=max(h // 64, 4),
         num_key_value_heads=4,
         head_dim=64 if h <= 1024 else 128,
         num_experts=args.speed_experts,
@@ -234,7 +283,7 @@ def stage_engine_speed(tmp: str, args) -> dict:
     hf = Qwen3MoeForCausalLM(cfg)
     path = os.path.join(tmp, f"speed-qwen3-moe-{args.precision}")
     hf.save_pretrained(path)
-    hf = hf.to("cuda", dtype).train()
+    hf = hf.to(DEVICE, dtype).train()
     total = sum(p.numel() for p in hf.parameters())
     expert = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
     active = total - expert + expert * cfg.num_experts_per_tok // cfg.num_experts
@@ -266,8 +315,8 @@ def stage_engine_speed(tmp: str, args) -> dict:
         return loss, m.sum(), {}
 
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-6)
-    gids = ids.cuda()
-    adv = batch["advantages"].cuda()
+    gids = ids.to(DEVICE)
+    adv = batch["advantages"].to(DEVICE)
 
     def hf_step():
         logits = hf(gids).logits.float()
@@ -279,10 +328,10 @@ def stage_engine_speed(tmp: str, args) -> dict:
         opt.zero_grad(set_to_none=True)
 
     def timed(fn):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         return time.perf_counter() - t
 
     e_t, h_t, ef_t, hf_t = [], [], [], []
@@ -322,14 +371,14 @@ def stage_engine_speed(tmp: str, args) -> dict:
     out["engine_train_tokens_per_s"] = round(tokens / med(e_t))
     out["engine_train_mfu_vs_989"] = round(flops / med(e_t) / 989e12, 3)
     out["hf_train_mfu_vs_989"] = round(flops / med(h_t) / 989e12, 3)
-    out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    out["peak_mem_gib"] = _peak_mem_gib()
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--stages", default="env,ipc,engine,hf_speed")
+    ap.add_argument("--out", default=None, help="where gpu_probe.json goes (default: .; --smoke: a temp dir)")
+    ap.add_argument("--stages", default=None, help="default: env,ipc,engine,hf_speed (--smoke: all five)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
@@ -341,7 +390,14 @@ def main() -> None:
     ap.add_argument("--speed-topk", type=int, default=4)
     ap.add_argument("--speed-rows", type=int, default=8)
     ap.add_argument("--speed-seq", type=int, default=2048)
+    ap.add_argument("--smoke", action="store_true", help="every stage at tiny sizes (CPU without CUDA)")
     args = ap.parse_args()
+    args.out = args.out or (tempfile.mkdtemp(prefix="gpu_probe_smoke_") if args.smoke else ".")
+    args.stages = args.stages or (SMOKE_STAGES if args.smoke else "env,ipc,engine,hf_speed")
+    if args.smoke:
+        for key, value in SMOKE.items():
+            if getattr(args, key) == ap.get_default(key):
+                setattr(args, key, value)
     os.makedirs(args.out, exist_ok=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -362,6 +418,10 @@ def main() -> None:
             print(name, json.dumps(results[name], indent=1), flush=True)
             with open(os.path.join(args.out, "gpu_probe.json"), "w") as f:
                 json.dump(results, f, indent=1)
+    failed = [name for name, r in results.items() if not r.get("ok")]
+    if failed:
+        sys.exit(f"gpu_probe: failed stages: {', '.join(failed)} (tracebacks above and in gpu_probe.json)")
+    print(f"gpu_probe: every stage ok on {DEVICE}: {', '.join(results)}")
 
 
 if __name__ == "__main__":

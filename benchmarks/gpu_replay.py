@@ -9,16 +9,20 @@ from a GenerationEngine on cuda; the trainer's copy has its router weights pertu
 Checked: the trainer's log-probs without and with replay against Hugging Face float64 on the host
 with the served experts forced (the independent reference; with replay expected < 1e-5), the
 server-vs-trainer mismatch without and with replay, and one training step with replay (recompute
-none and full: finite grad norm, equal up to 1e-5 relative; the router weights move). --smoke runs
-it on the CPU (gloo) to check the script. On the device machine carry bench_gpu.py's wheels and
+none and full: finite grad norm, equal up to 1e-5 relative; the router weights move). The
+expectations (replay < 1e-5, grad norms, router) are the JSON's `checks`; the exit status is 1 when
+one fails. --smoke runs it on the CPU (gloo) to check the script. On the device machine carry bench_gpu.py's wheels and
 orjson's (megarl.rollout.client.client, which the served answers go through, imports it).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import math
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -31,9 +35,10 @@ sys.path.insert(0, ROOT)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default=None, help="where gpu_replay.json goes (default: .; --smoke: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="on the CPU (gloo)")
     args = ap.parse_args()
+    args.out = args.out or (tempfile.mkdtemp(prefix="gpu_replay_smoke_") if args.smoke else ".")
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -41,12 +46,26 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
     try:
         result.update(run(device))
-        result["ok"] = True
+        result["checks"] = checks(result)
+        result["ok"] = all(result["checks"].values())
     except Exception:
         result["ok"], result["error"] = False, traceback.format_exc()[-4000:]
     print(json.dumps(result, indent=1), flush=True)
     with open(os.path.join(args.out, "gpu_replay.json"), "w") as f:
         json.dump(result, f, indent=1)
+    if not result["ok"]:
+        sys.exit("gpu_replay: failed (a traceback or a False check above, and in gpu_replay.json)")
+
+
+def checks(out: dict) -> dict:
+    """The expectations the module doc states, each True or False."""
+    norms = [out[f"train_{r}"]["grad_norm"] for r in ("none", "full")]
+    return {
+        "replayed trainer vs HF forced < 1e-5": out["replayed"]["vs_hf_forced_float64_max"] < 1e-5,
+        "grad norms finite": all(math.isfinite(x) for x in norms),
+        "recompute none vs full grad norm within 1e-5 relative": out["recompute_grad_norm_rel_diff"] <= 1e-5,
+        "router weights moved": all(out[f"train_{r}"]["router_moved_max"] > 0 for r in ("none", "full")),
+    }
 
 
 def run(device: str) -> dict:
@@ -67,7 +86,8 @@ def run(device: str) -> dict:
     if device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
-    root = tempfile.mkdtemp()
+    root = tempfile.mkdtemp(prefix="gpu_replay_")
+    atexit.register(shutil.rmtree, root, True)
     base = build_tiny_checkpoint(os.path.join(root, "tiny"), seed=0)
     paths = [str(x) for x in server_and_trainer_checkpoints(base, root)]
 

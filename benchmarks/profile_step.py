@@ -24,6 +24,9 @@ the following steps:
 
 Prints the tables in RESULTS.md's format. Timing noise on this shared machine is 20-35% from
 minute to minute: compare before/after runs made back to back.
+
+--smoke: 4 steps, 1 of warm-up, the run in a temporary output directory (removed at the end):
+checks the script, the process accounting and py-spy's categories in one short run.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -61,7 +65,7 @@ PROCESS_KINDS = [
 CATEGORIES = [
     (
         "collective (gloo, shared memory)",
-        re.compile(r"distributed_c10d\.py|megarl/engine/megatron/cpu_collectives\.py"),
+        re.compile(r"distributed_c10d\.py|megarl/engine/megatron/cpu/(collectives|shm_channel)\.py"),
     ),
     ("autograd backward", re.compile(r"_engine_run_backward|run_backward")),
     ("optimizer step", re.compile(r"\bmegatron/core/optimizer/")),
@@ -85,8 +89,14 @@ def parse_args(argv=None):
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--no-spy", action="store_true", help="CPU accounting and stage times only")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--output-dir", default=None, help="trainer.output_dir (default: outputs; --smoke: a temp dir)")
+    p.add_argument("--smoke", action="store_true", help="4 steps, 1 of warm-up (checks the script)")
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:  # smoke sizes replace the defaults only: flags given explicitly still win
+        args.steps = 4 if args.steps == p.get_default("steps") else args.steps
+        args.warmup = 1 if args.warmup == p.get_default("warmup") else args.warmup
+    return args
 
 
 def _children(pid: int) -> list[int]:
@@ -152,13 +162,14 @@ def categorise(raw: Path) -> collections.Counter:
     return counts
 
 
-def run(args) -> dict:
+def run(args, output_dir: Path) -> dict:
     exp = f"profile_step_{os.getpid()}"
-    metrics = REPO / "outputs" / exp / "metrics.jsonl"
+    metrics = output_dir / exp / "metrics.jsonl"
     cmd = [
         str(Path(sys.executable).with_name("megarl")),
         "train",
         args.config,
+        f"trainer.output_dir={output_dir}",
         f"trainer.experiment_name={exp}",
         f"trainer.total_steps={args.steps}",
         "trainer.tensorboard=false",
@@ -271,7 +282,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.warmup >= args.steps - 2:
         raise SystemExit(f"--warmup {args.warmup} leaves no steps to measure of --steps {args.steps}")
-    res = run(args)
+    temporary = args.output_dir is None and args.smoke
+    output_dir = Path(tempfile.mkdtemp(prefix="profile_step_run_") if temporary else args.output_dir or "outputs")
+    try:
+        res = run(args, REPO / output_dir)
+    finally:
+        if temporary:
+            shutil.rmtree(output_dir, ignore_errors=True)
     print(report(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
