@@ -277,6 +277,14 @@ BAD_CONFIGS = [
     (["critic.parallel.tp=0"], "critic.parallel.tp", "must be > 0"),
     (["critic.micro_batch_size=0"], "critic.micro_batch_size", "must be > 0"),
     (["critic.model.path=/nonexistent/ckpt"], "critic.model.path", "no config.json"),
+    (["rollout.agent_loop=nope"], "rollout.agent_loop", "'nope' is not a registered agent loop; known: ['single_turn'"),
+    (
+        ["rollout.agent_loop=tool", "rollout.agent.tools=[python,nope]"],
+        "rollout.agent.tools",
+        "unregistered tools ['nope']",
+    ),
+    (["cluster.device_type=TPU"], "cluster.device_type", "not a device the planner knows; use one of H100, H100 PCIe"),
+    (["cluster.device_type=NVIDIA H100 80GB HBM3"], None, None),  # a CUDA device name is one
 ]
 
 
@@ -382,3 +390,42 @@ def test_rollout_layout_auto_fields(monkeypatch):
         ["cluster.placement=disaggregated", "rollout.tp=2", "rollout.nnodes=2", "cluster.devices_per_node=1"],
     )
     assert validate(multi_node, TINY).rollout.nnodes == 2  # one rank per node fits nodes of one device
+
+
+def test_agent_names_config_accepts_are_the_registered_ones():
+    """Validation knows the agent loops and tools by name (config/agent_names.py) without importing
+    the agent loop; the names must be exactly those megarl/rollout/agent/ registers."""
+    from megarl.config.agent_names import AGENT_LOOP_NAMES, TOOL_NAMES
+    from megarl.rollout.agent import AGENT_LOOPS, TOOLS
+
+    assert AGENT_LOOP_NAMES == set(AGENT_LOOPS), "add the loop's name to megarl/config/agent_names.py"
+    assert TOOL_NAMES == set(TOOLS), "add the tool's name to megarl/config/agent_names.py"
+
+
+def test_an_agent_loop_registered_by_user_code_is_declared_to_config(monkeypatch):
+    from megarl.config import agent_names
+
+    monkeypatch.setattr(agent_names, "AGENT_LOOP_NAMES", set(agent_names.AGENT_LOOP_NAMES))
+    monkeypatch.setattr(agent_names, "TOOL_NAMES", set(agent_names.TOOL_NAMES))
+    cfg = load_config(QUICKSTART, ["rollout.agent_loop=mine", "rollout.agent.tools=[python,grep]"])
+    with pytest.raises(ConfigError, match="rollout.agent_loop='mine' is not a registered agent loop"):
+        validate(cfg, TINY)
+    agent_names.declare_agent_loop("mine")
+    with pytest.raises(ConfigError, match=r"unregistered tools \['grep'\]"):
+        validate(cfg, TINY)
+    agent_names.declare_tool("grep")
+    assert validate(cfg, TINY).rollout.agent_loop == "mine"
+
+
+def test_device_names_config_accepts_are_the_planners():
+    """cluster.device_type's names (config/devices.py) are the planner's devices, each with its
+    datasheet entry (perf/hardware.py, perf/peak.py)."""
+    from megarl.config.devices import DEVICE_TYPES, canonical_device
+    from megarl.perf.hardware import GPUS
+    from megarl.perf.peak import PEAK_TFLOPS, gpu_table_entry
+
+    assert set(GPUS) == set(DEVICE_TYPES)
+    assert all(GPUS[key].name == entry and entry in PEAK_TFLOPS for key, entry in DEVICE_TYPES.items())
+    assert canonical_device("h100-sxm") == canonical_device("NVIDIA H100 80GB HBM3") == "H100"
+    assert canonical_device("NVIDIA H100 NVL") is None and gpu_table_entry("NVIDIA H100 NVL") == "H100 NVL"
+    assert canonical_device(" cpu ") == "CPU" and canonical_device("TPU") is None

@@ -8,7 +8,8 @@ import torch
 
 from megarl.config import load_config
 from megarl.data.batch import Batch
-from megarl.data.dataset import DatasetError, PromptBatches, RLDataset, build_datasets, read_rows, validate_row
+from megarl.data.build import build_datasets
+from megarl.data.dataset import DatasetError, PromptBatches, RLDataset, read_rows, validate_row
 from megarl.data.tasks import (
     ARITH_DATA_SOURCE,
     DIGITS_DATA_SOURCE,
@@ -313,7 +314,7 @@ def test_reasoning_gym_scorer_round_trip_through_a_file(tmp_path, name):
 
 
 def test_reasoning_gym_entry_keeps_tuples_and_sets():
-    from megarl.reward.reasoning_gym_score import decode_entry, encode_entry
+    from megarl.data.reasoning_gym_task import decode_entry, encode_entry
 
     entry = {"answer": "x", "metadata": {"board": ((1, 2), (3, 4)), "seen": {5}, "list": [(6,)]}}
     assert decode_entry(encode_entry(entry)) == entry

@@ -12,7 +12,8 @@ import torch
 
 from megarl.config import ConfigError, load_config, validate
 from megarl.data.batch import Batch
-from megarl.data.dataset import DatasetError, PromptBatches, RLDataset, build_datasets
+from megarl.data.build import build_datasets
+from megarl.data.dataset import DatasetError, PromptBatches, RLDataset
 from megarl.data.mix import MixedDataset, MixedPromptBatches, data_mix_identity, make_prompt_batches
 from megarl.data.tasks import ARITH_DATA_SOURCE, DIGITS_DATA_SOURCE, make_arith_rows, make_digits_rows, write_rows
 from megarl.models.tiny import build_tokenizer

@@ -1,4 +1,4 @@
-"""Rule reward registry, the digits verifier, custom reward functions."""
+"""The reward registry, the digits verifier, custom reward functions."""
 
 import sys
 import textwrap
@@ -12,7 +12,7 @@ from megarl.reward import (
     load_custom_function,
     make_reward_function,
     register_scorer,
-    rule,
+    registry,
     score,
     score_rows,
 )
@@ -66,7 +66,7 @@ def test_unknown_data_source_names_it_and_the_known_ones():
 
 
 def test_register_scorer_and_range_check(monkeypatch):
-    monkeypatch.setattr(rule, "_SCORERS", dict(rule._SCORERS))  # keep the registration local
+    monkeypatch.setattr(registry, "_SCORERS", dict(registry._SCORERS))  # keep the registration local
 
     @register_scorer("test/half")
     def half(solution_str, ground_truth, extra_info):
@@ -127,7 +127,7 @@ def test_default_reward_function_is_the_registry_and_score_rows():
 
 # ------------------------------------------------------------------ errors name the row
 def test_a_reward_that_raises_or_returns_a_non_number_names_the_row(monkeypatch):
-    monkeypatch.setattr(rule, "_SCORERS", dict(rule._SCORERS))
+    monkeypatch.setattr(registry, "_SCORERS", dict(registry._SCORERS))
 
     @register_scorer("test/raises")
     def raises(solution_str, ground_truth, extra_info):

@@ -1,6 +1,6 @@
 """The one interface every weight transport implements, and the source it reads from.
 
-    transport = make_transport(spec, rank, world_size, address)   # once per run, on every trainer rank
+    transport = make_transport(spec, rank, world_size, address)   # once per run, on every trainer rank (factory.py)
     stats = transport.sync(source, version, server_urls)          # after every update, on every rank
     transport.sync(source, version, [url], restarted=True)        # a restarted engine (same URL or not)
     transport.close()
@@ -163,18 +163,3 @@ def drain(stream) -> None:
             pass
     except Exception as exc:  # noqa: BLE001  (a peer is gone: the caller is already failing)
         log.warning("could not finish the export after a failed sync: %s", exc)
-
-
-def make_transport(spec: BridgeSpec, rank: int = 0, world_size: int = 1, address: str = "127.0.0.1") -> WeightTransport:
-    from megarl.bridge.disk import DiskTransport
-    from megarl.bridge.distributed import DistributedTransport
-    from megarl.bridge.reshard import ReshardTransport
-    from megarl.bridge.tensor import TensorTransport
-
-    kinds = {
-        "tensor": TensorTransport,
-        "disk": DiskTransport,
-        "distributed": DistributedTransport,
-        "reshard": ReshardTransport,
-    }
-    return kinds[spec.transport](spec, rank, world_size, address)

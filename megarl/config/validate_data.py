@@ -1,4 +1,5 @@
-"""Checks of the data files, the train mix, data.custom_cls and the validation options."""
+"""Checks of the data files, the train mix, data.custom_cls, the procedural task and the validation
+options."""
 
 from __future__ import annotations
 
@@ -93,4 +94,30 @@ def check_custom_cls(spec: str | None) -> None:
             bool(_CLASS_REF.match(spec)),
             "data.custom_cls",
             f"data.custom_cls={spec!r} must look like 'path/to/file.py:ClassName' or 'package.module:ClassName'",
+        )
+
+
+def check_task(cfg: RunConfig) -> None:
+    """data.task: a built-in procedural task or rg:<a reasoning-gym dataset> (used when a file is null)."""
+    task = cfg.data.task
+    if task in ("digits", "arith", "arith_tool"):
+        return
+    _require(
+        task.startswith("rg:") and len(task) > 3,
+        "data.task",
+        f"data.task={task!r} must be digits, arith, arith_tool or rg:<reasoning-gym dataset> "
+        "(e.g. rg:basic_arithmetic)",
+    )
+    if cfg.data.train_files is None or (cfg.data.val_files is None and cfg.data.num_val > 0):
+        try:
+            from reasoning_gym.factory import DATASETS
+        except ImportError as err:
+            raise ConfigError(
+                "data.task",
+                f"data.task={task!r} needs the reasoning-gym package ({err}); scripts/setup_env.sh installs it",
+            ) from err
+        _require(
+            task[3:] in DATASETS,
+            "data.task",
+            f"data.task={task!r}: reasoning-gym has no dataset {task[3:]!r}; known: {', '.join(sorted(DATASETS))}",
         )

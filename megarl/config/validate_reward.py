@@ -1,4 +1,5 @@
-"""Validation of the model reward (reward.model.*, megarl/reward/model.py)."""
+"""Validation of the reward: the custom function's form (reward.custom_function) and the model
+reward (reward.model.*, megarl/reward/model.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,29 @@ from pathlib import Path
 from megarl.config.loader import ConfigError
 from megarl.config.schema import RunConfig
 
+_FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
 
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(key, message)
+
+
+def check_reward_function(cfg: RunConfig) -> None:
+    """reward.custom_function: 'package.module:function', or 'path/to/file.py:function' of a file
+    that exists; the function itself is imported when the reward is made."""
+    fn = cfg.reward.custom_function
+    if fn is not None and ".py:" in fn:
+        path = fn.rpartition(":")[0]
+        _require(
+            Path(path).is_file(), "reward.custom_function", f"reward.custom_function={fn!r}: file {path} does not exist"
+        )
+    else:
+        _require(
+            fn is None or bool(_FUNCTION_REF.match(fn)),
+            "reward.custom_function",
+            f"reward.custom_function={fn!r} must look like 'package.module:function' or 'path/to/file.py:function'",
+        )
 
 
 def check_reward_model(cfg: RunConfig) -> None:

@@ -12,6 +12,7 @@ and the vocabulary over its T ranks, so T must divide each of them.
 
 from __future__ import annotations
 
+from megarl.config import agent_names
 from megarl.config.loader import ConfigError
 from megarl.config.schema import RunConfig
 
@@ -91,27 +92,24 @@ def check_rollout(cfg: RunConfig, model_config: dict | None) -> None:
 
 
 def _check_agent(cfg: RunConfig) -> None:
-    """rollout.agent_loop and rollout.agent.* (megarl/rollout/agent/)."""
+    """rollout.agent_loop and rollout.agent.* (megarl/rollout/agent/; the names: agent_names.py)."""
     r = cfg.rollout
     if r.agent_loop is None:
         return
-    from megarl.rollout.agent.base import AGENT_LOOPS
-    from megarl.rollout.agent.tools import TOOLS
-
     _require(
-        r.agent_loop in AGENT_LOOPS,
+        r.agent_loop in agent_names.AGENT_LOOP_NAMES,
         "rollout.agent_loop",
-        f"rollout.agent_loop={r.agent_loop!r} is not a registered agent loop; known: {sorted(AGENT_LOOPS)} "
-        "(or null for single-turn rollouts)",
+        f"rollout.agent_loop={r.agent_loop!r} is not a registered agent loop; known: "
+        f"{sorted(agent_names.AGENT_LOOP_NAMES)} (or null for single-turn rollouts)",
     )
     a, s = r.agent, r.agent.sandbox
     for key, value in (("max_turns", a.max_turns), ("max_tool_calls_per_turn", a.max_tool_calls_per_turn)):
         _require(value >= 1, f"rollout.agent.{key}", f"rollout.agent.{key}={value} must be >= 1")
-    unknown = [t for t in a.tools if t not in TOOLS]
+    unknown = [t for t in a.tools if t not in agent_names.TOOL_NAMES]
     _require(
         not unknown,
         "rollout.agent.tools",
-        f"rollout.agent.tools names unregistered tools {unknown}; registered: {sorted(TOOLS)}",
+        f"rollout.agent.tools names unregistered tools {unknown}; registered: {sorted(agent_names.TOOL_NAMES)}",
     )
     for key in ("timeout_s", "cpu_s", "memory_mb", "max_output_bytes", "file_mb", "max_concurrency"):
         _require(

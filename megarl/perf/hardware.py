@@ -23,6 +23,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 
+from megarl.config.devices import DEVICE_TYPES, canonical_device
 from megarl.perf.peak import PEAK_TFLOPS
 
 GiB = 1024**3
@@ -47,12 +48,11 @@ class Device:
         return self.peak[dtype]
 
 
-def _gpu(
-    name: str, memory_mib: float, hbm_tb_s: float, nvlink_gb_s: float, net_gb_s: float, pcie_gb_s: float
-) -> Device:
+def _gpu(key: str, memory_mib: float, hbm_tb_s: float, nvlink_gb_s: float, net_gb_s: float, pcie_gb_s: float) -> Device:
     # runtime reserve per GPU process: ~0.5 GiB CUDA context, ~1 GiB NCCL buffers (more channels on
     # bigger jobs), cuBLAS workspaces, and caching-allocator fragmentation, which Megatron users
     # budget at a few GiB; 4 GiB is the planner's stated figure (its calibration is in RESULTS.md)
+    name = DEVICE_TYPES[key]  # cluster.device_type's name -> the datasheet entry
     return Device(
         name,
         memory_mib * MiB,
@@ -65,25 +65,14 @@ def _gpu(
     )
 
 
+# keyed by config/devices.py's names, which cluster.device_type accepts
 GPUS: dict[str, Device] = {
-    "H100": _gpu("H100 SXM", 81559, 3.35, 450, 50, 64),
+    "H100": _gpu("H100", 81559, 3.35, 450, 50, 64),
     "H100 PCIe": _gpu("H100 PCIe", 81559, 2.0, 300, 50, 64),
     "H200": _gpu("H200", 143771, 4.8, 450, 50, 64),
     "B200": _gpu("B200", 183359, 8.0, 900, 50, 64),
     "H20": _gpu("H20", 97871, 4.0, 450, 50, 64),
     "A100": _gpu("A100", 81920, 2.04, 300, 25, 32),
-}
-_ALIASES = {
-    "h100": "H100",
-    "h100-sxm": "H100",
-    "h100sxm": "H100",
-    "h100-pcie": "H100 PCIe",
-    "h100pcie": "H100 PCIe",
-    "h200": "H200",
-    "b200": "B200",
-    "h20": "H20",
-    "a100": "A100",
-    "a100-80gb": "A100",
 }
 
 # CPU: a memcpy between processes' shared memory moves ~5 GB/s per core on the 2-core machine
@@ -111,25 +100,6 @@ def cpu_device(devices_on_node: int, host_memory: float | None = None, peak: flo
         0.6 * GiB,
         {"fp32": peak, "bf16": peak},
     )
-
-
-def canonical_device(kind: str) -> str | None:
-    """'h100' / 'H100' / 'NVIDIA H100 80GB HBM3' -> 'H100'; 'cpu' -> 'CPU'; None if unknown."""
-    k = kind.strip()
-    if k.lower() == "cpu":
-        return "CPU"
-    if k in GPUS:
-        return k
-    alias = _ALIASES.get(k.lower().replace(" ", "-"))
-    if alias:
-        return alias
-    from megarl.perf.peak import gpu_table_entry
-
-    try:  # a CUDA device name
-        entry = gpu_table_entry(k)
-    except ValueError:
-        return None
-    return next((key for key, dev in GPUS.items() if dev.name == entry), None)
 
 
 def parse_devices(spec: str, devices_on_node: int | None = None) -> tuple[int, Device]:

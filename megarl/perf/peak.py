@@ -16,6 +16,8 @@ import platform
 import time
 from pathlib import Path
 
+from megarl.config.devices import cuda_datasheet_entry
+
 T = 1e12
 
 # TFLOPS per GPU, dense. Sources (NVIDIA datasheets; sparse figures halved):
@@ -39,19 +41,6 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H20": {"fp32": 44.0, "tf32": 74.0, "bf16": 148.0, "fp8": 296.0},
     "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
 }
-
-# torch.cuda.get_device_name -> table entry; first match wins, so the specific names come first.
-# Real names: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200",
-# "NVIDIA GH200 480GB", "NVIDIA B200", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe".
-_NAME_RULES: list[tuple[tuple[str, ...], str]] = [
-    (("H100", "PCIE"), "H100 PCIe"),
-    (("H100", "NVL"), "H100 NVL"),
-    (("H100",), "H100 SXM"),
-    (("H200",), "H200"),  # also GH200: the same Hopper compute
-    (("H20",), "H20"),
-    (("B200",), "B200"),
-    (("A100",), "A100"),
-]
 
 _DTYPE_ALIASES = {
     "bf16": "bf16",
@@ -92,11 +81,10 @@ def normalize_dtype(dtype) -> str:
 
 
 def gpu_table_entry(gpu_name: str) -> str:
-    """The PEAK_TFLOPS key of a torch.cuda.get_device_name() string."""
-    upper = gpu_name.upper()
-    for needles, entry in _NAME_RULES:
-        if all(n in upper for n in needles):
-            return entry
+    """The PEAK_TFLOPS key of a torch.cuda.get_device_name() string (config/devices.py's rules)."""
+    entry = cuda_datasheet_entry(gpu_name)
+    if entry is not None:
+        return entry
     raise ValueError(
         f"no peak-FLOPs entry for GPU {gpu_name!r}; known: {', '.join(PEAK_TFLOPS)}. "
         "Add its datasheet numbers to megarl/perf/peak.py PEAK_TFLOPS"

@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from megarl.reward.rule import RewardError, count, register_scorer, register_scorer_family
+from megarl.reward.registry import RewardError, count, register_scorer, register_scorer_family
 
 DEFAULT_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 120.0  # importing sympy and math-verify on a loaded machine

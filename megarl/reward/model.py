@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megarl.reward.registry import RewardError
 from megarl.reward.remote import Failure
-from megarl.reward.rule import RewardError, _short, make_reward_function, score_rows
+from megarl.reward.rule import _short, make_reward_function, score_rows
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from megarl.procs.managed import HealthProbe
+from megarl.reward.registry import RewardError
 from megarl.reward.remote import API_KEY_ENV
-from megarl.reward.rule import RewardError, make_reward_function
+from megarl.reward.rule import make_reward_function
 
 log = logging.getLogger(__name__)
 _ROW_FIELDS = ("data_source", "response", "ground_truth")

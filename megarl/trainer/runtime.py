@@ -256,7 +256,7 @@ def start_runtime(cfg: RunConfig, cluster=None):
         from transformers import AutoTokenizer
 
         from megarl.controller.worker_group import RayWorkerGroup
-        from megarl.data.dataset import build_datasets
+        from megarl.data.build import build_datasets
         from megarl.rollout.client.manager import RolloutManager
 
         model_path = resolve_model_path(cfg, run_dir)
