@@ -1,10 +1,10 @@
 # megarl for NVIDIA GPU clusters (H100 / H200). Not built in this project's CI: the build machine
-# has no access to a container registry for the base image (README "Docker").
+# has no access to a container registry for the base image (docs/clusters.md, "Docker").
 #   docker build -t megarl:latest .
 #   docker run --gpus all --ipc=host --network=host -v /ckpt:/ckpt megarl:latest \
 #       megarl show-config configs/qwen3-30b-a3b.yaml
 #
-# Pins: every version below is an ARG, and tests/test_dockerfile.py checks each against
+# Pins: every version below is an ARG, and tests/entry/test_dockerfile.py checks each against
 # requirements.lock / scripts/setup_env.sh (the CPU environment the test suite runs in), so the
 # two cannot drift. Change a pin in both places at once.
 

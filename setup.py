@@ -8,7 +8,7 @@ setup(
     package_data={"megarl": ["../configs/*.yaml"]},
     python_requires=">=3.11",
     # Exact pins live in requirements.lock and are installed by scripts/setup_env.sh;
-    # torch / megatron-core need special install flags (see README), so they are not
+    # torch / megatron-core need special install flags (see docs/engine.md, "Dependencies"), so they are not
     # listed here to keep `pip install -e .` from pulling CUDA wheels.
     install_requires=[],
     entry_points={"console_scripts": ["megarl=megarl.cli:entry"]},

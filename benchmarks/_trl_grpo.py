@@ -78,7 +78,7 @@ import sys  # noqa: E402
 def digits_score(solution_str: str, ground_truth: str) -> float:
     """megarl/reward/rule.py digits_score, verbatim in effect (megarl is not importable here):
     the fraction of the answer's characters the response gets right, position by position;
-    characters after the answer are ignored. tests/test_bench_vs_trl_reward.py checks equality."""
+    characters after the answer are ignored. tests/benchmarks/test_bench_vs_trl_reward.py checks equality."""
     if not ground_truth:
         raise ValueError("megarl/digits row has an empty ground_truth")
     hits = sum(a == b for a, b in zip(solution_str, ground_truth))

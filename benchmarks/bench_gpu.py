@@ -9,7 +9,7 @@ and a table printed last.
 
 Stages
   env          torch / CUDA / GPU facts.
-  parity       the tiny Qwen3-MoE (tests/test_megatron_engine.py's rows) on the GPU. fp32 engine,
+  parity       the tiny Qwen3-MoE (tests/engine/test_megatron_engine.py's rows) on the GPU. fp32 engine,
                TF32 off, against HF in float64 on the host: expected ~1e-6. bf16 engine
                (actor.precision=bf16) against the same reference, next to HF itself in bf16 on the
                GPU against it (the error bf16 costs anyway); both must stay under 5e-2. One bf16
@@ -156,8 +156,8 @@ def stage_env() -> dict:
 
 
 def _hf_logprobs(model, device) -> torch.Tensor:
-    """The rows' response log-probs from a HF model, row by row, as tests/test_megatron_engine.py."""
-    from tests.test_megatron_engine import SEQ_ROWS, make_rows
+    """The rows' response log-probs from a HF model, row by row, as tests/engine/test_megatron_engine.py."""
+    from tests.engine.test_megatron_engine import SEQ_ROWS, make_rows
 
     out = torch.zeros_like(make_rows()["response_mask"], dtype=torch.float64)
     with torch.no_grad():
@@ -172,7 +172,7 @@ def stage_parity(state: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megarl.models.tiny import build_tiny_checkpoint
-    from tests.test_megatron_engine import hf_reference, make_rows
+    from tests.engine.test_megatron_engine import hf_reference, make_rows
 
     _init_dist()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -257,7 +257,7 @@ def stage_rollout_ipc(state: dict) -> dict:
     import torch.multiprocessing as mp
 
     from megarl.wire.weights_codec import flattened_bucket_nbytes, pack_flattened_bucket, serialize
-    from tests.test_megatron_engine import make_rows
+    from tests.engine.test_megatron_engine import make_rows
 
     engine = state["fp32_engine"]  # trained one step by `parity`: its weights differ from the checkpoint's
     bucket = [(name, t) for name, t in engine.export_weights()]

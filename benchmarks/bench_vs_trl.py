@@ -151,7 +151,7 @@ def write_train_rows(path: Path) -> Path:
 
 
 def check_reward_equal() -> None:
-    """_trl_grpo's copy of the digits reward scores as megarl's (tests/test_bench_vs_trl_reward.py
+    """_trl_grpo's copy of the digits reward scores as megarl's (tests/benchmarks/test_bench_vs_trl_reward.py
     checks more strings)."""
     from megarl.reward.rule import digits_score
 

@@ -14,7 +14,7 @@ Stages
             process decodes it through the same allow-list unpickler the rollout server uses and
             compares it bit for bit with the sender's tensors.
   engine    MegatronEngine on one GPU over NCCL (world size 1): the tiny Qwen3-MoE's log-probs
-            against Hugging Face in float64 on the CPU (tests/test_megatron_engine.py's rows), then one
+            against Hugging Face in float64 on the CPU (tests/engine/test_megatron_engine.py's rows), then one
             `train_mini_batch` step (finite grad norm, log-probs move).
   engine_speed  the engine's training step and forward against a plain HF + AdamW peer on the
             same weights and tokens (a Qwen3-MoE sized by --speed-*), alternating timed steps, in
@@ -138,7 +138,7 @@ def _init_dist() -> None:
 def stage_engine(tmp: str) -> dict:
     from megarl.algo.losses import policy_loss
     from megarl.models.tiny import build_tiny_checkpoint
-    from tests.test_megatron_engine import _engine, hf_reference, make_rows
+    from tests.engine.test_megatron_engine import _engine, hf_reference, make_rows
 
     _init_dist()
     path = build_tiny_checkpoint(os.path.join(tmp, "tiny-qwen3-moe"), seed=0)

@@ -3,7 +3,7 @@ replays them on CUDA (one process, NCCL, world size 1, fp32 with TF32 off).
 
     python3 benchmarks/gpu_replay.py --out DIR [--smoke]
 
-tests/test_routing_replay.py's setting, moved to the GPU: the tiny Qwen3-MoE (expert down-projections
+tests/engine/test_routing_replay.py's setting, moved to the GPU: the tiny Qwen3-MoE (expert down-projections
 x8 so an expert flip moves the log-probs) serves 4 prompts x 2 samples with return_routed_experts
 from a GenerationEngine on cuda; the trainer's copy has its router weights perturbed by N(0, 1e-2).
 Checked: the trainer's log-probs without and with replay against Hugging Face float64 on the host
@@ -79,7 +79,12 @@ def run(device: str) -> dict:
     from megarl.rollout.engine.generation import GenerationEngine
     from megarl.rollout.server.generate_input import parse_generate
     from megarl.rollout.server.generate_output import output_item
-    from tests.test_routing_replay import PROMPTS, hf_forced_log_probs, served_batch, server_and_trainer_checkpoints
+    from tests.engine.test_routing_replay import (
+        PROMPTS,
+        hf_forced_log_probs,
+        served_batch,
+        server_and_trainer_checkpoints,
+    )
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29547")

@@ -10,7 +10,7 @@ aggregation (the rollout/training mismatch correction of megarl/algo/corrections
 detached scalars: pg_loss, pg_clipfrac (fraction of response tokens whose clipped branch is
 active), ppo_kl (mean old - new log-prob), and what a loss adds. Register a new loss with
 `@register_policy_loss("name")` and add the name to `actor.policy_loss`'s Literal in the schema;
-tests/test_policy_losses.py runs its contract over every registered entry.
+tests/algo/test_policy_losses.py runs its contract over every registered entry.
 
   vanilla  PPO clip, max(-A*r, -A*clip(r, 1-low, 1+high)), r = exp(logp - old_logp); asymmetric
            bounds are DAPO's clip-higher. Dual-clip (Ye et al. 2020, `clip_ratio_c` > 1): for

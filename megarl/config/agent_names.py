@@ -2,7 +2,7 @@
 
 The registries that map a name to its class live with the agent loop (megarl/rollout/agent/:
 AGENT_LOOPS, TOOLS), above config; validation needs only the names to refuse a typo before any
-process starts. The built-in names are listed here, and tests/test_config.py checks they are
+process starts. The built-in names are listed here, and tests/config/test_config.py checks they are
 exactly the registered ones. A loop or tool registered by user code declares its name here too
 (declare_agent_loop / declare_tool), before the config that selects it is validated.
 """

@@ -12,7 +12,7 @@ from typing import Literal
 
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 # Activation recompute (Megatron's): trade backward-pass compute for activation memory; the numbers
-# are unchanged (tests/test_engine_recompute.py). "none" keeps every activation. "selective"
+# are unchanged (tests/engine/test_engine_recompute.py). "none" keeps every activation. "selective"
 # recomputes core attention (Megatron's default recompute_modules ["core_attn"]): the [s, s]
 # attention scores are not kept, for a few % more compute. "full" keeps only each layer's input and
 # recomputes the whole layer in backward (granularity full, method uniform, 1 layer per unit): the
@@ -97,7 +97,7 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # megarl/algo/advantages.py ESTIMATORS (README "Advantage estimators"); gae needs the critic
+    # megarl/algo/advantages.py ESTIMATORS (docs/configuration.md); gae needs the critic
     # (critic.enabled), remax adds a greedy rollout of each prompt per step (trainer/remax.py)
     adv_estimator: AdvEstimator = "grpo"
     norm_adv_by_std: bool = True  # grpo divides by the group std; False = mean-centring only

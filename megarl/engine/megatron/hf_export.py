@@ -4,7 +4,7 @@ Every rank walks the engine's HF export (a collective: TP / PP / EP gathers); ra
 full tensor to the current shard and writes the shard when it reaches `max_shard_bytes`, so rank 0
 holds one shard, not the model. The folder is staged next to its target and renamed into place:
 a crash leaves the previous export (or none), never half of one. `AutoModelForCausalLM
-.from_pretrained(out)` loads it; its log-probs are the trainer's (tests/test_durability.py).
+.from_pretrained(out)` loads it; its log-probs are the trainer's (tests/trainer/test_durability.py).
 """
 
 from __future__ import annotations

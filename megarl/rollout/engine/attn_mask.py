@@ -9,7 +9,7 @@ and 0% in the sync loop, whose batches are not padded. The same mask is two broa
 comparisons: key column j is visible to query i of row b when the row has a token there and
 j <= past + i. HF passes a 4-D mask through unchanged, so the model sees the identical
 boolean tensor (sdpa) or additive float mask (eager) it would have built: the outputs are
-bit-for-bit the same (tests/test_attn_mask.py, every tiny architecture).
+bit-for-bit the same (tests/rollout/engine/test_attn_mask.py, every tiny architecture).
 
 Where HF needs no mask (no padding) or builds something else (sliding-window or chunked
 layers, other attention kernels), the 2-D mask goes through as before.
@@ -18,7 +18,7 @@ Grouped KV heads. With a mask, transformers' sdpa path copies the key and value 
 the query heads (`repeat_kv`, a copy of the whole cache per layer and step) because on CUDA
 SDPA's GQA falls back to the math kernel there; CPU's flash kernel takes the mask and the
 groups as they are. `prepare_model` switches a CPU model to `megarl_sdpa`: HF's sdpa with
-`enable_gqa` also under a mask, bit-for-bit the same outputs (tests/test_attn_mask.py) and
+`enable_gqa` also under a mask, bit-for-bit the same outputs (tests/rollout/engine/test_attn_mask.py) and
 31 -> 24 ms for a decode step of 256 rows over 190 cached columns (tiny Qwen3-MoE, 1 thread).
 """
 

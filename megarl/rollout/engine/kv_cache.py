@@ -20,7 +20,7 @@ leading rows are the cache), leading padding is trimmed by moving the buffer's s
 (kv_merge.merge_into, one copy). Code that assigns `keys` / `values` itself is respected: the
 next update sees they are no longer the views it handed out and moves them into a fresh buffer.
 The attention sees the same values, so outputs are bit-identical to DynamicCache
-(tests/test_kv_cache.py, every tiny architecture). Measured per decode step
+(tests/rollout/engine/test_kv_cache.py, every tiny architecture). Measured per decode step
 (benchmarks/bench_kv_cache.py): 1.2x at 256 rows x 190 columns, 1.7x when a row leaves every
 step; no change at narrow caches. MEGARL_KV_CACHE=dynamic gives transformers' layers back.
 """

@@ -99,7 +99,7 @@ def sample_next_tokens(
 def _exponential_noise(rows: int, vocab: int, generators: list[torch.Generator]) -> torch.Tensor:
     """Row r's Exp(1) vector from generators[r]. Consecutive rows that share a generator (every
     unseeded row shares the engine's) are drawn in one call: the same numbers, in the same order,
-    as one draw per row (tests/test_sampling_params.py checks the bits), without 256 small ops."""
+    as one draw per row (tests/rollout/server/test_rollout_server.py checks the bits), without 256 small ops."""
     noise = torch.empty(rows, vocab)
     start = 0
     for k in range(1, rows + 1):

@@ -1,0 +1,240 @@
+"""trainer.mode one_step_off and fully_async on one disaggregated runtime (trainer/async_trainer.py),
+and the fully_async producer's admission and staleness bound against a scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.config.loader import ConfigError, load_config
+from megarl.config.validate import validate
+from megarl.data.batch import Batch
+from megarl.rollout.client.client import GenerateOutput
+from megarl.rollout.client.manager import SamplingSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory):
+    """One runtime: one_step_off for 4 steps (checkpoints at 2 and 4), then fully_async resumed
+    from one_step_off's step-2 checkpoint for steps 3 and 4."""
+    from megarl.trainer import checkpoints
+    from megarl.trainer.async_trainer import FullyAsyncTrainer, OneStepOffTrainer
+    from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.runtime import start_runtime
+
+    out = tmp_path_factory.mktemp("async")
+    cfg = validate(
+        load_config(
+            ROOT / "configs/disaggregated.yaml",
+            [
+                f"trainer.output_dir={out}",
+                "trainer.total_steps=4",
+                "trainer.val_every=0",
+                "data.num_train=64",
+                "rollout.tp=1",
+                "rollout.n=4",
+                "actor.ppo_mini_batch_size=32",
+                "actor.micro_batch_size=16",
+                "trainer.tensorboard=false",
+                "trainer.export_hf=false",
+                "trainer.save_every=2",
+                "trainer.mode=one_step_off",
+            ],
+        )
+    )
+    with start_runtime(cfg) as rt:
+        one = MetricsLogger(None, 4, stream=io.StringIO(), jsonl_path=out / "one.jsonl")
+        OneStepOffTrainer(rt, one).fit()
+        one.close()
+        state2 = json.loads((rt.run_dir / "checkpoints/step_000002/trainer_state.json").read_text())
+        rt.cfg.trainer.mode, rt.cfg.trainer.save_every = "fully_async", 0
+        point = checkpoints.resume_point(rt.run_dir, str(rt.run_dir / "checkpoints/step_000002"))
+        full = MetricsLogger(None, 4, stream=io.StringIO(), jsonl_path=out / "full.jsonl", resume_step=2)
+        trainer = FullyAsyncTrainer(rt, full, resume=point)
+        trainer.fit()
+        full.close()
+    read = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]  # noqa: E731
+    return read("one.jsonl"), read("full.jsonl"), state2, trainer
+
+
+def test_one_step_off_trains_one_version_behind(async_runs):
+    steps = async_runs[0]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    # step 1's rows come from the weights it trains: parity holds exactly as in the sync loop
+    assert steps[0]["rollout/logprob_diff_max"] < 1e-4 and steps[0]["async/staleness_max"] == 0
+    for m in steps[1:]:  # then every batch was sampled by the version before the one it trains
+        assert m["async/staleness_mean"] == m["async/staleness_max"] == 1
+        assert m["rollout/logprob_diff_max"] > 1e-4  # off-policy by one update (logged, not an error)
+        assert m["perf/gen_s"] > 0 and m["actor/grad_norm"] > 0 or m["adv/max"] == 0 == m["adv/min"]
+    for m in steps:
+        bad = {k: v for k, v in m.items() if not np.isfinite(v)}
+        assert not bad, bad
+
+
+def test_one_step_off_checkpoint_regenerates_the_batch_in_flight(async_runs):
+    state = async_runs[2]
+    # the batch generated ahead for step 3 is not saved: its prompts (batch 2, 0-based) come again
+    assert state["step"] == 2 and state["weight_version"] == 2 and state["data_cursor"] == 2
+
+
+def test_fully_async_resumed_from_a_checkpoint_keeps_the_staleness_bound(async_runs):
+    steps, trainer = async_runs[1], async_runs[3]
+    assert [m["step"] for m in steps] == [3, 4]
+    assert trainer.start_step == 2 and trainer.weight_version == 4 and trainer.data_cursor == 4
+    for m in steps:
+        assert m["async/group_staleness_max"] <= 1 and m["async/staleness_max"] <= 1  # max_staleness=1
+        assert m["rollout/retries"] == 0 and 0 <= m["async/partial_frac"] <= 1
+    # the first batch after the resume was sent under the checkpoint's weights: parity checked
+    assert steps[0]["async/staleness_max"] == 0 and steps[0]["rollout/logprob_diff_max"] < 1e-4
+
+
+def test_async_modes_refuse_what_they_cannot_run():
+    base = ROOT / "configs/disaggregated.yaml"
+    with pytest.raises(ConfigError, match="trainer.mode"):
+        validate(load_config(ROOT / "configs/quickstart.yaml", ["trainer.mode=one_step_off"]))
+    for override, key in [
+        ("trainer.deterministic=true", "trainer.deterministic"),
+        ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable"),
+        ("trainer.max_staleness=-1", "trainer.max_staleness"),
+        ("rollout.agent_loop=tool", "rollout.agent_loop"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            validate(load_config(base, ["trainer.mode=fully_async", override]))
+    validate(load_config(base, ["trainer.mode=one_step_off", "trainer.deterministic=true"]))
+
+
+# ---- the producer against a scripted engine ---------------------------------------------------
+class _ScriptedClient:
+    """agenerate answers when the test releases that prompt (by its first token), tagged with the
+    version the engine holds at that moment."""
+
+    retries = 0
+
+    def __init__(self):
+        self.release: dict[int, threading.Event] = {}
+        self.version = "default"
+        self.sent: list[int] = []
+
+    async def agenerate(self, ids, params, return_logprob=False):
+        key = ids[0][0]
+        self.sent.append(key)
+        event = self.release.setdefault(key, threading.Event())
+        while not event.is_set():
+            await asyncio.sleep(0.001)
+        return [
+            GenerateOutput(
+                output_ids=[5, 6],
+                text="x",
+                finish_reason={"type": "stop"},
+                meta_info={"weight_version": self.version},
+                output_logprobs=[-1.0, -2.0],
+            )
+            for _ in range(params["n"])
+        ]
+
+    def close(self):
+        pass
+
+
+class _Prompts:
+    """Batch k holds prompts [100k, 7] and [100k + 1, 7]."""
+
+    def batch_at(self, k):
+        ids = np.empty(2, dtype=object)
+        ids[:] = [[100 * k + i, 7] for i in range(2)]
+        return Batch({}, {"raw_prompt_ids": ids, "uid": np.array([f"p{100 * k + i}" for i in range(2)], dtype=object)})
+
+
+def _producer(client, max_staleness, steps=None):
+    from megarl.trainer.async_rollout import RolloutProducer
+
+    fleet = SimpleNamespace(
+        router_url="http://r",
+        live_urls=lambda: ["http://r"],
+        engine_urls=[],
+        api_key=None,
+        abort_all_requests=lambda: None,
+    )
+    return RolloutProducer(
+        SimpleNamespace(fleet=fleet),
+        _Prompts(),
+        0,
+        SamplingSpec(n=2),
+        groups_per_step=2,
+        max_staleness=max_staleness,
+        version=0,
+        steps=steps,
+        make_client=lambda url: client,
+    )
+
+
+def _wait(cond, what):
+    for _ in range(5000):
+        if cond():
+            return
+        threading.Event().wait(0.001)
+    raise AssertionError(what)
+
+
+def test_producer_admits_max_staleness_plus_one_steps_and_drops_late_groups():
+    client = _ScriptedClient()
+    p = _producer(client, max_staleness=1)
+    try:
+        _wait(lambda: len(client.sent) == 4, "4 groups sent")  # (0 + 1 + 1) * 2 groups admitted
+        threading.Event().wait(0.05)
+        assert len(client.sent) == 4  # and no more until the trainer moves on
+        for key in (0, 1):
+            client.release[key].set()
+        rows, stats = p.take(0, {})
+        assert len(rows) == 4 and list(rows["uid"]) == ["p0", "p0", "p1", "p1"]
+        assert torch.equal(rows["response_mask"], torch.ones(4, 2))
+        p.set_version(1)
+        client.version = "1"
+        _wait(lambda: len(client.sent) == 6, "two more admitted at version 1")
+        # group 100 (sent at v0) finishes now; at version 2 it would be 2 versions old: dropped
+        for key in (100, 101, 200, 201):
+            client.release[key].set()
+        _wait(lambda: len(p._buffer) == 4, "all four finished")
+        p.set_version(2)
+        rows, stats = p.take(2, {})
+        assert stats["async/dropped_stale"] == 2 and stats["async/group_staleness_max"] <= 1
+        assert list(rows["uid"]) == ["p200", "p200", "p201", "p201"]
+    finally:
+        for e in client.release.values():
+            e.set()
+        p.stop()
+
+
+def test_producer_sends_nothing_past_the_last_step():
+    """Two steps of two groups: four are sent, however far admission would reach, and a dropped
+    group is replaced."""
+    client = _ScriptedClient()
+    p = _producer(client, max_staleness=3, steps=2)  # admission alone would allow (0+3+1)*2 = 8
+    try:
+        _wait(lambda: len(client.sent) == 4, "4 groups sent")
+        threading.Event().wait(0.05)
+        assert len(client.sent) == 4
+        for key in (0, 1, 100, 101):
+            client.release[key].set()
+        _wait(lambda: len(p._buffer) == 4, "all four finished")
+        with p._cond:  # as if one group had come out stale: it frees one send
+            p._buffer.pop()
+            p._dropped += 1
+            p._notify()
+        _wait(lambda: len(client.sent) == 5, "the dropped group replaced")
+        threading.Event().wait(0.05)
+        assert len(client.sent) == 5
+    finally:
+        for e in client.release.values():
+            e.set()
+        p.stop()
