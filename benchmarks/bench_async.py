@@ -99,7 +99,7 @@ def run_mode(label: str, args, workdir: Path) -> dict:
 
     from megarl.config.loader import load_config
     from megarl.config.validate import validate
-    from megarl.trainer.async_trainer import make_trainer
+    from megarl.trainer.factory import make_trainer
     from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import start_runtime
 

@@ -6,19 +6,12 @@ import io
 import os
 import queue as queue_module
 import shutil
-import socket
 import tempfile
 import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank, world_size, store_path, fn, args, queue):

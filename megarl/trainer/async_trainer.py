@@ -175,9 +175,9 @@ class FullyAsyncTrainer(_AsyncBase):
             self.export_hf()
 
     def _score_rows(self, step: int, rows, timing: dict):
-        from megarl.trainer.sync_trainer import _timer
+        from megarl.trainer.step_metrics import timer
 
-        with _timer(timing, "reward"):
+        with timer(timing, "reward"):
             rows["raw_scores"] = self._score(rows)
             rows["scores"] = rows["raw_scores"] + self._overlong_penalty(rows)
         if self.cfg.algorithm.adv_estimator == "remax":
@@ -190,9 +190,3 @@ class FullyAsyncTrainer(_AsyncBase):
         return dataclasses.replace(
             super()._bridge_spec(), pause_generation=True, pause_mode=self.cfg.trainer.pause_mode
         )
-
-
-def make_trainer(runtime, logger, resume=None) -> SyncTrainer:
-    mode = runtime.cfg.trainer.mode
-    cls = {"sync": SyncTrainer, "one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}[mode]
-    return cls(runtime, logger, resume=resume)

@@ -106,10 +106,16 @@ def resume_point(run_dir: Path, resume: str) -> tuple[Path, dict] | None:
                 f"trainer.experiment_name (or delete {checkpoints_dir(run_dir)})"
             )
         return None
-    path = latest_checkpoint(run_dir) if resume == "auto" else Path(resume)
-    if path is None:
-        return None
-    return path, read_run_checkpoint(path)
+    if resume == "auto":
+        path = latest_checkpoint(run_dir)
+        return None if path is None else (path, read_run_checkpoint(path))
+    try:
+        return Path(resume), read_run_checkpoint(Path(resume))
+    except CheckpointNotFound as err:
+        raise ResumeRefused(
+            f"trainer.resume={resume}: {err}; name a complete checkpoint directory "
+            "(RUN_DIR/checkpoints/step_NNNNNN), or use trainer.resume=auto or never"
+        ) from None
 
 
 def driver_rng_state() -> dict:

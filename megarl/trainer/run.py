@@ -34,6 +34,7 @@ def log_path_of(run_dir: Path) -> Path:
 
 def train(cfg: RunConfig, stream=sys.stdout) -> dict:
     """Run `cfg` (already validated) to completion; returns the reward-curve summary."""
+    from megarl.trainer import checkpoints
     from megarl.trainer.run_lock import RunDirLock
     from megarl.trainer.runtime import cluster_for, run_dir_of
 
@@ -43,19 +44,22 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
         # Ray starts now, in the background, and comes up while this process imports torch,
         # Megatron and transformers and builds the model and the data (~6 s of a quickstart's
         # start-up that used to come after them); start_runtime waits for it, then stops it.
+        point = checkpoints.resume_point(run_dir, cfg.trainer.resume)  # refused before Ray starts
         cluster = cluster_for(cfg)
         cluster.start(background=True)
         with contextlib.closing(cluster):  # closed already when start_runtime took it over
-            return _train_locked(cfg, run_dir, Tee(stream, log), cluster)
+            return _train_locked(cfg, run_dir, Tee(stream, log), cluster, point)
 
 
-def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None) -> dict:
+def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=None) -> dict:
+    """The run in its locked run dir; `point`: the checkpoint to continue from (resume_point's
+    answer; looked up here when not given)."""
     from megarl.trainer import checkpoints
-    from megarl.trainer.async_trainer import make_trainer
+    from megarl.trainer.factory import make_trainer
     from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import StartupClock, start_runtime
 
-    point = checkpoints.resume_point(run_dir, cfg.trainer.resume)
+    point = point or checkpoints.resume_point(run_dir, cfg.trainer.resume)
     (run_dir / "config.yaml").write_text(dump(cfg))
     tb_dir = run_dir / "tensorboard" if cfg.trainer.tensorboard else None
     logger = MetricsLogger(

@@ -10,6 +10,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megarl.algo.losses import PolicyLossConfig
 from megarl.config.schema import RunConfig
@@ -19,24 +20,36 @@ from megarl.engine.megatron.critic import CriticLossSpec, MegatronCritic
 from megarl.engine.megatron.engine import EngineSpec
 from megarl.procs.net import get_node_ip
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from megarl.controller.placement import PlacementPlan
+    from megarl.controller.worker_group import RayWorkerGroup
+    from megarl.data.dataset import RLDataset
+    from megarl.data.mix import MixedDataset
+    from megarl.rollout.client.manager import RolloutManager
+    from megarl.rollout.fleet.fleet import RolloutFleet
+
 RANKS_FILE = "ranks.json"  # this run's local rank pids (shm_leftovers: a later run here cleans up after them)
 
 
 @dataclass
 class Runtime:
+    """Everything a loop talks to, started by start_runtime and stopped when it exits."""
+
     cfg: RunConfig
     run_dir: Path
     model_path: str
-    tokenizer: object
-    train_data: object
-    val_data: object
-    actor: object  # RayWorkerGroup of MegatronActor
-    rollout: object  # RolloutManager
-    fleet: object  # RolloutFleet: the engines (and router) the rollout talks to
-    placement: object  # PlacementPlan
-    critic: object | None = None  # RayWorkerGroup of MegatronCritic (critic.enabled)
+    tokenizer: PreTrainedTokenizerBase
+    train_data: RLDataset | MixedDataset
+    val_data: RLDataset | MixedDataset | None
+    actor: RayWorkerGroup  # of MegatronActor
+    rollout: RolloutManager
+    fleet: RolloutFleet  # the engines (and router) the rollout talks to
+    placement: PlacementPlan
+    critic: RayWorkerGroup | None = None  # of MegatronCritic (critic.enabled)
     reward_model_url: str | None = None  # the embedded judge server (reward.model genrm without url)
-    startup: dict | None = None  # seconds per start-up phase (StartupClock), in order
+    startup: dict[str, float] | None = None  # seconds per start-up phase (StartupClock), in order
 
     @property
     def server_urls(self) -> list[str]:
@@ -235,13 +248,7 @@ def cluster_for(cfg: RunConfig, plan=None):
 def start_runtime(cfg: RunConfig, cluster=None):
     """Yield a Runtime for `cfg`; on exit stop every process it started. `cluster`: a
     cluster_for(cfg) already starting in the background (train), else one is started here."""
-    from megarl.controller.placement import (
-        CRITIC_DEVICE_SHARE,
-        RANK_DEVICE_SHARE,
-        ResourcePool,
-        device_resource,
-        plan_placement,
-    )
+    from megarl.controller.placement import ResourcePool, device_resource, plan_placement
 
     clock = StartupClock()
     run_dir = run_dir_of(cfg)
@@ -255,9 +262,7 @@ def start_runtime(cfg: RunConfig, cluster=None):
         stack.push(cluster.__exit__)  # stops what it started (also a start still under way)
         from transformers import AutoTokenizer
 
-        from megarl.controller.worker_group import RayWorkerGroup
         from megarl.data.build import build_datasets
-        from megarl.rollout.client.manager import RolloutManager
 
         model_path = resolve_model_path(cfg, run_dir)
         clock.mark("model")
@@ -277,44 +282,7 @@ def start_runtime(cfg: RunConfig, cluster=None):
         fleet = build_fleet(cfg, plan, pools, model_path, run_dir)
         stack.callback(fleet.close)
         fleet.launch()  # engines start while the Megatron ranks initialise
-        with_ref = bool(cfg.ref.enabled)
-
-        def device_share(share: float) -> dict:
-            return {"num_gpus_per_worker": share} if resource == "GPU" else {"resources_per_worker": {resource: share}}
-
-        rank_env = {
-            "MEGARL_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
-        }
-        actor_bundles = [pools["actor"].bundle_of(s) for s in plan.actor_slots]
-        actor = RayWorkerGroup(
-            MegatronActor,
-            cfg.cluster.num_actor_ranks,
-            init_args=(engine_spec(cfg, model_path), loss_spec(cfg), with_ref),
-            init_kwargs={"offload": cfg.actor.offload, "ref_offload": cfg.ref.offload},
-            num_cpus_per_worker=0,
-            bundles=actor_bundles,
-            env_vars=rank_env,
-            name_prefix="actor",
-            **device_share(RANK_DEVICE_SHARE),
-        )
-        stack.callback(actor.shutdown)
-        clock.mark("actor_ranks")
-        critic = None
-        if cfg.critic.enabled:  # on the actor ranks' devices, a mesh of its own
-            critic = RayWorkerGroup(
-                MegatronCritic,
-                cfg.cluster.num_actor_ranks,
-                init_args=(critic_engine_spec(cfg, model_path), critic_loss_spec(cfg)),
-                init_kwargs={"offload": cfg.critic.offload},
-                num_cpus_per_worker=0,
-                bundles=actor_bundles,
-                env_vars=rank_env,
-                name_prefix="critic",
-                **device_share(CRITIC_DEVICE_SHARE),
-            )
-            stack.callback(critic.shutdown)
+        actor, critic = _worker_groups(cfg, plan, pools, resource, model_path, stack, clock)
         record_ranks(ranks_file, actor.processes + (critic.processes if critic else []), here, still_running)
         from megarl.reward.model import reward_model_server
 
@@ -322,16 +290,7 @@ def start_runtime(cfg: RunConfig, cluster=None):
         clock.mark("critic_and_reward_model")
         fleet.wait_started()
         clock.mark("engines_after_ranks")
-        from megarl.rollout.agent.rollout import AgentRollout
-
-        rollout = RolloutManager(
-            fleet=fleet,
-            timeout_s=cfg.rollout.request_timeout_s,
-            max_retries=cfg.rollout.max_retries,
-            api_key=fleet.api_key,
-            agent=AgentRollout.from_config(cfg.rollout, tokenizer),
-        )
-        stack.callback(rollout.close)
+        rollout = _rollout_manager(cfg, fleet, tokenizer, stack)
         yield Runtime(
             cfg=cfg,
             run_dir=run_dir,
@@ -347,3 +306,66 @@ def start_runtime(cfg: RunConfig, cluster=None):
             reward_model_url=reward_model_url,
             startup=clock.phases,
         )
+
+
+def _worker_groups(cfg: RunConfig, plan, pools: dict, resource: str, model_path: str, stack, clock):
+    """The actor's Megatron ranks (with the reference when ref.enabled) and, with critic.enabled,
+    the critic's on the same devices; each shut down by `stack`."""
+    from megarl.controller.placement import CRITIC_DEVICE_SHARE, RANK_DEVICE_SHARE
+    from megarl.controller.worker_group import RayWorkerGroup
+
+    with_ref = bool(cfg.ref.enabled)
+
+    def device_share(share: float) -> dict:
+        return {"num_gpus_per_worker": share} if resource == "GPU" else {"resources_per_worker": {resource: share}}
+
+    rank_env = {
+        "MEGARL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
+    }
+    actor_bundles = [pools["actor"].bundle_of(s) for s in plan.actor_slots]
+    actor = RayWorkerGroup(
+        MegatronActor,
+        cfg.cluster.num_actor_ranks,
+        init_args=(engine_spec(cfg, model_path), loss_spec(cfg), with_ref),
+        init_kwargs={"offload": cfg.actor.offload, "ref_offload": cfg.ref.offload},
+        num_cpus_per_worker=0,
+        bundles=actor_bundles,
+        env_vars=rank_env,
+        name_prefix="actor",
+        **device_share(RANK_DEVICE_SHARE),
+    )
+    stack.callback(actor.shutdown)
+    clock.mark("actor_ranks")
+    critic = None
+    if cfg.critic.enabled:  # on the actor ranks' devices, a mesh of its own
+        critic = RayWorkerGroup(
+            MegatronCritic,
+            cfg.cluster.num_actor_ranks,
+            init_args=(critic_engine_spec(cfg, model_path), critic_loss_spec(cfg)),
+            init_kwargs={"offload": cfg.critic.offload},
+            num_cpus_per_worker=0,
+            bundles=actor_bundles,
+            env_vars=rank_env,
+            name_prefix="critic",
+            **device_share(CRITIC_DEVICE_SHARE),
+        )
+        stack.callback(critic.shutdown)
+    return actor, critic
+
+
+def _rollout_manager(cfg: RunConfig, fleet, tokenizer, stack):
+    """The trainer's side of rollout over the fleet's engines (with the agent loop when configured)."""
+    from megarl.rollout.agent.rollout import AgentRollout
+    from megarl.rollout.client.manager import RolloutManager
+
+    rollout = RolloutManager(
+        fleet=fleet,
+        timeout_s=cfg.rollout.request_timeout_s,
+        max_retries=cfg.rollout.max_retries,
+        api_key=fleet.api_key,
+        agent=AgentRollout.from_config(cfg.rollout, tokenizer),
+    )
+    stack.callback(rollout.close)
+    return rollout

@@ -1,52 +1,48 @@
 """The synchronous RL loop: one controller, every heavy step an RPC to a worker group.
 
-    for step in steps:
-        rows = rollout.generate(prompts)          # SGLang-API engines (behind sglang-router)
-        fleet.release_memory()                    # colocated: engines free weights + KV cache
-        rows = reward(rows)                       # rule verifiers by data_source
-        rows |= actor.compute_log_prob(rows)      # Megatron, DP_COMPUTE
-        rows |= actor.compute_ref_log_prob(rows)  # colocated reference (when KL is on)
-        rows["advantages"] = compute_advantages(algorithm.adv_estimator, ...)
-        actor.update_actor(rows)                  # Megatron TP/PP/EP + distributed optimizer
-        fleet.resume_memory(weights)              # colocated: re-allocate before the sync fills them
-        actor.sync_weights(engines)               # bucketed weight stream -> every engine directly
-        fleet.resume_memory(kv_cache)
+    for step in steps:                                 # fit()
+        rows = rollout(prompts)                        # generate + score (dynamic sampling, ReMax)
+        rows = phases.release_and_balance(rows)        # colocated engines free weights + KV cache
+        rows = phases.old_ref_values(rows)             # old (or the rollout's) / ref log-probs, values
+        rows = phases.advantages(rows)                 # estimator; KL in the reward when enabled
+        phases.update(rows)                            # critic, then actor (Megatron TP/PP/EP/CP)
+        phases.sync()                                  # engines re-allocate, bridge pushes weights
+        finish_step(step, metrics)                     # validation, metrics, checkpoint when due
+
+Consumes prompt batches (data.mix.make_prompt_batches), waits for each phase's worker-group
+call, produces one metrics dict per step (metrics.jsonl, tensorboard) and checkpoints.
 
 An engine that dies mid-step is restarted by the fleet, given the current weights through
 `_resync` before it serves again, and its prompts are re-sent (rollout/retries,
 rollout/engine_restarts).
 
-Durability (trainer/checkpoints.py): every `trainer.save_every` steps, and after the last, the
-actor (and critic), the step, weight version, data position and the controller's RNG go to a
-checkpoint; a run started with one (`trainer.resume`) loads it, pushes its weights to the engines
-and continues with the next step's batch. With `trainer.deterministic` every sampling request is
-seeded from (seed, step, row), so the continued run repeats the uninterrupted one exactly. At the
-end the policy is exported as a Hugging Face folder (RUN_DIR/hf).
+Durability (run_state.py, checkpoints.py): every `trainer.save_every` steps, and after the last,
+the run's state goes to a checkpoint; a run started with one (`trainer.resume`) loads it, pushes its
+weights to the engines and continues with the next step's batch. With `trainer.deterministic`
+every sampling request is seeded from (seed, step, row), so the continued run repeats the
+uninterrupted one exactly. At the end the policy is exported as a Hugging Face folder (RUN_DIR/hf).
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
-from megarl.algo.advantages import compute_advantages
 from megarl.algo.kl import make_kl_controller
-from megarl.algo.losses import masked_mean
 from megarl.bridge.spec import BridgeSpec
-from megarl.data.balance import balance_across_ranks
 from megarl.data.batch import Batch
 from megarl.reward import take_counts
 from megarl.reward.model import RowScorer
 from megarl.reward.overlong import overlong_penalty
 from megarl.rollout.client.manager import SamplingSpec
-from megarl.trainer import checkpoints
+from megarl.trainer import checkpoints, phases, run_state
 from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
 from megarl.trainer.parity import check_parity, check_update_parity, engine_versions
 from megarl.trainer.rank_watch import RankWatch
+from megarl.trainer.step_metrics import average, rollout_metrics, timer
 
 
 class SyncTrainer:
@@ -105,73 +101,17 @@ class SyncTrainer:
 
     # ---------------------------------------------------------------- durability
     def save_checkpoint(self, step: int) -> None:
-        start = time.perf_counter()
-        partial = self.checkpointer.begin(step)
-        self.rt.actor.save_checkpoint(str(partial / "actor"))
-        if self.rt.critic is not None:
-            self.rt.critic.save_checkpoint(str(partial / "critic"))
-        state = {
-            "weight_version": self.weight_version,
-            "data": self._data_identity(),
-            "data_cursor": self.data_cursor,
-            "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None,
-            "driver_rng": checkpoints.driver_rng_state(),
-            "model_path": self.rt.model_path,
-        }
-        from megarl.config.loader import dump
-
-        self.last_checkpoint = self.checkpointer.commit(step, partial, state, dump(self.cfg))
-        self._carried["perf/checkpoint_save_s"] = time.perf_counter() - start
-        self.logger.note(f"saved checkpoint {self.last_checkpoint} ({self._carried['perf/checkpoint_save_s']:.1f} s)")
+        run_state.save(self, step)
 
     def restore(self, path, state: dict) -> None:
-        """Continue after the checkpoint at `path`: policy (and critic) with their optimizers and
-        RNG, the controller's RNG, the weight version; the engines get the checkpoint's weights."""
-        if state["data"] != self._data_identity():
-            raise checkpoints.ResumeRefused(
-                f"{path} was saved by a run whose data was {state['data']}, this run's is "
-                f"{self._data_identity()}: its batches would not continue where that run stopped. "
-                "Restore those data settings, or start a new run (trainer.experiment_name)"
-            )
-        start = time.perf_counter()
-        self.rt.actor.load_checkpoint(str(path / "actor"))
-        if self.rt.critic is not None:
-            if not (path / "critic").is_dir():
-                raise checkpoints.ResumeRefused(
-                    f"{path} holds no critic/ (saved by a run without "
-                    "critic.enabled); resume it with critic.enabled=false"
-                )
-            self.rt.critic.load_checkpoint(str(path / "critic"))
-        checkpoints.set_driver_rng_state(state["driver_rng"])
-        self.start_step, self.weight_version = int(state["step"]), int(state["weight_version"])
-        self.data_cursor = int(state.get("data_cursor", self.start_step))
-        if self.kl_ctrl is not None and state.get("kl_coef") is not None:
-            self.kl_ctrl.value = float(state["kl_coef"])
-        self.sync_weights()  # the engines still hold the initial model
-        self.logger.note(
-            f"resumed from {path} (step {self.start_step}, weight version "
-            f"{self.weight_version}) in {time.perf_counter() - start:.1f} s"
-        )
+        """Continue after the checkpoint at `path` (run_state.restore)."""
+        run_state.restore(self, path, state)
 
     def export_hf(self) -> None:
-        out = self.rt.run_dir / "hf"
-        info = self.rt.actor.export_hf(str(out), self.rt.model_path)
-        self.logger.note(
-            f"exported the policy as a Hugging Face model: {out} "
-            f"({info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB)"
-        )
+        run_state.export_hf(self)
 
     def _data_identity(self) -> dict:
-        from megarl.data.mix import data_mix_identity
-
-        d = self.cfg.data
-        return {
-            "prompts": len(self.rt.train_data),
-            "train_batch_size": d.train_batch_size,
-            "shuffle": d.shuffle,
-            "seed": d.seed,
-            **data_mix_identity(self.rt.train_data),
-        }
+        return run_state.data_identity(self)
 
     def rollout(self, step: int, prompts: Batch, timing: dict) -> tuple[Batch, dict]:
         """The step's scored rows and rollout stats (ReMax: with their greedy baselines)."""
@@ -183,91 +123,33 @@ class SyncTrainer:
 
     def train_step(self, step: int, prompts: Batch | None = None, generated: tuple | None = None) -> dict:
         """One step on `prompts`, or on rows an asynchronous loop generated already (`generated`:
-        rollout()'s answer; trainer/async_trainer.py)."""
-        cfg, timing = self.cfg, {}
+        rollout()'s answer; trainer/async_trainer.py). The phases, in order (phases.py)."""
+        timing: dict = {}
         t_step, restarts_before = time.perf_counter(), self.rt.fleet.restarts
         rows, rollout_stats = generated if generated is not None else self.rollout(step, prompts, timing)
-        if self.release:
-            with _timer(timing, "release"):
-                self.rt.fleet.release_memory(["weights", "kv_cache"])
-        if cfg.trainer.balance_batch and self.dp_size > 1:
-            rows = rows[balance_across_ranks(self._token_lengths(rows), self.dp_size)]
+        rows = phases.release_and_balance(self, rows, timing)
         # the rollout's log-probs as the old policy's (actor.old_log_prob=rollout) only where the
         # rows were sampled with the actor's current weights: not rows an async loop generated
         reuse = self.reuse_rollout_log_probs and generated is None
-        if reuse:  # checked against the update's first mini-batch instead (_update_parity)
-            rows["old_log_probs"] = rows["rollout_log_probs"].to(torch.float32)
-            parity = {}
-        else:
-            with _timer(timing, "old_log_prob"):
-                rows = rows.union(self.rt.actor.compute_log_prob(self._trainer_view(rows), cfg.rollout.temperature))
-            parity = self._check_parity(rows, step)
-        if cfg.ref.enabled:
-            with _timer(timing, "ref"):
-                rows = rows.union(self.rt.actor.compute_ref_log_prob(self._trainer_view(rows), cfg.rollout.temperature))
-        if self.rt.critic is not None:  # PPO: the value function's estimate at every response token
-            with _timer(timing, "values"):
-                rows = rows.union(self.rt.critic.compute_values(self._trainer_view(rows)))
-        with _timer(timing, "adv"):
-            a = cfg.algorithm
-            rewards, kl_metrics = self._rewards(rows)
-            rows["advantages"], rows["returns"] = compute_advantages(
-                a.adv_estimator,
-                rewards,
-                rows["response_mask"],
-                rows["uid"],
-                values=rows["values"] if "values" in rows else None,
-                baseline_scores=rows["baseline_scores"] if "baseline_scores" in rows else None,
-                gamma=a.gamma,
-                lam=a.lam,
-                norm_by_std=a.norm_adv_by_std,
-                eps=a.epsilon,
-            )
-        critic_metrics = []
-        if self.rt.critic is not None:
-            with _timer(timing, "critic_update"):
-                c = cfg.critic
-                critic_metrics = self.rt.critic.update_critic(
-                    self._trainer_view(rows, "values", "returns"),
-                    c.ppo_mini_batch_size,
-                    c.ppo_epochs,
-                    cfg.trainer.seed + step,
-                )
-        with _timer(timing, "update"):
-            keys = ["old_log_probs", "advantages", "rollout_log_probs"] + (["ref_log_probs"] if cfg.ref.enabled else [])
-            per_rank = self.rt.actor.update_actor(
-                self._trainer_view(rows, *keys),
-                cfg.actor.ppo_mini_batch_size,
-                cfg.actor.ppo_epochs,
-                cfg.rollout.temperature,
-                cfg.trainer.seed + step,
-                parity_atol=cfg.bridge.parity_atol if reuse else None,
-            )
+        rows, parity = phases.old_ref_values(self, rows, step, timing, reuse)
+        rows, kl_metrics = phases.advantages(self, rows, timing)
+        per_rank, critic_metrics = phases.update(self, rows, step, timing, reuse)
         if reuse:
             parity = self._update_parity(per_rank, step)
-        if self.release:
-            with _timer(timing, "resume"):
-                self.rt.fleet.resume_memory(["weights"])
-        self._before_sync(timing)
-        with _timer(timing, "sync"):
-            self.weight_version += 1
-            bridge_stats = self.sync_weights()
-        if self.release:
-            with _timer(timing, "resume_kv"):
-                self.rt.fleet.resume_memory(["kv_cache"])
+        bridge_stats = phases.sync(self, timing)
         timing["perf/step_s"] = time.perf_counter() - t_step
         if self.mfu is not None:
             timing.update(self.mfu.metrics(self._token_lengths(rows), timing))
         # engines restarted anywhere in the step: in generation, memory release/resume or the sync
         rollout_stats["rollout/engine_restarts"] = float(self.rt.fleet.restarts - restarts_before)
         return {
-            **self._rollout_metrics(rows),
+            **rollout_metrics(rows, self.cfg.reward.overlong_buffer.enable),
             **rollout_stats,
             **parity,
-            **_average(per_rank),
+            **average(per_rank),
             **timing,
             **kl_metrics,
-            **_average(critic_metrics or []),
+            **average(critic_metrics or []),
             **take_counts(),
             **self.scorer.take_metrics(),
             **{k: float(v) for k, v in bridge_stats.items() if k.startswith("bridge/")},
@@ -323,7 +205,7 @@ class SyncTrainer:
         def generate(k: int) -> Batch:
             batch = prompts if k == 0 else self._next_prompts()
             overlap = self.scorer.start_overlap(batch, self.cfg.rollout.n)  # None: reward.overlap off
-            with _timer(timing, "gen"), self._watching_ranks():
+            with timer(timing, "gen"), self._watching_ranks():
                 rows = self.rt.rollout.generate(
                     batch,
                     self._sampling(step, train=True, round_=k),
@@ -332,7 +214,7 @@ class SyncTrainer:
                 )
             for key, value in self.rt.rollout.last_stats.items():
                 stats[key] = stats.get(key, 0.0) + float(value)
-            with _timer(timing, "reward"):
+            with timer(timing, "reward"):
                 rows["raw_scores"] = overlap.collect(rows) if overlap else self._score(rows)
                 rows["scores"] = rows["raw_scores"] + self._overlong_penalty(rows)
             return rows
@@ -360,11 +242,11 @@ class SyncTrainer:
         greedy = replace(base, n=1, temperature=0.0, seed=base.seed and (self.cfg.trainer.seed, step, 2))
 
         def generate(prompts: Batch) -> Batch:
-            with _timer(timing, "gen_baseline"), self._watching_ranks():
+            with timer(timing, "gen_baseline"), self._watching_ranks():
                 return self.rt.rollout.generate(prompts, greedy, self._served_version())
 
         def score(out: Batch) -> torch.Tensor:
-            with _timer(timing, "reward"):
+            with timer(timing, "reward"):
                 return self._score(out) + self._overlong_penalty(out)
 
         return greedy_baselines(rows, generate, score)
@@ -450,28 +332,6 @@ class SyncTrainer:
             per_rank, step, self.cfg.bridge, self.weight_version, lambda: engine_versions(self.rt.fleet)
         )
 
-    def _rollout_metrics(self, rows: Batch) -> dict:
-        mask = rows["response_mask"]
-        lengths = mask.sum(-1)
-        out = {
-            "reward/mean": float(rows["scores"].mean()),
-            "reward/max": float(rows["scores"].max()),
-            "reward/min": float(rows["scores"].min()),
-            "response/length_mean": float(lengths.mean()),
-            "response/clip_ratio": float(np.mean(rows["finish_reason"] == "length")),
-        }
-        if "entropy" in rows:  # the old-log-prob pass's; else the update's first mini-batch's
-            out["rollout/entropy"] = float(masked_mean(rows["entropy"], mask))
-        if self.cfg.reward.overlong_buffer.enable:
-            out["reward/raw_mean"] = float(rows["raw_scores"].mean())
-            out["reward/overlong_penalized_frac"] = float((rows["scores"] < rows["raw_scores"]).float().mean())
-        if "advantages" in rows:  # over response tokens: all zero means no gradient from the PG loss
-            adv = rows["advantages"][mask.bool()]
-            out.update({"adv/mean": float(adv.mean()), "adv/max": float(adv.max()), "adv/min": float(adv.min())})
-        if "ref_log_probs" in rows:
-            out["actor/kl"] = float(masked_mean(rows["old_log_probs"] - rows["ref_log_probs"], mask))
-        return out
-
     def _bridge_spec(self) -> BridgeSpec:
         b = self.cfg.bridge
         return BridgeSpec(
@@ -484,29 +344,3 @@ class SyncTrainer:
             # this loop syncs only after generation finished: nothing to pause
             pause_generation=False,
         )
-
-
-class _timer:
-    def __init__(self, out: dict, name: str):
-        self.out, self.name = out, name
-
-    def __enter__(self):
-        self.t = time.perf_counter()
-
-    def __exit__(self, *exc):  # a phase run several times in a step (generation rounds) adds up
-        key = f"perf/{self.name}_s"
-        self.out[key] = self.out.get(key, 0.0) + time.perf_counter() - self.t
-
-
-def _average(dicts: list[dict]) -> dict:
-    dicts = [d for d in dicts if d]
-    keys = {k for d in dicts for k in d}
-    # perf/memory/*: the largest rank's (the one that decides whether a layout fits); the rest: means
-    return {
-        k: (
-            max(d[k] for d in dicts if k in d)
-            if k.startswith("perf/memory/")
-            else sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts)
-        )
-        for k in keys
-    }

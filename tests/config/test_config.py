@@ -417,6 +417,25 @@ def test_an_agent_loop_registered_by_user_code_is_declared_to_config(monkeypatch
     assert validate(cfg, TINY).rollout.agent_loop == "mine"
 
 
+def test_register_agent_loop_and_register_tool_declare_their_names(monkeypatch):
+    """The rollout registries' decorators declare the names, so a config naming a loop or tool
+    that user code registered validates (and the registries keep the test's entries to itself)."""
+    from megarl.config import agent_names
+    from megarl.rollout.agent import AGENT_LOOPS, TOOLS
+    from megarl.rollout.agent.base import SingleTurnLoop, register_agent_loop
+    from megarl.rollout.agent.tools import register_tool
+
+    monkeypatch.setattr(agent_names, "AGENT_LOOP_NAMES", set(agent_names.AGENT_LOOP_NAMES))
+    monkeypatch.setattr(agent_names, "TOOL_NAMES", set(agent_names.TOOL_NAMES))
+    try:
+        register_agent_loop("user_loop")(type("UserLoop", (SingleTurnLoop,), {}))
+        register_tool("user_tool")(lambda **kwargs: None)
+        cfg = load_config(QUICKSTART, ["rollout.agent_loop=user_loop", "rollout.agent.tools=[user_tool]"])
+        assert validate(cfg, TINY).rollout.agent_loop == "user_loop"
+    finally:
+        AGENT_LOOPS.pop("user_loop", None), TOOLS.pop("user_tool", None)
+
+
 def test_device_names_config_accepts_are_the_planners():
     """cluster.device_type's names (config/devices.py) are the planner's devices, each with its
     datasheet entry (perf/hardware.py, perf/peak.py)."""

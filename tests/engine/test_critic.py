@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._dist import free_port, run_ranks
+from megarl.procs.net import free_port
+from tests._dist import run_ranks
 
 ROWS = [  # (prompt tokens, response tokens)
     ([2, 10, 11, 12, 3], [13, 14, 1]),

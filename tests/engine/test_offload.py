@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._dist import free_port, run_ranks
+from megarl.procs.net import free_port
+from tests._dist import run_ranks
 from tests.engine.test_megatron_engine import make_rows
 
 

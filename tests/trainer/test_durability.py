@@ -292,20 +292,21 @@ def test_a_second_run_on_a_live_run_dir_is_refused_naming_the_first(tmp_path):
 
 def test_resume_from_a_path_that_is_no_checkpoint_fails_the_run_before_it_starts(tmp_path):
     """trainer.resume names a directory without a checkpoint: the run's own check (the first thing
-    a run does once it holds its run dir) refuses it, naming the directory, before anything is
-    started or written. Validation leaves trainer.resume to it: config knows no checkpoints."""
+    a run does once it holds its run dir) refuses it, naming the key, the directory and the fix,
+    before anything is started or written (the CLI reports ResumeRefused as a config error, exit
+    2). Validation leaves trainer.resume to it: config knows no checkpoints."""
     import io
 
     from megarl.config.loader import load_config
     from megarl.config.validate import validate
-    from megarl.trainer.checkpoints import CheckpointNotFound
+    from megarl.trainer.checkpoints import ResumeRefused
     from megarl.trainer.run import _train_locked
 
     missing = tmp_path / "nothing"
     cfg = validate(load_config(ROOT / "configs/quickstart.yaml", [f"trainer.resume={missing}"]))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    with pytest.raises(CheckpointNotFound, match=f"{missing} does not exist"):
+    with pytest.raises(ResumeRefused, match=f"trainer.resume={missing}: {missing} does not exist; name a complete"):
         _train_locked(cfg, run_dir, io.StringIO())
     assert list(run_dir.iterdir()) == []  # no config.yaml, no metrics: the run never began
 

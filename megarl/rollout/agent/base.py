@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from megarl.config.agent_names import declare_agent_loop
 from megarl.rollout.client.client import GenerateOutput, RolloutClient
 
 
@@ -166,6 +167,7 @@ def register_agent_loop(name: str):
         if name in AGENT_LOOPS:
             raise ValueError(f"an agent loop named {name!r} is already registered")
         AGENT_LOOPS[name] = cls
+        declare_agent_loop(name)  # rollout.agent_loop may now name it
         return cls
 
     return wrap

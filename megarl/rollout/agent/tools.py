@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import jsonschema
 
+from megarl.config.agent_names import declare_tool
 from megarl.rollout.agent.sandbox import SandboxLimits, run_python
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -103,6 +104,7 @@ def register_tool(name: str):
         if name in TOOLS:
             raise ValueError(f"a tool named {name!r} is already registered")
         TOOLS[name] = factory
+        declare_tool(name)  # rollout.agent.tools may now name it
         return factory
 
     return wrap

@@ -30,13 +30,6 @@ PROMPTS = [[2, 10, 11, 12, 13, 3], [2, 20, 21, 3], [2, 30, 31, 32, 33, 34, 35, 3
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def new_weights(reference):
     """A weight update: layer 1 and the head moved (the log-probs change visibly)."""
     generator = torch.Generator().manual_seed(3)
@@ -55,10 +48,8 @@ def updated_reference(reference, new_weights):
 
 
 @pytest.fixture()
-def engine(tiny_model_path):
-    engine = GenerationEngine(str(tiny_model_path), max_batch_size=4, seed=0)
-    yield engine
-    engine.close()
+def engine(make_engine):
+    return make_engine(max_batch_size=4)
 
 
 def request(rid, prompt, max_new, seed=None, temperature=1.0, on_token=None) -> GenerationRequest:

@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from megarl.rollout.fleet.router import API_KEY_ENV, RouterProcess
+from tests._http import ThreadedServer
 
 KEY = "per-run-test-key"
 
@@ -55,27 +56,16 @@ def stub_app(name: str, seen: list) -> FastAPI:
     return app
 
 
-class ThreadStub:
+class ThreadStub(ThreadedServer):
     """A stub worker served by uvicorn in a thread of the test process."""
 
     def __init__(self, name: str):
         self.name, self.seen = name, []
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(stub_app(name, self.seen), log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        super().__init__(stub_app(name, self.seen))
+        self.start()
 
     def generates(self) -> list[dict]:
         return [json.loads(r["body"]) for r in self.seen if r["path"] == "/generate"]
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=5)
 
 
 def serve_stub_process(name: str, port: int) -> None:

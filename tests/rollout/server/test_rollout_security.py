@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from megarl.procs.net import is_loopback
-from megarl.rollout.engine.generation import GenerationEngine
 from megarl.rollout.server.app import create_app, main
 from megarl.rollout.server.auth import resolve_api_key
 from megarl.wire.safe_unpickle import RefusedGlobal, safe_loads
@@ -23,20 +22,6 @@ from megarl.wire.weights_codec import serialize, serialize_flattened_bucket, ser
 torch.set_num_threads(1)
 PROMPT = [2, 10, 11, 12, 13, 3]
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    engine = GenerationEngine(str(tiny_model_path), max_batch_size=4, seed=0)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    from fastapi.testclient import TestClient
-
-    return TestClient(create_app(engine))
 
 
 # ---- weight payloads ----------------------------------------------------------------------------------

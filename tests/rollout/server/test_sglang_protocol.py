@@ -16,35 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.rollout.engine.generation import GenerationEngine
 from megarl.rollout.server.app import create_app
 from megarl.rollout.server.sglang_fields import GENERATE_FIELDS, OFF_ONLY, SAMPLING_FIELDS, defaults
+from tests._http import ThreadedServer
 
 torch.set_num_threads(1)
 TOL = 1e-4
 PROMPT = [2, 10, 11, 12, 13, 3]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    engine = GenerationEngine(str(tiny_model_path), max_batch_size=16, seed=0)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    from fastapi.testclient import TestClient
-
-    return TestClient(create_app(engine))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
 
 
 def generate(client, status=200, **body):
@@ -202,28 +181,18 @@ def test_stream_interval_sends_one_chunk_per_that_many_tokens(client):
 
 
 def test_a_client_that_disconnects_mid_stream_aborts_its_request(engine):
-    import uvicorn
-
-    from megarl.procs.net import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        _wait_for(lambda: server.started)
-        finished_before = engine.stats["requests_finished"]
-        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}, "stream": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/generate", json=body, timeout=30) as response:
-            first = next(response.iter_lines())
-            assert first.startswith("data: {")
-            engine.pause("in_place")  # nothing more is sent: only the disconnect poll can notice
-        _wait_for(lambda: engine.pending() == 0)  # aborted while paused: no forward step ran since
-        assert engine.stats["requests_finished"] == finished_before + 1
-    finally:
-        engine.resume_generation()
-        server.should_exit = True
-        thread.join(timeout=10)
+    with ThreadedServer(create_app(engine)) as server:
+        try:
+            finished_before = engine.stats["requests_finished"]
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}, "stream": True}
+            with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=30) as response:
+                first = next(response.iter_lines())
+                assert first.startswith("data: {")
+                engine.pause("in_place")  # nothing more is sent: only the disconnect poll can notice
+            _wait_for(lambda: engine.pending() == 0)  # aborted while paused: no forward step ran since
+            assert engine.stats["requests_finished"] == finished_before + 1
+        finally:
+            engine.resume_generation()
 
 
 # ---- log-prob extras --------------------------------------------------------------------------------

@@ -1,0 +1,119 @@
+"""The phases of one RL step, each a short function of the loop and the step's rows.
+
+    rows = generate + score            (SyncTrainer.rollout, or an async loop's rollout source)
+    rows = release_and_balance(rows)   colocated engines free their memory; rows balanced over DP
+    rows = old_ref_values(rows)        old log-probs (or the rollout's), reference log-probs, values
+    rows = advantages(rows)            the estimator, with the KL penalty in the reward when enabled
+    update(rows)                       critic, then actor (Megatron, distributed optimizer)
+    sync()                             engines get their memory back and the new weights
+
+`loop` is the SyncTrainer (or a subclass) that owns the runtime, the config and the weight
+version; every phase records its seconds in `timing` under perf/<phase>_s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from megarl.algo.advantages import compute_advantages
+from megarl.data.balance import balance_across_ranks
+from megarl.data.batch import Batch
+from megarl.trainer.step_metrics import timer
+
+if TYPE_CHECKING:
+    from megarl.trainer.sync_trainer import SyncTrainer
+
+
+def release_and_balance(loop: SyncTrainer, rows: Batch, timing: dict) -> Batch:
+    """Colocated engines release weights and KV cache for the training phases; the rows are
+    reordered so every data-parallel rank gets a similar number of tokens."""
+    if loop.release:
+        with timer(timing, "release"):
+            loop.rt.fleet.release_memory(["weights", "kv_cache"])
+    if loop.cfg.trainer.balance_batch and loop.dp_size > 1:
+        rows = rows[balance_across_ranks(loop._token_lengths(rows), loop.dp_size)]
+    return rows
+
+
+def old_ref_values(loop: SyncTrainer, rows: Batch, step: int, timing: dict, reuse: bool) -> tuple[Batch, dict]:
+    """The old policy's log-probs (the rollout's when `reuse`, checked later against the update's
+    first mini-batch; else the actor's, checked against the rollout's now), the reference's and the
+    critic's values. Returns the rows and the parity metrics."""
+    cfg = loop.cfg
+    if reuse:
+        rows["old_log_probs"] = rows["rollout_log_probs"].to(torch.float32)
+        parity = {}
+    else:
+        with timer(timing, "old_log_prob"):
+            rows = rows.union(loop.rt.actor.compute_log_prob(loop._trainer_view(rows), cfg.rollout.temperature))
+        parity = loop._check_parity(rows, step)
+    if cfg.ref.enabled:
+        with timer(timing, "ref"):
+            rows = rows.union(loop.rt.actor.compute_ref_log_prob(loop._trainer_view(rows), cfg.rollout.temperature))
+    if loop.rt.critic is not None:  # PPO: the value function's estimate at every response token
+        with timer(timing, "values"):
+            rows = rows.union(loop.rt.critic.compute_values(loop._trainer_view(rows)))
+    return rows, parity
+
+
+def advantages(loop: SyncTrainer, rows: Batch, timing: dict) -> tuple[Batch, dict]:
+    """rows["advantages"] and rows["returns"] from the configured estimator; the KL-in-reward metrics."""
+    with timer(timing, "adv"):
+        a = loop.cfg.algorithm
+        rewards, kl_metrics = loop._rewards(rows)
+        rows["advantages"], rows["returns"] = compute_advantages(
+            a.adv_estimator,
+            rewards,
+            rows["response_mask"],
+            rows["uid"],
+            values=rows["values"] if "values" in rows else None,
+            baseline_scores=rows["baseline_scores"] if "baseline_scores" in rows else None,
+            gamma=a.gamma,
+            lam=a.lam,
+            norm_by_std=a.norm_adv_by_std,
+            eps=a.epsilon,
+        )
+    return rows, kl_metrics
+
+
+def update(loop: SyncTrainer, rows: Batch, step: int, timing: dict, reuse: bool) -> tuple[list[dict], list[dict]]:
+    """The critic's update (PPO), then the actor's; returns their per-rank metrics."""
+    cfg, critic_metrics = loop.cfg, []
+    if loop.rt.critic is not None:
+        with timer(timing, "critic_update"):
+            c = cfg.critic
+            critic_metrics = loop.rt.critic.update_critic(
+                loop._trainer_view(rows, "values", "returns"),
+                c.ppo_mini_batch_size,
+                c.ppo_epochs,
+                cfg.trainer.seed + step,
+            )
+    with timer(timing, "update"):
+        keys = ["old_log_probs", "advantages", "rollout_log_probs"] + (["ref_log_probs"] if cfg.ref.enabled else [])
+        per_rank = loop.rt.actor.update_actor(
+            loop._trainer_view(rows, *keys),
+            cfg.actor.ppo_mini_batch_size,
+            cfg.actor.ppo_epochs,
+            cfg.rollout.temperature,
+            cfg.trainer.seed + step,
+            parity_atol=cfg.bridge.parity_atol if reuse else None,
+        )
+    return per_rank, critic_metrics
+
+
+def sync(loop: SyncTrainer, timing: dict) -> dict:
+    """Engines re-allocate their weights, get the new version through the bridge, then re-allocate
+    their KV cache; returns the bridge's stats."""
+    if loop.release:
+        with timer(timing, "resume"):
+            loop.rt.fleet.resume_memory(["weights"])
+    loop._before_sync(timing)
+    with timer(timing, "sync"):
+        loop.weight_version += 1
+        bridge_stats = loop.sync_weights()
+    if loop.release:
+        with timer(timing, "resume_kv"):
+            loop.rt.fleet.resume_memory(["kv_cache"])
+    return bridge_stats

@@ -1,0 +1,90 @@
+"""A run's durable state: saving it to a checkpoint, continuing from one, exporting the policy.
+
+The checkpoint holds the actor (and critic) with their optimizers and RNG, the step, the weight
+version, the data position, the adaptive KL coefficient and the controller's RNG; a resumed run
+loads them, pushes the weights to the engines and continues with the next step's batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from megarl.config.loader import dump
+from megarl.data.mix import data_mix_identity
+from megarl.trainer.checkpoints import ResumeRefused, driver_rng_state, set_driver_rng_state
+
+if TYPE_CHECKING:
+    from megarl.trainer.sync_trainer import SyncTrainer
+
+
+def save(loop: SyncTrainer, step: int) -> None:
+    """A checkpoint of the run: actor (and critic) with optimizers, the step, weight version, data
+    position, adaptive KL coefficient and the controller's RNG (RunCheckpointer)."""
+    start = time.perf_counter()
+    partial = loop.checkpointer.begin(step)
+    loop.rt.actor.save_checkpoint(str(partial / "actor"))
+    if loop.rt.critic is not None:
+        loop.rt.critic.save_checkpoint(str(partial / "critic"))
+    state = {
+        "weight_version": loop.weight_version,
+        "data": data_identity(loop),
+        "data_cursor": loop.data_cursor,
+        "kl_coef": loop.kl_ctrl.value if loop.kl_ctrl is not None else None,
+        "driver_rng": driver_rng_state(),
+        "model_path": loop.rt.model_path,
+    }
+    loop.last_checkpoint = loop.checkpointer.commit(step, partial, state, dump(loop.cfg))
+    loop._carried["perf/checkpoint_save_s"] = time.perf_counter() - start
+    loop.logger.note(f"saved checkpoint {loop.last_checkpoint} ({loop._carried['perf/checkpoint_save_s']:.1f} s)")
+
+
+def restore(loop: SyncTrainer, path, state: dict) -> None:
+    """Continue after the checkpoint at `path`: policy (and critic) with their optimizers and
+    RNG, the controller's RNG, the weight version; the engines get the checkpoint's weights."""
+    if state["data"] != data_identity(loop):
+        raise ResumeRefused(
+            f"{path} was saved by a run whose data was {state['data']}, this run's is "
+            f"{data_identity(loop)}: its batches would not continue where that run stopped. "
+            "Restore those data settings, or start a new run (trainer.experiment_name)"
+        )
+    start = time.perf_counter()
+    loop.rt.actor.load_checkpoint(str(path / "actor"))
+    if loop.rt.critic is not None:
+        if not (path / "critic").is_dir():
+            raise ResumeRefused(
+                f"{path} holds no critic/ (saved by a run without critic.enabled); resume it with critic.enabled=false"
+            )
+        loop.rt.critic.load_checkpoint(str(path / "critic"))
+    set_driver_rng_state(state["driver_rng"])
+    loop.start_step, loop.weight_version = int(state["step"]), int(state["weight_version"])
+    loop.data_cursor = int(state.get("data_cursor", loop.start_step))
+    if loop.kl_ctrl is not None and state.get("kl_coef") is not None:
+        loop.kl_ctrl.value = float(state["kl_coef"])
+    loop.sync_weights()  # the engines still hold the initial model
+    loop.logger.note(
+        f"resumed from {path} (step {loop.start_step}, weight version "
+        f"{loop.weight_version}) in {time.perf_counter() - start:.1f} s"
+    )
+
+
+def export_hf(loop: SyncTrainer) -> None:
+    """The policy as a Hugging Face folder, RUN_DIR/hf."""
+    out = loop.rt.run_dir / "hf"
+    info = loop.rt.actor.export_hf(str(out), loop.rt.model_path)
+    loop.logger.note(
+        f"exported the policy as a Hugging Face model: {out} "
+        f"({info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB)"
+    )
+
+
+def data_identity(loop: SyncTrainer) -> dict:
+    """What a resumed run's data must equal for its batches to continue where the saved run's stopped."""
+    d = loop.cfg.data
+    return {
+        "prompts": len(loop.rt.train_data),
+        "train_batch_size": d.train_batch_size,
+        "shuffle": d.shuffle,
+        "seed": d.seed,
+        **data_mix_identity(loop.rt.train_data),
+    }
