@@ -7,13 +7,13 @@
     update(rows)                       critic, then actor (Megatron, distributed optimizer)
     sync()                             engines get their memory back and the new weights
 
-`loop` is the SyncTrainer (or a subclass) that owns the runtime, the config and the weight
+`loop` (a StepLoop: the SyncTrainer or an async loop) that owns the runtime, the config and the weight
 version; every phase records its seconds in `timing` under perf/<phase>_s.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -23,10 +23,28 @@ from megarl.data.batch import Batch
 from megarl.trainer.step_metrics import timer
 
 if TYPE_CHECKING:
-    from megarl.trainer.sync_trainer import SyncTrainer
+    from megarl.config.schema import RunConfig
+    from megarl.trainer.runtime import Runtime
 
 
-def release_and_balance(loop: SyncTrainer, rows: Batch, timing: dict) -> Batch:
+class StepLoop(Protocol):
+    """What the phases use of the loop that runs them (SyncTrainer and the async loops)."""
+
+    rt: Runtime
+    cfg: RunConfig
+    release: bool  # colocated engines release their memory for the training phases
+    dp_size: int
+    weight_version: int
+
+    def sync_weights(self) -> dict: ...
+    def _token_lengths(self, rows: Batch) -> list[int]: ...
+    def _trainer_view(self, rows: Batch, *extra: str) -> Batch: ...
+    def _check_parity(self, rows: Batch, step: int) -> dict: ...
+    def _rewards(self, rows: Batch) -> tuple[torch.Tensor, dict]: ...
+    def _before_sync(self, timing: dict) -> None: ...
+
+
+def release_and_balance(loop: StepLoop, rows: Batch, timing: dict) -> Batch:
     """Colocated engines release weights and KV cache for the training phases; the rows are
     reordered so every data-parallel rank gets a similar number of tokens."""
     if loop.release:
@@ -37,7 +55,7 @@ def release_and_balance(loop: SyncTrainer, rows: Batch, timing: dict) -> Batch:
     return rows
 
 
-def old_ref_values(loop: SyncTrainer, rows: Batch, step: int, timing: dict, reuse: bool) -> tuple[Batch, dict]:
+def old_ref_values(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: bool) -> tuple[Batch, dict]:
     """The old policy's log-probs (the rollout's when `reuse`, checked later against the update's
     first mini-batch; else the actor's, checked against the rollout's now), the reference's and the
     critic's values. Returns the rows and the parity metrics."""
@@ -58,7 +76,7 @@ def old_ref_values(loop: SyncTrainer, rows: Batch, step: int, timing: dict, reus
     return rows, parity
 
 
-def advantages(loop: SyncTrainer, rows: Batch, timing: dict) -> tuple[Batch, dict]:
+def advantages(loop: StepLoop, rows: Batch, timing: dict) -> tuple[Batch, dict]:
     """rows["advantages"] and rows["returns"] from the configured estimator; the KL-in-reward metrics."""
     with timer(timing, "adv"):
         a = loop.cfg.algorithm
@@ -78,7 +96,7 @@ def advantages(loop: SyncTrainer, rows: Batch, timing: dict) -> tuple[Batch, dic
     return rows, kl_metrics
 
 
-def update(loop: SyncTrainer, rows: Batch, step: int, timing: dict, reuse: bool) -> tuple[list[dict], list[dict]]:
+def update(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: bool) -> tuple[list[dict], list[dict]]:
     """The critic's update (PPO), then the actor's; returns their per-rank metrics."""
     cfg, critic_metrics = loop.cfg, []
     if loop.rt.critic is not None:
@@ -103,7 +121,7 @@ def update(loop: SyncTrainer, rows: Batch, step: int, timing: dict, reuse: bool)
     return per_rank, critic_metrics
 
 
-def sync(loop: SyncTrainer, timing: dict) -> dict:
+def sync(loop: StepLoop, timing: dict) -> dict:
     """Engines re-allocate their weights, get the new version through the bridge, then re-allocate
     their KV cache; returns the bridge's stats."""
     if loop.release:

@@ -8,17 +8,37 @@ loads them, pushes the weights to the engines and continues with the next step's
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megarl.config.loader import dump
 from megarl.data.mix import data_mix_identity
 from megarl.trainer.checkpoints import ResumeRefused, driver_rng_state, set_driver_rng_state
 
 if TYPE_CHECKING:
-    from megarl.trainer.sync_trainer import SyncTrainer
+    from megarl.config.schema import RunConfig
+    from megarl.trainer.checkpoints import RunCheckpointer
+    from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.runtime import Runtime
 
 
-def save(loop: SyncTrainer, step: int) -> None:
+class DurableLoop(Protocol):
+    """What a checkpoint saves of the loop and restores into it."""
+
+    rt: Runtime
+    cfg: RunConfig
+    logger: MetricsLogger
+    checkpointer: RunCheckpointer
+    start_step: int
+    weight_version: int
+    data_cursor: int
+    kl_ctrl: Any  # the adaptive KL controller (algo/kl.py), None without KL in the reward
+    last_checkpoint: Any
+    _carried: dict[str, float]
+
+    def sync_weights(self) -> dict: ...
+
+
+def save(loop: DurableLoop, step: int) -> None:
     """A checkpoint of the run: actor (and critic) with optimizers, the step, weight version, data
     position, adaptive KL coefficient and the controller's RNG (RunCheckpointer)."""
     start = time.perf_counter()
@@ -39,7 +59,7 @@ def save(loop: SyncTrainer, step: int) -> None:
     loop.logger.note(f"saved checkpoint {loop.last_checkpoint} ({loop._carried['perf/checkpoint_save_s']:.1f} s)")
 
 
-def restore(loop: SyncTrainer, path, state: dict) -> None:
+def restore(loop: DurableLoop, path, state: dict) -> None:
     """Continue after the checkpoint at `path`: policy (and critic) with their optimizers and
     RNG, the controller's RNG, the weight version; the engines get the checkpoint's weights."""
     if state["data"] != data_identity(loop):
@@ -68,7 +88,7 @@ def restore(loop: SyncTrainer, path, state: dict) -> None:
     )
 
 
-def export_hf(loop: SyncTrainer) -> None:
+def export_hf(loop: DurableLoop) -> None:
     """The policy as a Hugging Face folder, RUN_DIR/hf."""
     out = loop.rt.run_dir / "hf"
     info = loop.rt.actor.export_hf(str(out), loop.rt.model_path)
@@ -78,7 +98,7 @@ def export_hf(loop: SyncTrainer) -> None:
     )
 
 
-def data_identity(loop: SyncTrainer) -> dict:
+def data_identity(loop: DurableLoop) -> dict:
     """What a resumed run's data must equal for its batches to continue where the saved run's stopped."""
     d = loop.cfg.data
     return {

@@ -1,0 +1,151 @@
+"""RolloutClient's weight-update and memory calls, SGLang's endpoints one method each: tensor
+payloads, disk, update groups (distributed broadcast and megarl's reshard), the commit and abort
+of staged updates, and releasing / resuming the engine's memory.
+
+A mixin: the transport (`_run`, `_control`, `_json`, retries) is RolloutClient's (client.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WeightCalls:
+    """Every call here answers SGLang's {"success", "message"} (success false raises
+    RolloutRequestError); the update-group calls are sent once, never retried."""
+
+    def _run(self, coro) -> Any:  # RolloutClient's event-loop bridge
+        raise NotImplementedError
+
+    async def _control(self, path: str, payload: dict | None = None, retry: bool = True) -> dict:
+        raise NotImplementedError
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str] | str,
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        defer: bool = False,
+    ) -> dict:
+        """`serialized_named_tensors`: one weights_codec payload per TP rank of the server. Keep the
+        tensors behind it alive until this returns. `defer` (megarl's engine only): stage the
+        tensors for `weight_version` until /commit_weight_update."""
+        payloads = [serialized_named_tensors] if isinstance(serialized_named_tensors, str) else serialized_named_tensors
+        return self._run(
+            self._control(
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": payloads,
+                    "load_format": load_format,
+                    "flush_cache": flush_cache,
+                    "weight_version": weight_version,
+                    "abort_all_requests": abort_all_requests,
+                    **({"defer": True} if defer else {}),
+                },
+            )
+        )
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict:
+        return self._run(
+            self._control(
+                "/update_weights_from_disk",
+                {
+                    "model_path": model_path,
+                    "weight_version": weight_version,
+                    "flush_cache": flush_cache,
+                    "abort_all_requests": abort_all_requests,
+                },
+            )
+        )
+
+    # The group calls below are sent once, never retried: the server matches each one with the
+    # senders' collectives, and a re-sent request would wait for collectives nobody repeats.
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str | None = None,
+    ) -> dict:
+        """Returns once every engine rank has joined (the caller's own ranks must join meanwhile, from
+        another thread or process). backend None: the server's default (gloo on CPU, nccl on CUDA)."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+        }
+        if backend is not None:
+            body["backend"] = backend
+        return self._run(self._control("/init_weights_update_group", body, retry=False))
+
+    def destroy_weights_update_group(self, group_name: str) -> dict:
+        return self._run(self._control("/destroy_weights_update_group", {"group_name": group_name}))
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        *,
+        load_format: str | None = "flattened_bucket",
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+        defer: bool = False,
+    ) -> dict:
+        """Returns once the server has received the broadcast(s) from group rank 0 (the caller sends
+        them meanwhile) and written or, with `defer`, staged them."""
+        return self._run(
+            self._control(
+                "/update_weights_from_distributed",
+                {
+                    "names": names,
+                    "dtypes": dtypes,
+                    "shapes": shapes,
+                    "group_name": group_name,
+                    "load_format": load_format,
+                    "flush_cache": flush_cache,
+                    "weight_version": weight_version,
+                    **({"defer": True} if defer else {}),
+                },
+                retry=False,
+            )
+        )  # SGLang refuses fields it does not know
+
+    def update_weights_from_reshard(
+        self, group_name: str, ranks: list[list[dict]], *, weight_version: str, defer: bool = True
+    ) -> dict:
+        """`ranks[r]`: the messages engine rank r receives ({src, tag, nbytes, entries})."""
+        return self._run(
+            self._control(
+                "/update_weights_from_reshard",
+                {"group_name": group_name, "ranks": ranks, "weight_version": weight_version, "defer": defer},
+                retry=False,
+            )
+        )
+
+    def commit_weight_update(self, weight_version: str) -> dict:
+        return self._run(self._control("/commit_weight_update", {"weight_version": weight_version}))
+
+    def abort_weight_update(self) -> dict:
+        return self._run(self._control("/abort_weight_update", {}))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._run(self._control("/release_memory_occupation", {"tags": tags}))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._run(self._control("/resume_memory_occupation", {"tags": tags}))
