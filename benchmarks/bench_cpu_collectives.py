@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_cpu_collectives.py [--ranks 2] [--iters 300] [--json out.json]
     .venv/bin/python benchmarks/bench_cpu_collectives.py --smoke    # 10 calls, 1 block per side
 
-Two (or --ranks) processes on this machine; each op runs --iters times back to back through
+Two (or --ranks) processes on this host; each op runs --iters times back to back through
 shared memory and through gloo's own function (the original the module wraps), alternating in
 blocks so both see the same minute of machine noise; the median of --blocks (5) blocks per side is printed
 in microseconds per call, with gloo / shared memory. Before timing, every op's result through shared

@@ -8,7 +8,7 @@ Each measurement prefills `rows` left-padded prompts (half the rows padded by ha
 continuous batching lays rows out), then times `--steps` decode steps (median), once as is and
 once with a row leaving the batch after every step (`batch_select_indices`, the scheduler's
 `keep_unfinished`), the engine's pattern on a long-tail workload. The two caches alternate
-within each repeat (this machine's speed drifts between minutes), and the logits of the two are
+within each repeat (this host's speed drifts between minutes), and the logits of the two are
 checked to be equal (the exit status is 1 when they are not).
 
 --smoke: one shape (4 rows x 8), 6 decode steps, one repeat: checks the script and the cache.

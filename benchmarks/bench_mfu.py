@@ -15,7 +15,7 @@ Achieved FLOP/s = model FLOPs (megarl.perf.flops: train_flops / forward_flops ov
 counts; model FLOPs, so the backward is 2x the forward and nothing is credited for overheads) /
 step time. MFU = that / the device's peak (megarl.perf.peak.device_peak_flops):
 
-- CPU (fp32): this machine's own GEMM throughput at `--threads` threads, measured once and cached
+- CPU (fp32): this host's own GEMM throughput at `--threads` threads, measured once and cached
   (the larger of the threaded best and threads x the single-thread best; printed with its parts).
 - CUDA (bf16, one GPU, nccl): the datasheet table's dense bf16 peak for the GPU's name. The same
   command; `--rows` defaults to 32 there. Written but not yet run on a GPU.

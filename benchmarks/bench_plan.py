@@ -1,4 +1,4 @@
-"""The planner against what was measured: published RL runs, and two quickstart layouts on this machine.
+"""The planner against what was measured: published RL runs, and two quickstart layouts on this host.
 
     .venv/bin/python benchmarks/bench_plan.py [--calibration] [--cpu] [--steps 12] [--repeats 3]
 

@@ -35,8 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "plan":
             p.add_argument(
                 "--devices",
-                help="COUNTxTYPE, e.g. 256xH100 (default: the config's pools on "
-                "cluster.device_type, or on this machine)",
+                help="COUNTxTYPE, e.g. 256xH100 (default: the config's pools on cluster.device_type, or on this host)",
             )
             p.add_argument(
                 "--response-len",
@@ -128,7 +127,7 @@ def _missing_weights(cfg) -> str | None:
 
 
 def _backend_unavailable(cfg) -> str | None:
-    """Real SGLang needs CUDA and the sglang package on this machine (checked before starting)."""
+    """Real SGLang needs CUDA and the sglang package on this host (checked before starting)."""
     if cfg.rollout.backend != "sglang":
         return None
     from megarl.rollout.fleet.sglang_launch import sglang_unavailable_reason

@@ -37,5 +37,5 @@ def check_device_type(cfg: RunConfig) -> None:
         kind is None or canonical_device(kind) is not None,
         "cluster.device_type",
         f"cluster.device_type={kind!r} is not a device the planner knows; use one of "
-        f"{', '.join(known_device_types())} (or null: this machine's)",
+        f"{', '.join(known_device_types())} (or null: this host's)",
     )

@@ -235,7 +235,7 @@ def local_cpu_only(cfg: RunConfig) -> bool:
     host memory, so colocated engines have no device memory to give the trainer back while it
     runs, and releasing and resuming it would cost three round trips a step for nothing (~22 ms
     of the CPU quickstart's ~0.4 s step, benchmarks/profile_step.py). A cluster joined by address
-    may have GPUs this machine does not see: there the release stays on."""
+    may have GPUs this host does not see: there the release stays on."""
     import torch
 
     return cfg.cluster.address is None and not torch.cuda.is_available()

@@ -13,7 +13,7 @@ its stated efficiencies to them (megarl/perf/steptime.py), never assumes the dat
 - A100 80GB SXM: 81,920 MiB HBM2e, 2.04 TB/s; NVLink 3 600 GB/s bidirectional; PCIe Gen4 32 GB/s;
   200 Gb/s HDR per GPU (25 GB/s).
 - CPU: a megarl "device" on a machine without CUDA is one rank's share of the host: memory is
-  the host's RAM over the devices of the node, FLOP/s this machine's measured GEMM throughput
+  the host's RAM over the devices of the node, FLOP/s this host's measured GEMM throughput
   (megarl/perf/peak.py), "links" are shared memory (a memcpy's bandwidth, stated below).
 """
 
@@ -81,7 +81,7 @@ CPU_COPY_BW = 5 * GB
 
 
 def cpu_device(devices_on_node: int, host_memory: float | None = None, peak: float | None = None) -> Device:
-    """One rank's share of this machine (memory of the whole host over `devices_on_node`)."""
+    """One rank's share of this host (memory of the whole host over `devices_on_node`)."""
     if host_memory is None:
         host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if peak is None:
@@ -103,7 +103,7 @@ def cpu_device(devices_on_node: int, host_memory: float | None = None, peak: flo
 
 
 def parse_devices(spec: str, devices_on_node: int | None = None) -> tuple[int, Device]:
-    """'256xH100' -> (256, H100). 'CPU' alone or '2xCPU' -> this machine's share per device."""
+    """'256xH100' -> (256, H100). 'CPU' alone or '2xCPU' -> this host's share per device."""
     m = re.fullmatch(r"\s*(?:(\d+)\s*[xX*]\s*)?([A-Za-z0-9 _-]+?)\s*", spec or "")
     if not m:
         raise ValueError(f"--devices {spec!r}: expected COUNTxTYPE, e.g. 256xH100 or 8xH200")

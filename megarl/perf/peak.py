@@ -2,10 +2,10 @@
 
 GPUs: vendor datasheet numbers (dense, i.e. without 2:4 structured sparsity, which datasheets
 mark with an asterisk and which doubles the figure). CPU: there is no meaningful datasheet peak
-for "whatever this machine is", so it is this machine's own GEMM throughput, measured once by a
+for "whatever this host is", so it is this host's own GEMM throughput, measured once by a
 short microbenchmark (square matmuls, best of several) and cached per (CPU model, torch thread
 count, torch version, dtype) in $MEGARL_CACHE_DIR/cpu_peak.json (default ~/.cache/megarl). An MFU
-on CPU is then the fraction of what torch's own matmul reaches on this machine.
+on CPU is then the fraction of what torch's own matmul reaches on this host.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _best_gemm(mats, seconds: float) -> float:
 
 
 def measure_cpu_gemm_flops(dtype: str = "fp32") -> dict:
-    """This machine's GEMM peak: {"flops", "threaded_flops", "single_thread_flops", "threads",
+    """This host's GEMM peak: {"flops", "threaded_flops", "single_thread_flops", "threads",
     "benchmark_s"} (see CPU_SIZES for the method)."""
     import torch
 
@@ -177,7 +177,7 @@ def measure_cpu_gemm_flops(dtype: str = "fp32") -> dict:
 
 
 def cpu_peak_flops(dtype="fp32", cache_dir: str | os.PathLike | None = None) -> float:
-    """This machine's GEMM FLOP/s in fp32 (or bf16), measured on the first call and cached."""
+    """This host's GEMM FLOP/s in fp32 (or bf16), measured on the first call and cached."""
     dt = normalize_dtype(dtype)
     if dt not in ("fp32", "bf16"):
         raise ValueError(f"CPU peak is measured for fp32 or bf16 matmuls, not {dt}")
@@ -196,7 +196,7 @@ def cpu_peak_flops(dtype="fp32", cache_dir: str | os.PathLike | None = None) -> 
 
 
 def cpu_peak_record(dtype="fp32", cache_dir: str | os.PathLike | None = None) -> dict:
-    """How this machine's cached CPU peak was measured (threaded / single-thread FLOP/s, threads,
+    """How this host's cached CPU peak was measured (threaded / single-thread FLOP/s, threads,
     benchmark time, sizes, when); {} until cpu_peak_flops has measured it."""
     return _read_cache(_cache_path(cache_dir)).get(cpu_cache_key(normalize_dtype(dtype)), {})
 

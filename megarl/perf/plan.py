@@ -304,8 +304,8 @@ def update_mfu(cfg, plan: Plan) -> float:
 
 
 def run_device(cfg) -> tuple[Device | None, str | None]:
-    """The device a run's pools are made of: cluster.device_type, else this machine's first CUDA
-    device, else this machine's CPU share; (None, why) when it cannot be known from here."""
+    """The device a run's pools are made of: cluster.device_type, else this host's first CUDA
+    device, else this host's CPU share; (None, why) when it cannot be known from here."""
     from megarl.perf.hardware import GPUS, canonical_device, cpu_device
 
     kind = cfg.cluster.device_type

@@ -53,7 +53,7 @@ class Efficiency:
 
 GPU_EFFICIENCY = Efficiency()
 # CPU: the quickstart's tiny model is all fixed costs; these come from timing the quickstart's
-# default layout on this 2-core machine (benchmarks/bench_plan.py, RESULTS.md "Planner on CPU")
+# default layout on a 2-core host (benchmarks/bench_plan.py, RESULTS.md "Planner on CPU")
 CPU_EFFICIENCY = Efficiency(
     gemm=0.5,
     prefill=0.3,

@@ -2,7 +2,7 @@
 
 FLOPs come from the HF config (megarl/perf/flops.py) over the rows' real token counts (packed
 sequences: no padding FLOPs); the peak per device from megarl/perf/peak.py (a GPU's datasheet
-number for the training dtype; on CPU this machine's own fp32 GEMM throughput at the ranks' one
+number for the training dtype; on CPU this host's own fp32 GEMM throughput at the ranks' one
 thread each, measured once on actor rank 0 and cached). Model FLOPs, not hardware FLOPs:
 recompute, padding and MoE imbalance earn nothing (MFU as PaLM defines it and Megatron and verl
 report it): actor.recompute does not change the FLOPs counted here (train_flops' recompute stays

@@ -1,7 +1,7 @@
 """Weight bridge: after a sync the engines score tokens exactly as the trainer does, for every
 transport and trainer layout; a failed sync leaves the engines on their previous weights.
 
-Parity tolerance: 1e-4 absolute on fp32 log-probs (the issue's bound; observed ~1e-6). Before each
+Parity tolerance: 1e-4 absolute on fp32 log-probs (the required bound; observed ~1e-6). Before each
 sync the trainer takes an optimizer step (lr 1e-3), which moves the log-probs by far more than the
 tolerance, so a sync that delivered nothing (or stale weights) fails the check.
 

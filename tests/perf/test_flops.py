@@ -211,7 +211,7 @@ def test_cpu_peak_measured_once_and_cached(tmp_path, monkeypatch):
     assert entry["threads"] == threads
 
     def no_measure(*_):
-        raise AssertionError("re-measured although the cache holds this machine's peak")
+        raise AssertionError("re-measured although the cache holds this host's peak")
 
     monkeypatch.setattr(peak, "measure_cpu_gemm_flops", no_measure)
     assert peak.device_peak_flops("cpu", "float32") == first

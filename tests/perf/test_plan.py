@@ -179,7 +179,7 @@ def test_train_refuses_before_starting_anything(capsys, tmp_path, monkeypatch):
     from megarl.cli import main
 
     # a model dir with "weights" (an empty file: the weights check only looks for one) so the
-    # memory check is what refuses; the embedded backend so this machine's missing SGLang is not
+    # memory check is what refuses; the embedded backend so this host's missing SGLang is not
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text((ROOT / "configs/models/qwen3-30b-a3b/config.json").read_text())

@@ -4,7 +4,7 @@ Whatever dies, nothing the run started may keep running (and holding ports, memo
 the driver's SIGKILL runs no cleanup, so its children die by parent-death signals
 (megarl/procs/lifeline.py, Ray's own for gcs_server and raylet) and a Reaper
 (megarl/procs/reaper.py) for Ray's agents. A dead trainer rank stops the run at once with one
-line naming it (tests/trainer/test_durability.py). The time limits are the issue's: 30 s to a clean machine, 60 s to a stopped run.
+line naming it (tests/trainer/test_durability.py). The time limits: 30 s to a clean host, 60 s to a stopped run.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def runs(tmp_path_factory):
     tree = _tree(proc.pid)
     os.kill(rank1.pid, signal.SIGKILL)
     killed = time.monotonic()
-    out, _ = proc.communicate(timeout=60)  # the bound: the run stops within 60 s
+    out, _ = proc.communicate(timeout=60)  # the required bound: the run stops within 60 s
     rank_stop = {
         "returncode": proc.returncode,
         "s": time.monotonic() - killed,

@@ -9,7 +9,7 @@ What confines it (sandbox_child.py applies 1-3 in the child before the program's
    the program when neither took effect (SandboxUnavailable):
    - a network namespace of its own (unshare(CLONE_NEWUSER | CLONE_NEWNET)): no interface but a
      loopback that is down, so connect() fails even to 127.0.0.1. Needs unprivileged user
-     namespaces (this machine: yes, root or not; Docker's default seccomp profile refuses
+     namespaces (the test hosts: yes, root or not; Docker's default seccomp profile refuses
      unshare, so a typical container gets only the second layer);
    - a seccomp filter: socket() fails with EPERM for every address family, and nothing is
      inherited but stdout/stderr pipes (close_fds), so the program has no socket to talk through.
@@ -51,7 +51,7 @@ _LAYERS = {"auto": ("netns", "seccomp"), "netns": ("netns",), "seccomp": ("secco
 
 
 class SandboxUnavailable(RuntimeError):
-    """The required network isolation could not be set up on this machine."""
+    """The required network isolation could not be set up on this host."""
 
 
 @dataclass(frozen=True)

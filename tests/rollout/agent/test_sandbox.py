@@ -36,7 +36,7 @@ def listening_port():
 def test_runs_a_program_and_reports_both_isolation_layers():
     result = run_python("print(sum(range(10)))")
     assert result.ok and result.stdout == "45\n"
-    assert result.isolation == {"netns": True, "seccomp": True}  # this machine has both
+    assert result.isolation == {"netns": True, "seccomp": True}  # the test hosts (a VM, root) have both
 
 
 @pytest.mark.parametrize(
