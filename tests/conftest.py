@@ -17,3 +17,40 @@ def tiny_model_path(tmp_path_factory) -> Path:
     from megarl.models.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-qwen3-moe", seed=0)
+
+
+# The slow tier: modules that start Ray clusters, Megatron ranks, TP engines or server processes,
+# ~10 s to ~3 min each. `bash scripts/test.sh --quick` runs everything else; the whole suite (the
+# README's test command and CI's) runs both.
+SLOW_MODULES = {
+    "tests/benchmarks/test_smoke.py",
+    "tests/bridge/test_bridge.py",
+    "tests/controller/test_multinode.py",
+    "tests/controller/test_worker_group.py",
+    "tests/engine/test_architectures.py",
+    "tests/engine/test_checkpoint.py",
+    "tests/engine/test_cpu_collectives.py",
+    "tests/engine/test_critic.py",
+    "tests/engine/test_megatron_engine.py",
+    "tests/engine/test_offload.py",
+    "tests/engine/test_routing_replay.py",
+    "tests/entry/test_checkpoint_convert.py",
+    "tests/entry/test_cli.py",
+    "tests/entry/test_launch.py",
+    "tests/models/test_smollm2.py",
+    "tests/rollout/client/test_rollout_client.py",
+    "tests/rollout/engine/test_rollout_tp.py",
+    "tests/rollout/engine/test_weight_receive.py",
+    "tests/rollout/fleet/test_rollout_fleet.py",
+    "tests/trainer/test_async_loops.py",
+    "tests/trainer/test_crash.py",
+    "tests/trainer/test_durability.py",
+    "tests/trainer/test_reference_curve.py",
+    "tests/trainer/test_trainer_loop.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(item.fspath).relative_to(ROOT).as_posix() in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
