@@ -18,7 +18,6 @@ import asyncio
 import concurrent.futures
 import re
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -39,6 +38,7 @@ from megarl.reward.serve import RewardServerProcess
 from megarl.rollout.client.client import GenerateOutput, RolloutClient
 from megarl.rollout.client.manager import RolloutManager, SamplingSpec
 from megarl.rollout.fleet.server_process import RolloutServerProcess
+from tests._http import ThreadedServer
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,33 +69,6 @@ def columns(rows: list[dict], first: int = 0) -> RowColumns:
 def scorer(**model) -> RowScorer:
     overlap = model.pop("overlap", None)
     return RowScorer(RewardConfig(model=RewardModelConfig(**model), overlap=overlap))
-
-
-class ThreadedServer:
-    """A FastAPI app served by uvicorn in a thread of the test process."""
-
-    def __init__(self, app: FastAPI):
-        import uvicorn
-
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the test server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 def faulty_endpoint(fail_first: int = 0, hang_first: int = 0, short: bool = False) -> FastAPI:
@@ -146,7 +119,7 @@ def test_rows_go_in_batches_and_come_back_in_order():
         client = RemoteReward(f"{endpoint.url}/score", batch_size=3, concurrency=2)
         rows = [row(response="x" * k) for k in range(10)]
         assert client.score(rows) == [float(k) for k in range(10)]
-        assert sorted(endpoint.server.config.app.state.sizes) == [1, 3, 3, 3]
+        assert sorted(endpoint.app.state.sizes) == [1, 3, 3, 3]
         client.close()
 
 

@@ -9,14 +9,10 @@ ids (its log-probs of the model's tokens equal an HF forward over the final reco
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 
 from megarl.config.schema import AgentConfig, SandboxConfig
@@ -28,6 +24,7 @@ from megarl.rollout.agent.tool_loop import ToolAgentLoop, ToolResponseFormat
 from megarl.rollout.agent.tools import ToolBox, ToolCall, parse_tool_calls
 from megarl.rollout.client.client import RolloutClient
 from megarl.rollout.client.manager import RolloutManager, SamplingSpec
+from tests._http import ThreadedServer
 
 torch.set_num_threads(1)
 TOK = build_tokenizer(tools=True)
@@ -102,21 +99,11 @@ def scripted_app(seen: list) -> FastAPI:
     return app
 
 
-class ScriptedServer:
+class ScriptedServer(ThreadedServer):
     def __init__(self):
         self.seen: list[dict] = []
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(scripted_app(self.seen), log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=5)
+        super().__init__(scripted_app(self.seen))
+        self.start()
 
 
 @pytest.fixture(scope="module")

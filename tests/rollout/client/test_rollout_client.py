@@ -29,6 +29,7 @@ from megarl.rollout.engine.generation import GenerationEngine
 from megarl.rollout.fleet.server_process import RolloutServerProcess
 from megarl.rollout.server.app import create_app
 from megarl.wire.weights_codec import serialize_named_tensors
+from tests._http import ThreadedServer
 
 torch.set_num_threads(1)
 LOGPROB_TOL = 1e-4
@@ -80,31 +81,6 @@ def fake_worker_app(mode: str) -> FastAPI:
     return app
 
 
-class ThreadedServer:
-    def __init__(self, app: FastAPI, port: int | None = None):
-        import uvicorn
-
-        self.port = port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "fake worker did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 def test_per_prompt_mode_retries_each_failing_request_and_keeps_prompt_major_order():
     with (
         ThreadedServer(fake_worker_app("fail_once")) as worker,
@@ -113,8 +89,8 @@ def test_per_prompt_mode_retries_each_failing_request_and_keeps_prompt_major_ord
         outputs = client.generate([[7, 1], [8, 1], [9, 1]], {"n": 2}, return_logprob=True)
         assert [o.output_ids for o in outputs] == [[7, 0], [7, 1], [8, 0], [8, 1], [9, 0], [9, 1]]
         assert outputs[1].output_logprobs == [-0.5, -0.25] and outputs[0].finish_reason["type"] == "length"
-        assert dict(worker.server.config.app.state.calls) == {(7, 1): 2, (8, 1): 2, (9, 1): 2}
-        assert all(body["input_ids"] in ([7, 1], [8, 1], [9, 1]) for body in worker.server.config.app.state.bodies)
+        assert dict(worker.app.state.calls) == {(7, 1): 2, (8, 1): 2, (9, 1): 2}
+        assert all(body["input_ids"] in ([7, 1], [8, 1], [9, 1]) for body in worker.app.state.bodies)
         awaited = asyncio.run(client.agenerate([[3, 3]], [{"n": 1}]))  # from inside another event loop
         assert [o.output_ids for o in awaited] == [[3, 0]]
 
@@ -128,7 +104,7 @@ def test_batched_mode_sends_one_request_and_retries_the_whole_batch_after_a_500(
         outputs = client.generate(prompts, {"n": 2, "max_new_tokens": 2}, return_logprob=True, rids=["a", "b", "c"])
         assert [o.output_ids for o in outputs] == [[7, 0], [7, 1], [8, 0], [8, 1], [9, 0], [9, 1]]
         assert outputs[5].output_logprobs == [-0.5, -0.25]
-        bodies = worker.server.config.app.state.bodies
+        bodies = worker.app.state.bodies
         assert len(bodies) == 2, "one batched request, sent again once after the 500"
         assert all(
             b["input_ids"] == prompts
@@ -137,7 +113,7 @@ def test_batched_mode_sends_one_request_and_retries_the_whole_batch_after_a_500(
             and b["return_logprob"] is True
             for b in bodies
         )
-        assert dict(worker.server.config.app.state.calls) == {(7, 1): 2, (8, 1): 2, (9, 1): 2}
+        assert dict(worker.app.state.calls) == {(7, 1): 2, (8, 1): 2, (9, 1): 2}
         # one prompt is still sent in the batched form (the answer is a list)
         assert [o.output_ids for o in client.generate([[4, 4]])] == [[4, 0]]
         assert bodies[-1]["input_ids"] == [[4, 4]]
@@ -149,13 +125,13 @@ def test_batched_mode_splits_large_calls_into_concurrent_chunks_in_order():
     with ThreadedServer(fake_worker_app("ok")) as worker, RolloutClient(worker.url, max_batch_prompts=2) as client:
         outputs = client.generate(prompts, params)
         assert [o.output_ids for o in outputs] == [[p[0], j] for p in prompts for j in range(2)]
-        bodies = sorted(worker.server.config.app.state.bodies, key=lambda b: b["input_ids"][0])
+        bodies = sorted(worker.app.state.bodies, key=lambda b: b["input_ids"][0])
         assert [b["input_ids"] for b in bodies] == [prompts[0:2], prompts[2:4], prompts[4:5]]
         assert [b["sampling_params"] for b in bodies] == [params[0:2], params[2:4], params[4:5]]
         with pytest.raises(ValueError, match=r"different n per prompt \(\[1, 2\]\).*batched=False"):
             client.generate([[1], [2]], [{"n": 1}, {"n": 2}])
-        assert len(worker.server.config.app.state.bodies) == 3, "a call with mixed n must not be sent"
-        assert client.generate([], {"n": 2}) == [] and len(worker.server.config.app.state.bodies) == 3
+        assert len(worker.app.state.bodies) == 3, "a call with mixed n must not be sent"
+        assert client.generate([], {"n": 2}) == [] and len(worker.app.state.bodies) == 3
 
 
 def test_batched_mode_rejects_an_answer_with_the_wrong_number_of_outputs():
@@ -179,8 +155,8 @@ def test_generate_gives_up_after_max_retries_naming_server_and_request(batched):
         assert worker.url in message and "failed 3 times" in message and "HTTP 503" in message
         assert "'max_new_tokens': 3" in message
         assert ("a batch of 2 prompts (4 tokens" if batched else "prompt 0 (3 tokens") in message
-        assert worker.server.config.app.state.calls[(5, 6, 7)] == 3
-        assert len(worker.server.config.app.state.bodies) == 3
+        assert worker.app.state.calls[(5, 6, 7)] == 3
+        assert len(worker.app.state.bodies) == 3
 
 
 @pytest.mark.parametrize("batched", [True, False])
@@ -191,7 +167,7 @@ def test_a_rejected_request_is_not_retried_and_the_server_message_is_kept(batche
     ):
         with pytest.raises(RolloutRequestError, match="HTTP 400: sampling_params.top_p=2 must be in"):
             client.generate([[5]], {"top_p": 2})
-        assert worker.server.config.app.state.calls[(5,)] == 1
+        assert worker.app.state.calls[(5,)] == 1
 
 
 def test_a_failed_prompt_cancels_the_other_requests_of_the_call():

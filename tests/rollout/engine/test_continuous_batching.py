@@ -23,6 +23,7 @@ import torch
 from megarl.models.tiny import build_tiny_checkpoint
 from megarl.rollout.engine.generation import GenerationEngine
 from megarl.rollout.engine.protocol import GenerationRequest, SamplingParams
+from tests._http import ThreadedServer
 
 torch.set_num_threads(1)
 TOL = 1e-5
@@ -247,26 +248,11 @@ def test_a_failure_between_steps_fails_its_rows_and_the_engine_keeps_serving(eng
 # ---- partial rollout through the HTTP server and RolloutClient ---------------------------------------
 @pytest.fixture()
 def served(engine):
-    import uvicorn
-
-    from megarl.procs.net import free_port
     from megarl.rollout.client.client import RolloutClient
     from megarl.rollout.server.app import create_app
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    client = RolloutClient(f"http://127.0.0.1:{port}", max_retries=0)
-    try:
-        while not server.started:
-            assert thread.is_alive(), "the test server did not start"
-            threading.Event().wait(0.01)
+    with ThreadedServer(create_app(engine)) as server, RolloutClient(server.url, max_retries=0) as client:
         yield engine, client
-    finally:
-        client.close()
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_partial_rollout_resumed_after_a_weight_update_keeps_each_tokens_logprob(
