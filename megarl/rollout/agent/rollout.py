@@ -48,49 +48,32 @@ class AgentRollout:
 
     def generate(self, manager, prompts: Batch, sampling, weight_version: str | None = None, on_rows=None) -> Batch:
         """RolloutManager.generate's contract, rows from the agent loop (module doc)."""
-        from megarl.rollout.client.manager import _failed
-
         prompt_ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         columns = {
             k: list(prompts[k]) if k in prompts.non_tensors else [None] * len(prompts)
             for k in ("raw_prompt", "data_source", "ground_truth", "extra_info")
         }
         outputs: list[list[AgentOutput] | None] = [None] * len(prompt_ids)
-        retries_before = manager._client_retries()
-        restarts_before = manager._restarts()
-        pending, resent = list(range(len(prompt_ids))), 0
-        for round_index in range(manager.max_rounds):
-            failures = asyncio.run(
+        stats = manager.run_rounds(
+            len(prompt_ids),
+            lambda pending: asyncio.run(
                 self._round(manager, pending, prompt_ids, columns, sampling, outputs, weight_version, on_rows)
-            )
-            if not failures:
-                break
-            dead = manager.fleet.recover() if manager.fleet is not None else []
-            if not dead and round_index > 0 or manager.fleet is None or round_index == manager.max_rounds - 1:
-                raise _failed(failures, round_index + 1)
-            pending, resent = sorted(failures), resent + len(failures)
-        if manager.fleet is not None:
-            if resent or manager._client_retries() > retries_before:
-                manager.fleet.recover()
-            manager.fleet.finish_recovery()
+            ),
+        )
         rows = [out for outs in outputs for out in outs]
-        manager.last_stats = {
-            "rollout/retries": float(manager._client_retries() - retries_before + resent),
-            "rollout/engine_restarts": float(manager._restarts() - restarts_before),
-            **agent_metrics(rows),
-        }
+        manager.last_stats = {**stats, **agent_metrics(rows)}
         repeated = prompts.select(*[k for k in prompts.non_tensors]).repeat_interleave(sampling.n)
         return repeated.union(agent_rows_to_batch(rows))
 
     async def _round(
         self, manager, pending, prompt_ids, columns, sampling, outputs, weight_version, on_rows
     ) -> dict[int, Exception]:
-        urls, n = manager._engine_urls(), sampling.n
+        urls, n = manager.engine_urls(), sampling.n
         params = {k: v for k, v in sampling.to_sglang().items() if k not in ("n", "max_new_tokens")}
         errors: dict[int, Exception] = {}
 
         async def one_prompt(k: int, i: int) -> None:
-            client = manager._client(urls[k % len(urls)], True)  # sticky: all n trajectories, every turn
+            client = manager.client_for(urls[k % len(urls)], True)  # sticky: all n trajectories, every turn
             samples = [
                 AgentSample(
                     index=i * n + j,

@@ -24,6 +24,7 @@ message) if it persists. The served version of every row is its `rollout_weight_
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,7 +90,7 @@ class RolloutManager:
 
     @property
     def clients(self) -> list[RolloutClient]:
-        return [self._client(url, self.batched) for url in self._engine_urls()]
+        return [self.client_for(url, self.batched) for url in self.engine_urls()]
 
     def close(self) -> None:
         for client in self._clients.values():
@@ -113,10 +114,26 @@ class RolloutManager:
             return self.agent.generate(self, prompts, sampling, weight_version, on_rows)
         prompt_ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         outputs: list[list[GenerateOutput] | None] = [None] * len(prompt_ids)
+        self.last_stats = self.run_rounds(
+            len(prompt_ids),
+            lambda pending: asyncio.run(self._round(pending, prompt_ids, sampling, outputs, weight_version, on_rows)),
+        )
+        rows = [(prompt_ids[i], out) for i, outs in enumerate(outputs) for out in outs]
+        _check_finished(rows)
+        batch = rows_to_batch(rows, routed_experts=sampling.return_routed_experts)
+        repeated = prompts.select(*[k for k in prompts.non_tensors]).repeat_interleave(sampling.n)
+        return repeated.union(batch)
+
+    def run_rounds(self, count: int, run_round: Callable[[list[int]], dict[int, Exception]]) -> dict[str, float]:
+        """Prompts 0..count-1 through `run_round(pending) -> failures by prompt index` until none
+        fails: after a failed round the fleet restarts the engines that died and the failed
+        prompts go again, at most `max_rounds` rounds (a failure without a dead engine is raised
+        after the second); then recovery is finished. Returns rollout/retries and
+        rollout/engine_restarts. The single-turn path and the agent loop both go through here."""
         retries_before, restarts_before = self._client_retries(), self._restarts()
-        pending, resent = list(range(len(prompt_ids))), 0
+        pending, resent = list(range(count)), 0
         for round_index in range(self.max_rounds):
-            failures = asyncio.run(self._round(pending, prompt_ids, sampling, outputs, weight_version, on_rows))
+            failures = run_round(pending)
             if not failures:
                 break
             dead = self.fleet.recover() if self.fleet is not None else []
@@ -128,15 +145,10 @@ class RolloutManager:
             if retried:  # requests were re-sent (the router may have carried them elsewhere):
                 self.fleet.recover()  # an engine that failed them must not stay dead unnoticed
             self.fleet.finish_recovery()
-        self.last_stats = {
+        return {
             "rollout/retries": float(retried),
             "rollout/engine_restarts": float(self._restarts() - restarts_before),
         }
-        rows = [(prompt_ids[i], out) for i, outs in enumerate(outputs) for out in outs]
-        _check_finished(rows)
-        batch = rows_to_batch(rows, routed_experts=sampling.return_routed_experts)
-        repeated = prompts.select(*[k for k in prompts.non_tensors]).repeat_interleave(sampling.n)
-        return repeated.union(batch)
 
     # ---- one round over the current targets ------------------------------------------------------
     async def _round(
@@ -187,10 +199,10 @@ class RolloutManager:
             # through the router: an engine batches exactly these rows together whatever the
             # timing, so no row's numbers depend on what else happened to be running
             one = {**params, "n": 1}
-            urls = self._engine_urls()
+            urls = self.engine_urls()
             return [
                 (
-                    self._client(url, True),
+                    self.client_for(url, True),
                     idx,
                     [prompt_ids[i] for i in idx for _ in range(n)],
                     [{**one, "sampling_seed": row_seed(sampling.seed, i * n + j)} for i in idx for j in range(n)],
@@ -199,24 +211,27 @@ class RolloutManager:
                 if idx
             ]
         if router is not None or not self.batched:
-            urls = [router] if router is not None else self._engine_urls()
+            urls = [router] if router is not None else self.engine_urls()
             return [
-                (self._client(urls[k % len(urls)], False), [i], [prompt_ids[i]], params) for k, i in enumerate(pending)
+                (self.client_for(urls[k % len(urls)], False), [i], [prompt_ids[i]], params)
+                for k, i in enumerate(pending)
             ]
-        urls = self._engine_urls()
+        urls = self.engine_urls()
         return [
-            (self._client(url, True), idx, [prompt_ids[i] for i in idx], params)
+            (self.client_for(url, True), idx, [prompt_ids[i] for i in idx], params)
             for url, idx in zip(urls, _shards(pending, len(urls)))
             if idx
         ]
 
-    def _engine_urls(self) -> list[str]:
+    def engine_urls(self) -> list[str]:
+        """The engines requests go to now (the fleet's live ones, or the fixed URLs)."""
         urls = self.fleet.live_urls() if self.fleet is not None else self._fixed_urls
         if not urls:
             raise RolloutRequestError("rollout: no live engine to send requests to")
         return urls
 
-    def _client(self, url: str, batched: bool) -> RolloutClient:
+    def client_for(self, url: str, batched: bool) -> RolloutClient:
+        """The manager's client for `url` (one per URL and mode, kept for the manager's life)."""
         key = (url, batched)
         if key not in self._clients:
             self._clients[key] = RolloutClient(url, batched=batched, **self._client_options)
