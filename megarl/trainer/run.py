@@ -32,6 +32,9 @@ def log_path_of(run_dir: Path) -> Path:
     return Path(run_dir) / "train.log"
 
 
+_LOOK_UP = object()  # _train_locked's `point` not given: look it up
+
+
 def train(cfg: RunConfig, stream=sys.stdout) -> dict:
     """Run `cfg` (already validated) to completion; returns the reward-curve summary."""
     from megarl.trainer import checkpoints
@@ -41,17 +44,17 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     with RunDirLock(run_dir), open(log_path_of(run_dir), "a") as log:
+        point = checkpoints.resume_point(run_dir, cfg.trainer.resume)  # refused before Ray starts
         # Ray starts now, in the background, and comes up while this process imports torch,
         # Megatron and transformers and builds the model and the data (~6 s of a quickstart's
         # start-up that used to come after them); start_runtime waits for it, then stops it.
-        point = checkpoints.resume_point(run_dir, cfg.trainer.resume)  # refused before Ray starts
         cluster = cluster_for(cfg)
         cluster.start(background=True)
         with contextlib.closing(cluster):  # closed already when start_runtime took it over
             return _train_locked(cfg, run_dir, Tee(stream, log), cluster, point)
 
 
-def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=None) -> dict:
+def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LOOK_UP) -> dict:
     """The run in its locked run dir; `point`: the checkpoint to continue from (resume_point's
     answer; looked up here when not given)."""
     from megarl.trainer import checkpoints
@@ -59,7 +62,8 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=Non
     from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import StartupClock, start_runtime
 
-    point = point or checkpoints.resume_point(run_dir, cfg.trainer.resume)
+    if point is _LOOK_UP:
+        point = checkpoints.resume_point(run_dir, cfg.trainer.resume)
     (run_dir / "config.yaml").write_text(dump(cfg))
     tb_dir = run_dir / "tensorboard" if cfg.trainer.tensorboard else None
     logger = MetricsLogger(

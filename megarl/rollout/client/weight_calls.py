@@ -7,6 +7,7 @@ A mixin: the transport (`_run`, `_control`, `_json`, retries) is RolloutClient's
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
@@ -14,11 +15,10 @@ class WeightCalls:
     """Every call here answers SGLang's {"success", "message"} (success false raises
     RolloutRequestError); the update-group calls are sent once, never retried."""
 
-    def _run(self, coro) -> Any:  # RolloutClient's event-loop bridge
-        raise NotImplementedError
-
-    async def _control(self, path: str, payload: dict | None = None, retry: bool = True) -> dict:
-        raise NotImplementedError
+    # The transport, RolloutClient's: _run(coro) runs it on the client's event loop, and
+    # _control(path, payload, retry) posts and checks {"success", "message"}.
+    _run: Callable[..., Any]
+    _control: Callable[..., Awaitable[dict]]
 
     def update_weights_from_tensor(
         self,
