@@ -99,7 +99,7 @@ def run_mode(label: str, args, workdir: Path) -> dict:
 
     from megarl.config.loader import load_config
     from megarl.config.validate import validate
-    from megarl.trainer.factory import make_trainer
+    from megarl.trainer.loop import Trainer
     from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import start_runtime
 
@@ -133,14 +133,14 @@ def run_mode(label: str, args, workdir: Path) -> dict:
 
         eos = AutoTokenizer.from_pretrained(rt.model_path).eos_token_id
         logger = _TimedLogger(MetricsLogger(None, args.steps, stream=io.StringIO()))
-        trainer = make_trainer(rt, logger)
-        plain = trainer._sampling
+        trainer = Trainer(rt, logger)
+        plain = trainer.sampling
 
         def biased(step, train, round_=0):  # the long tail: a bias towards ending
             spec = plain(step, train, round_)
             return _Biased(**dataclasses.asdict(spec), eos=eos, bias=args.eos_bias) if train else spec
 
-        trainer._sampling = biased
+        trainer.sampling = biased
         start = time.perf_counter()
         trainer.fit()
         engine_stats = []  # forward steps, joins, batches of each engine over the run

@@ -41,7 +41,7 @@ and the 1-minute load average before/after. Then the medians per side and megarl
 where a step went on each side: generation, the batch's preparation (TRL's old log-prob pass,
 reward, advantages; megarl's reward and advantages, as it takes the rollout's log-probs), the update
 (TRL: the round's optimizer steps), and megarl's weight sync and the rest.
-megarl's perf/step_s spans generation to the end of the weight sync (SyncTrainer.train_step; not
+megarl's perf/step_s spans generation to the end of the weight sync (Trainer.train_step; not
 validation, not logging) and a step's start is its progress line's arrival minus it; TRL's rounds
 (generation + 2 optimizer steps) are timed by a TrainerCallback. Logs and per-run files: --workdir.
 

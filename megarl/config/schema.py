@@ -374,7 +374,7 @@ class RewardConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = 200
-    # the loop (trainer/async_trainer.py): sync; one_step_off (step k+1's rollout overlaps step k's
+    # the loop (trainer/sources.py): sync; one_step_off (step k+1's rollout overlaps step k's
     # training, weights one version behind); fully_async (engines generate continuously into a
     # buffer, the trainer takes batches as they fill). Both async modes need disaggregated placement
     mode: Literal["sync", "one_step_off", "fully_async"] = "sync"

@@ -3,6 +3,9 @@ scored with, so their log-probs of the same tokens must agree, or the sync is br
 
     metrics = check_parity(rows, step, cfg.bridge, weight_version, lambda: engine_versions(fleet))
 
+Where rows may come from older weight versions (the asynchronous loops), check_current_rows checks
+the rows served by the trainer's version and logs how far the others are off.
+
 Where the loop takes the rollout's log-probs as the old ones (actor.old_log_prob: rollout), the
 update's first mini-batch (its forward runs on the weights the rollout sampled with) is checked
 instead: each rank reports parity_stats of its rows, merged and judged here.
@@ -15,6 +18,7 @@ every engine serves.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -61,6 +65,39 @@ def check_parity(rows: Batch, step: int, bridge, weight_version: int, engine_ver
         return parity_detail(rows, per_token, bridge.parity_atol, engine_versions())
 
     return check_parity_stats(stats, step, bridge, weight_version, detail)
+
+
+def version_number(label) -> int | None:
+    """A served weight_version label as the trainer's integer version ("default" is the initial 0)."""
+    if label in (None, "", "default"):
+        return 0 if label == "default" else None
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_current_rows(
+    rows: Batch, step: int, bridge, weight_version: int, engine_versions: Callable[[], list[str]]
+) -> dict:
+    """The check where rows may come from older versions (the asynchronous loops): rows served by
+    the version the trainer holds are checked as check_parity does; rows from older versions
+    cannot agree with it, so their difference is logged, not checked (it is how far off-policy
+    they are), with async/staleness_{mean,max}. A row that spans versions (fully_async's partial
+    rollouts, rollout_start_version) counts from the one it started under."""
+    served = [version_number(v) for v in rows["rollout_weight_version"]]
+    if "rollout_start_version" in rows.non_tensors:
+        served = [
+            None if v is None else min(v, version_number(s)) for v, s in zip(served, rows["rollout_start_version"])
+        ]
+    behind = [weight_version - v for v in served if v is not None]
+    current = bool(behind) and max(behind) == 0 and len(behind) == len(served)
+    bridge = bridge if current else dataclasses.replace(bridge, check_parity=False)
+    metrics = check_parity(rows, step, bridge, weight_version, engine_versions)
+    if behind:
+        metrics["async/staleness_mean"] = sum(behind) / len(behind)
+        metrics["async/staleness_max"] = float(max(behind))
+    return metrics
 
 
 def check_update_parity(

@@ -1,13 +1,13 @@
 """The phases of one RL step, each a short function of the loop and the step's rows.
 
-    rows = generate + score            (SyncTrainer.rollout, or an async loop's rollout source)
+    rows = generate + score            (the Trainer's rollout source: sources.py)
     rows = release_and_balance(rows)   colocated engines free their memory; rows balanced over DP
     rows = old_ref_values(rows)        old log-probs (or the rollout's), reference log-probs, values
     rows = advantages(rows)            the estimator, with the KL penalty in the reward when enabled
     update(rows)                       critic, then actor (Megatron, distributed optimizer)
     sync()                             engines get their memory back and the new weights
 
-`loop` (a StepLoop: the SyncTrainer or an async loop) that owns the runtime, the config and the weight
+`loop` (a StepLoop: the Trainer, loop.py) owns the runtime, the config and the weight
 version; every phase records its seconds in `timing` under perf/<phase>_s.
 """
 
@@ -25,23 +25,24 @@ from megarl.trainer.step_metrics import timer
 if TYPE_CHECKING:
     from megarl.config.schema import RunConfig
     from megarl.trainer.runtime import Runtime
+    from megarl.trainer.sources import RolloutSource
 
 
 class StepLoop(Protocol):
-    """What the phases use of the loop that runs them (SyncTrainer and the async loops)."""
+    """What the phases use of the loop that runs them (the Trainer, loop.py)."""
 
     rt: Runtime
     cfg: RunConfig
     release: bool  # colocated engines release their memory for the training phases
     dp_size: int
     weight_version: int
+    source: RolloutSource  # where the rows come from; it waits for or pauses generation at the sync
 
     def sync_weights(self) -> dict: ...
     def _token_lengths(self, rows: Batch) -> list[int]: ...
     def _trainer_view(self, rows: Batch, *extra: str) -> Batch: ...
     def _check_parity(self, rows: Batch, step: int) -> dict: ...
     def _rewards(self, rows: Batch) -> tuple[torch.Tensor, dict]: ...
-    def _before_sync(self, timing: dict) -> None: ...
 
 
 def release_and_balance(loop: StepLoop, rows: Batch, timing: dict) -> Batch:
@@ -127,7 +128,7 @@ def sync(loop: StepLoop, timing: dict) -> dict:
     if loop.release:
         with timer(timing, "resume"):
             loop.rt.fleet.resume_memory(["weights"])
-    loop._before_sync(timing)
+    loop.source.before_sync(timing)
     with timer(timing, "sync"):
         loop.weight_version += 1
         bridge_stats = loop.sync_weights()

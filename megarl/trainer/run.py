@@ -58,7 +58,7 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
     """The run in its locked run dir; `point`: the checkpoint to continue from (resume_point's
     answer; looked up here when not given)."""
     from megarl.trainer import checkpoints
-    from megarl.trainer.factory import make_trainer
+    from megarl.trainer.loop import Trainer
     from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import StartupClock, start_runtime
 
@@ -88,7 +88,7 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
                 f"x{len(runtime.actor.mesh)}{critic}; loop {cfg.trainer.mode}; start-up "
                 f"{StartupClock.describe(runtime.startup or {})}\n"
             )
-            make_trainer(runtime, logger, resume=point).fit()
+            Trainer(runtime, logger, resume=point).fit()
     finally:
         logger.close()
     summary = logger.curve_summary("reward/mean", window=10)

@@ -38,9 +38,10 @@ class DurableLoop(Protocol):
     def sync_weights(self) -> dict: ...
 
 
-def save(loop: DurableLoop, step: int) -> None:
+def save(loop: DurableLoop, step: int, data_position: int) -> None:
     """A checkpoint of the run: actor (and critic) with optimizers, the step, weight version, data
-    position, adaptive KL coefficient and the controller's RNG (RunCheckpointer)."""
+    position (the first prompt batch not trained on; the rollout source says which), adaptive KL
+    coefficient and the controller's RNG (RunCheckpointer)."""
     start = time.perf_counter()
     partial = loop.checkpointer.begin(step)
     loop.rt.actor.save_checkpoint(str(partial / "actor"))
@@ -49,7 +50,7 @@ def save(loop: DurableLoop, step: int) -> None:
     state = {
         "weight_version": loop.weight_version,
         "data": data_identity(loop),
-        "data_cursor": loop.data_cursor,
+        "data_cursor": data_position,
         "kl_coef": loop.kl_ctrl.value if loop.kl_ctrl is not None else None,
         "driver_rng": driver_rng_state(),
         "model_path": loop.rt.model_path,

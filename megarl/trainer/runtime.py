@@ -188,7 +188,7 @@ def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[li
                 ),
                 startup_timeout_s=r.startup_timeout_s,
                 env={"TOKENIZERS_PARALLELISM": "false"},
-                # where the disk transport writes (sync_trainer._bridge_spec): the only dir disk updates may read
+                # where the disk transport writes (Trainer._bridge_spec): the only dir disk updates may read
                 weight_dirs=(str(run_dir / "weights"),),
             )
             for k in range(r.nnodes)

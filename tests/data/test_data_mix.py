@@ -279,8 +279,8 @@ def test_mix_options_are_checked(tmp_path, overrides, message):
 def test_resume_with_another_mix_is_refused(mixed, tmp_path):
     from megarl.config.schema import RunConfig
     from megarl.trainer.checkpoints import ResumeRefused
+    from megarl.trainer.loop import Trainer
     from megarl.trainer.metrics import MetricsLogger
-    from megarl.trainer.sync_trainer import SyncTrainer
 
     runtime = SimpleNamespace(
         cfg=RunConfig(),
@@ -290,7 +290,7 @@ def test_resume_with_another_mix_is_refused(mixed, tmp_path):
         actor=SimpleNamespace(mesh=[SimpleNamespace(dp_size=1)]),
         fleet=SimpleNamespace(on_restart=None),
     )
-    trainer = SyncTrainer(runtime, MetricsLogger(None, 1))
+    trainer = Trainer(runtime, MetricsLogger(None, 1))
     saved = trainer._data_identity()
     assert saved["mix"][0] == ["small", 10, 0.5]
     runtime.train_data = MixedDataset(mixed.parts, [1.0, 1.0, 1.0], mixed.names)
@@ -325,8 +325,8 @@ def test_pass_and_mean_at_k_by_hand():
 
 def test_validation_over_two_val_files_per_data_source(tmp_path, tokenizer):
     """The trainer's validate(): val_n samples per prompt at val_temperature, metrics per source."""
+    from megarl.trainer.loop import Trainer
     from megarl.trainer.metrics import MetricsLogger
-    from megarl.trainer.sync_trainer import SyncTrainer
 
     write_rows(make_digits_rows(2, seed=5), tmp_path / "d.jsonl")
     write_rows(make_arith_rows(2, seed=6), tmp_path / "a.jsonl")
@@ -364,7 +364,7 @@ def test_validation_over_two_val_files_per_data_source(tmp_path, tokenizer):
         fleet=SimpleNamespace(on_restart=None, engine_urls=[]),
         rollout=SimpleNamespace(generate=generate),
     )
-    metrics = SyncTrainer(runtime, MetricsLogger(None, 1)).validate(step=4)
+    metrics = Trainer(runtime, MetricsLogger(None, 1)).validate(step=4)
     assert (seen[0].n, seen[0].temperature) == (3, 0.7)
     assert metrics == pytest.approx(
         {

@@ -306,7 +306,7 @@ def test_replay_equals_hugging_face_with_forced_experts(one_rank, moe_paths):
 
 
 def test_replay_removes_the_routing_mismatch(one_rank, capsys):
-    """Server vs trainer, as SyncTrainer._check_parity and corrections.mismatch_metrics see them:
+    """Server vs trainer, as the loop's parity check and corrections.mismatch_metrics see them:
     with the same weights replay changes nothing (parity 1e-5); with the trainer's router perturbed
     the expert flips dominate without replay, and replay removes them. rollout/mismatch_kl (a
     signed k1 mean) is printed, not asserted: over this batch's ~40 tokens its sampling noise is as
@@ -316,22 +316,19 @@ def test_replay_removes_the_routing_mismatch(one_rank, capsys):
     from megarl.algo.corrections import mismatch_metrics
     from megarl.algo.kl import kl_penalty
     from megarl.algo.losses import masked_mean
-    from megarl.trainer.sync_trainer import SyncTrainer
+    from megarl.trainer.parity import check_parity
 
     b = one_rank["batch"]
     mask, rollout = b["response_mask"], b["rollout_log_probs"]
     assert _diff(one_rank["same_free"], rollout, mask) < 1e-5
     assert _diff(one_rank["same_replayed"], rollout, mask) < 1e-5
-    owner = SimpleNamespace(
-        weight_version=1,
-        cfg=SimpleNamespace(bridge=SimpleNamespace(parity_atol=1e-2, parity_rows_off=1.0, check_parity=False)),
-    )
+    bridge = SimpleNamespace(parity_atol=1e-2, parity_rows_off=1.0, check_parity=False)
     metrics = {}
     for name in ("free", "replayed"):
         rows = b.select("response_mask", "rollout_log_probs")
         rows["old_log_probs"] = one_rank[name]
         metrics[name] = {
-            **SyncTrainer._check_parity(owner, rows, step=0),
+            **check_parity(rows, 0, bridge, 1, lambda: []),
             **{k: float(v) for k, v in mismatch_metrics(one_rank[name], rollout, mask).items()},
             "k3_kl": float(masked_mean(kl_penalty(rollout, one_rank[name], "k3"), mask)),
         }

@@ -316,8 +316,8 @@ def test_resume_with_other_data_settings_is_refused_before_loading_anything(tmp_
 
     from megarl.config.schema import RunConfig
     from megarl.trainer.checkpoints import ResumeRefused
+    from megarl.trainer.loop import Trainer
     from megarl.trainer.metrics import MetricsLogger
-    from megarl.trainer.sync_trainer import SyncTrainer
 
     class Untouchable:
         def __getattr__(self, name):
@@ -332,7 +332,7 @@ def test_resume_with_other_data_settings_is_refused_before_loading_anything(tmp_
         actor=SimpleNamespace(mesh=[SimpleNamespace(dp_size=1)]),
         fleet=SimpleNamespace(on_restart=None),
     )
-    trainer = SyncTrainer(runtime, MetricsLogger(None, 1))
+    trainer = Trainer(runtime, MetricsLogger(None, 1))
     runtime.actor = actor
     state = {"step": 3, "weight_version": 3, "data": {**trainer._data_identity(), "train_batch_size": 32}}
     with pytest.raises(ResumeRefused, match="train_batch_size"):

@@ -17,6 +17,7 @@ import pytest
 from megarl.config.loader import load_config
 from megarl.config.validate import validate
 from tests._failures import run_while_killing
+from tests._parity import assert_served_by_the_trainers_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = [
@@ -145,7 +146,7 @@ def test_weight_sync_keeps_server_and_trainer_in_parity(three_steps):
     _, steps, _, _ = three_steps
     # steps 2 and 3 sample with weights the bridge pushed after steps 1 and 2
     for m in steps:
-        assert m["rollout/logprob_diff_max"] < 1e-4
+        assert_served_by_the_trainers_weights(m)
 
 
 def test_console_progress_tensorboard_and_summary(three_steps):
@@ -195,7 +196,7 @@ def test_disaggregated_engines_behind_the_router_stay_in_parity(disaggregated):
     assert "behind router http://" in console
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
-        assert m["rollout/logprob_diff_max"] < 1e-4  # both engines got every (reshard) sync
+        assert_served_by_the_trainers_weights(m)  # both engines got every (reshard) sync
         assert m["rollout/retries"] == 0 and m["rollout/engine_restarts"] == 0
         assert "perf/release_s" not in m  # disaggregated engines keep their memory
         # reshard: each of the two tp=1 engines gets the whole model, point to point
@@ -234,7 +235,7 @@ def test_distributed_transport_through_the_loop_stays_in_parity(tmp_path):
     steps = [json.loads(x) for x in (tmp_path / "disaggregated" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
-        assert m["rollout/logprob_diff_max"] < 1e-4
+        assert_served_by_the_trainers_weights(m)
         assert m["bridge/buckets"] > 1  # 50 KiB buckets: the ticket lock takes turns
 
 
@@ -244,9 +245,9 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
     3: step 3's weight push fails on it, it is restarted and the push repeated. Parity on every later
     step proves each restarted engine serves the trainer's weights."""
     from megarl.data.dataset import PromptBatches
+    from megarl.trainer.loop import Trainer
     from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import start_runtime
-    from megarl.trainer.sync_trainer import SyncTrainer
 
     cfg = validate(
         load_config(
@@ -265,7 +266,7 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
     )
     metrics, killed = [], []
     with start_runtime(cfg) as rt:
-        trainer = SyncTrainer(rt, MetricsLogger(None, 4, stream=io.StringIO()))
+        trainer = Trainer(rt, MetricsLogger(None, 4, stream=io.StringIO()))
         batches = PromptBatches(rt.train_data, cfg.data.train_batch_size, False).iterate(0, 4)
         metrics.append(trainer.train_step(1, next(batches)))
         step2, victim = run_while_killing(rt.fleet, 1, lambda: trainer.train_step(2, next(batches)))
@@ -282,7 +283,7 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
     assert metrics[1]["rollout/engine_restarts"] == 1 and metrics[1]["rollout/retries"] >= 1
     assert [m["rollout/engine_restarts"] for m in metrics[2:]] == [0, 0]
     for m in metrics:
-        assert m["rollout/logprob_diff_max"] < 1e-4, m["rollout/logprob_diff_max"]
+        assert_served_by_the_trainers_weights(m)
     assert not any(psutil.pid_exists(p) for p in pids + killed)
 
 
@@ -293,8 +294,7 @@ def test_a_parity_error_names_the_row_its_served_version_and_every_engines_versi
     import torch
 
     from megarl.data.batch import Batch
-    from megarl.trainer.parity import ParityError
-    from megarl.trainer.sync_trainer import SyncTrainer
+    from megarl.trainer.parity import ParityError, check_parity, engine_versions
 
     class Client:
         def __init__(self, url):
@@ -316,9 +316,6 @@ def test_a_parity_error_names_the_row_its_served_version_and_every_engines_versi
         client = staticmethod(lambda url, **kw: Client(url))
 
     cfg = validate(load_config(ROOT / "configs/disaggregated.yaml", []))
-    trainer = SyncTrainer.__new__(SyncTrainer)
-    trainer.cfg, trainer.weight_version = cfg, 3
-    trainer.rt = type("Runtime", (), {"fleet": Fleet()})()
     old = torch.zeros(4, 3)
     rollout = old.clone()
     rollout[2, 1] = 2.5e-3  # one token of one row off
@@ -332,7 +329,7 @@ def test_a_parity_error_names_the_row_its_served_version_and_every_engines_versi
         non_tensors={"rollout_weight_version": np.array(["3"] * 4, dtype=object)},
     )
     with pytest.raises(ParityError) as error:
-        trainer._check_parity(rows, 2)
+        check_parity(rows, 2, cfg.bridge, 3, lambda: engine_versions(Fleet()))
     message = str(error.value)
     assert "up to 2.50e-03" in message and "weight version 3" in message
     assert "row 2 (5-token prompt, response token 1" in message and "served with weight_version '3'" in message
@@ -346,13 +343,13 @@ def test_parity_tolerates_an_isolated_row_but_not_a_stale_sync():
     import torch
 
     from megarl.data.batch import Batch
-    from megarl.trainer.parity import ParityError
-    from megarl.trainer.sync_trainer import SyncTrainer
+    from megarl.trainer.parity import ParityError, check_parity
 
     cfg = validate(load_config(ROOT / "configs/quickstart.yaml", []))
-    trainer = SyncTrainer.__new__(SyncTrainer)
-    trainer.cfg, trainer.weight_version = cfg, 1
-    trainer.rt = type("Runtime", (), {"fleet": type("Fleet", (), {"engine_urls": []})()})()
+
+    def check(rows):
+        return check_parity(rows, 2, cfg.bridge, 1, lambda: [])
+
     old = torch.zeros(256, 2)
 
     def rows_with(off: int) -> Batch:
@@ -367,14 +364,14 @@ def test_parity_tolerates_an_isolated_row_but_not_a_stale_sync():
             }
         )
 
-    metrics = trainer._check_parity(rows_with(1), 2)
+    metrics = check(rows_with(1))
     assert metrics["rollout/logprob_rows_off"] == 1.0 and metrics["rollout/logprob_diff_max"] == pytest.approx(2.5e-3)
-    assert trainer._check_parity(rows_with(2), 2)["rollout/logprob_rows_off"] == 2.0
+    assert check(rows_with(2))["rollout/logprob_rows_off"] == 2.0
     with pytest.raises(ParityError, match="in 3 rows, more than the 2 bridge.parity_rows_off=0.01 allows"):
-        trainer._check_parity(rows_with(3), 2)
+        check(rows_with(3))
     cfg.bridge.parity_rows_off = 0.0  # strict
     with pytest.raises(ParityError):
-        trainer._check_parity(rows_with(1), 2)
+        check(rows_with(1))
 
 
 def test_old_log_prob_auto_takes_the_rollouts_only_where_they_are_the_trainers_own():
@@ -411,11 +408,11 @@ def test_update_parity_merges_the_ranks_first_mini_batch_and_refuses_a_stale_syn
     import torch
 
     from megarl.algo.corrections import parity_stats
+    from megarl.trainer.loop import Trainer
     from megarl.trainer.parity import ParityError
-    from megarl.trainer.sync_trainer import SyncTrainer
 
     cfg = validate(load_config(ROOT / "configs/quickstart.yaml", []))
-    trainer = SyncTrainer.__new__(SyncTrainer)
+    trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.weight_version = cfg, 1
     trainer.rt = type("Runtime", (), {"fleet": type("Fleet", (), {"engine_urls": []})()})()
     mask = torch.ones(64, 2)

@@ -1,16 +1,20 @@
-"""The synchronous RL loop: one controller, every heavy step an RPC to a worker group.
+"""The RL loop: one controller, every heavy step an RPC to a worker group, in every trainer.mode.
 
     for step in steps:                                 # fit()
-        rows = rollout(prompts)                        # generate + score (dynamic sampling, ReMax)
+        rows = source.rows(step)                       # generate + score (sources.py: sync,
+                                                       #   one_step_off, fully_async)
         rows = phases.release_and_balance(rows)        # colocated engines free weights + KV cache
         rows = phases.old_ref_values(rows)             # old (or the rollout's) / ref log-probs, values
         rows = phases.advantages(rows)                 # estimator; KL in the reward when enabled
         phases.update(rows)                            # critic, then actor (Megatron TP/PP/EP/CP)
         phases.sync()                                  # engines re-allocate, bridge pushes weights
+                                                       #   (the source waits for or pauses generation)
         finish_step(step, metrics)                     # validation, metrics, checkpoint when due
 
 Consumes prompt batches (data.mix.make_prompt_batches), waits for each phase's worker-group
-call, produces one metrics dict per step (metrics.jsonl, tensorboard) and checkpoints.
+call, produces one metrics dict per step (metrics.jsonl, tensorboard) and checkpoints. The loop
+modes differ only in their rollout source (sources.py): when rows are generated, with which
+weights, and what the sync does about generation in flight.
 
 An engine that dies mid-step is restarted by the fleet, given the current weights through
 `_resync` before it serves again, and its prompts are re-sent (rollout/retries,
@@ -25,6 +29,7 @@ uninterrupted one exactly. At the end the policy is exported as a Hugging Face f
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -40,14 +45,18 @@ from megarl.trainer import checkpoints, phases, run_state
 from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
-from megarl.trainer.parity import check_parity, check_update_parity, engine_versions
+from megarl.trainer.parity import check_current_rows, check_parity, check_update_parity, engine_versions
 from megarl.trainer.rank_watch import RankWatch
+from megarl.trainer.sources import RolloutSource, rollout_source
 from megarl.trainer.step_metrics import average, rollout_metrics, timer
 
 
-class SyncTrainer:
-    def __init__(self, runtime, logger: MetricsLogger, resume: tuple | None = None):
-        """`resume`: (checkpoint dir, its trainer state) to continue from (checkpoints.resume_point)."""
+class Trainer:
+    def __init__(
+        self, runtime, logger: MetricsLogger, resume: tuple | None = None, source: RolloutSource | None = None
+    ):
+        """`resume`: (checkpoint dir, its trainer state) to continue from (checkpoints.resume_point);
+        `source`: where the rows come from (default: the one trainer.mode names)."""
         self.rt = runtime
         self.cfg = runtime.cfg
         self.logger = logger
@@ -63,7 +72,7 @@ class SyncTrainer:
         self.last_checkpoint = resume[0] if resume else None
         self._carried: dict[str, float] = {}  # a checkpoint save's time, logged with the next step
         # prompt batches taken so far (one per step, more with dynamic sampling); checkpointed
-        self.data_cursor, self._batches = 0, None
+        self.data_cursor, self.batches = 0, None
         k = self.cfg.algorithm.kl_ctrl  # KL in the reward: its coefficient (adaptive: checkpointed)
         self.kl_ctrl = (
             make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
@@ -71,21 +80,26 @@ class SyncTrainer:
             else None
         )
         self.mfu: StepMfu | None = None  # made by fit(): it asks rank 0 for its device's peak
+        self.source = source if source is not None else rollout_source(self)
         runtime.fleet.on_restart = self._resync
 
     # ---------------------------------------------------------------- steps
     def fit(self) -> None:
+        """Every step: the source's rows through the phases, then validation, metrics and a
+        checkpoint when due; at the end the policy exported."""
         from megarl.data.mix import make_prompt_batches
 
-        d, t = self.cfg.data, self.cfg.trainer
-        batches = make_prompt_batches(self.rt.train_data, d)  # one dataset, or a weighted mix
+        t = self.cfg.trainer
+        self.batches = make_prompt_batches(self.rt.train_data, self.cfg.data)  # one dataset, or a mix
         self.mfu = StepMfu.for_run(self.rt.model_path, self.rt.actor, self.cfg)
         if self.resume_from is not None:
             self.restore(*self.resume_from)
-        self._batches = batches
-        for step in range(self.start_step + 1, t.total_steps + 1):
-            prompts = self._next_prompts()
-            self.finish_step(step, {**self.train_step(step, prompts), **prompts.meta.get("metrics", {})})
+        self.source.start()
+        try:
+            for step in range(self.start_step + 1, t.total_steps + 1):
+                self.finish_step(step, self.train_step(step))
+        finally:
+            self.source.stop()
         if t.export_hf:
             self.export_hf()
 
@@ -101,7 +115,7 @@ class SyncTrainer:
 
     # ---------------------------------------------------------------- durability
     def save_checkpoint(self, step: int) -> None:
-        run_state.save(self, step)
+        run_state.save(self, step, self.source.data_position())
 
     def restore(self, path, state: dict) -> None:
         """Continue after the checkpoint at `path` (run_state.restore)."""
@@ -121,22 +135,37 @@ class SyncTrainer:
             rollout_stats.update(remax_metrics)
         return rows, rollout_stats
 
-    def train_step(self, step: int, prompts: Batch | None = None, generated: tuple | None = None) -> dict:
-        """One step on `prompts`, or on rows an asynchronous loop generated already (`generated`:
-        rollout()'s answer; trainer/async_trainer.py). The phases, in order (phases.py)."""
+    def score_generated(self, step: int, rows: Batch, timing: dict) -> Batch:
+        """Scores (and ReMax's greedy baselines) for rows generated elsewhere (fully_async's
+        producer); the baselines' stats join `timing`."""
+        with timer(timing, "reward"):
+            rows["raw_scores"] = self._score(rows)
+            rows["scores"] = rows["raw_scores"] + self._overlong_penalty(rows)
+        if self.cfg.algorithm.adv_estimator == "remax":
+            rows["baseline_scores"], remax_metrics = self._remax_baseline(step, rows, timing)
+            timing.update(remax_metrics)
+        return rows
+
+    def train_step(self, step: int, prompts: Batch | None = None) -> dict:
+        """One step on the source's next rows, or on rows generated now from `prompts`. The
+        phases, in order (phases.py). perf/step_s: from asking for the rows to the end of the sync."""
         timing: dict = {}
         t_step, restarts_before = time.perf_counter(), self.rt.fleet.restarts
-        rows, rollout_stats = generated if generated is not None else self.rollout(step, prompts, timing)
+        if prompts is not None:
+            rows, rollout_stats = self.rollout(step, prompts, timing)
+        else:
+            rows, rollout_stats = self.source.rows(step, timing)
         rows = phases.release_and_balance(self, rows, timing)
         # the rollout's log-probs as the old policy's (actor.old_log_prob=rollout) only where the
-        # rows were sampled with the actor's current weights: not rows an async loop generated
-        reuse = self.reuse_rollout_log_probs and generated is None
+        # rows were sampled with the actor's current weights (validate allows it only then)
+        reuse = self.reuse_rollout_log_probs and not self.source.off_policy
         rows, parity = phases.old_ref_values(self, rows, step, timing, reuse)
         rows, kl_metrics = phases.advantages(self, rows, timing)
         per_rank, critic_metrics = phases.update(self, rows, step, timing, reuse)
         if reuse:
             parity = self._update_parity(per_rank, step)
         bridge_stats = phases.sync(self, timing)
+        self.source.after_sync()
         timing["perf/step_s"] = time.perf_counter() - t_step
         if self.mfu is not None:
             timing.update(self.mfu.metrics(self._token_lengths(rows), timing))
@@ -154,9 +183,6 @@ class SyncTrainer:
             **self.scorer.take_metrics(),
             **{k: float(v) for k, v in bridge_stats.items() if k.startswith("bridge/")},
         }
-
-    def _before_sync(self, timing: dict) -> None:
-        """Where a loop whose engines generate during the update waits for them (one_step_off)."""
 
     def sync_weights(self) -> dict:
         """Push the actor's weights to every engine; returns the bridge's stats (rank 0's). An
@@ -182,7 +208,7 @@ class SyncTrainer:
 
         def generate(prompts: Batch) -> Batch:
             with self._watching_ranks():
-                return self.rt.rollout.generate(prompts, self._sampling(step, train=False), self._served_version())
+                return self.rt.rollout.generate(prompts, self.sampling(step, train=False), self._served_version())
 
         t = self.cfg.trainer
         metrics = run_validation(self.rt.val_data, generate, self._score, t.val_n, t.val_pass_threshold)
@@ -190,8 +216,8 @@ class SyncTrainer:
         return {**metrics, **{f"val/{k}": v for k, v in self.scorer.take_metrics().items()}}
 
     # ---------------------------------------------------------------- pieces
-    def _next_prompts(self) -> Batch:
-        prompts = self._batches.batch_at(self.data_cursor)
+    def next_prompts(self) -> Batch:
+        prompts = self.batches.batch_at(self.data_cursor)
         self.data_cursor += 1
         return prompts
 
@@ -203,12 +229,12 @@ class SyncTrainer:
         stats: dict[str, float] = {}
 
         def generate(k: int) -> Batch:
-            batch = prompts if k == 0 else self._next_prompts()
+            batch = prompts if k == 0 else self.next_prompts()
             overlap = self.scorer.start_overlap(batch, self.cfg.rollout.n)  # None: reward.overlap off
             with timer(timing, "gen"), self._watching_ranks():
                 rows = self.rt.rollout.generate(
                     batch,
-                    self._sampling(step, train=True, round_=k),
+                    self.sampling(step, train=True, round_=k),
                     self._served_version(),
                     **(overlap.kwargs if overlap else {}),
                 )
@@ -238,7 +264,7 @@ class SyncTrainer:
 
         from megarl.trainer.remax import greedy_baselines
 
-        base = self._sampling(step, train=False)  # seeds (seed, step, 2): neither training's nor validation's
+        base = self.sampling(step, train=False)  # seeds (seed, step, 2): neither training's nor validation's
         greedy = replace(base, n=1, temperature=0.0, seed=base.seed and (self.cfg.trainer.seed, step, 2))
 
         def generate(prompts: Batch) -> Batch:
@@ -279,15 +305,20 @@ class SyncTrainer:
 
     def _served_version(self) -> str | None:
         """The version every rollout answer must report. Version 0 is the initial checkpoint, which
-        every engine loads (labelled "default", or "0" after a restart's resync): not checked."""
-        return str(self.weight_version) if self.weight_version else None
+        every engine loads (labelled "default", or "0" after a restart's resync): not checked. An
+        off-policy source's rows come from older versions by design; their versions are tagged."""
+        return str(self.weight_version) if self.weight_version and not self.source.off_policy else None
 
-    def _watching_ranks(self) -> RankWatch:
-        """Generation calls no rank: a rank dying meanwhile aborts it and is raised (rank_watch.py)."""
+    def _watching_ranks(self) -> contextlib.AbstractContextManager:
+        """Generation calls no rank: a rank dying meanwhile aborts it and is raised (rank_watch.py).
+        Under an off-policy source the trainer calls the actor all the time, which notices a dead
+        rank; a second thread pinging the same ranks would queue behind those calls."""
+        if self.source.off_policy:
+            return contextlib.nullcontext()
         # the fleet makes its own clients: the manager's belong to the main thread
         return RankWatch([self.rt.actor, self.rt.critic], lambda: self.rt.fleet.abort_all_requests())
 
-    def _sampling(self, step: int, train: bool, round_: int = 0) -> SamplingSpec:
+    def sampling(self, step: int, train: bool, round_: int = 0) -> SamplingSpec:
         """round_: a step's k-th generation round (dynamic sampling); its own seeds."""
         r, t = self.cfg.rollout, self.cfg.trainer
         seed = (t.seed, step, 0 if train else 1) + ((round_,) if round_ else ())
@@ -323,8 +354,10 @@ class SyncTrainer:
         return view
 
     def _check_parity(self, rows: Batch, step: int) -> dict:
-        """The server sampled with the weights the trainer just scored with (parity.py)."""
-        return check_parity(rows, step, self.cfg.bridge, self.weight_version, lambda: engine_versions(self.rt.fleet))
+        """The server sampled with the weights the trainer just scored with (parity.py); under an
+        off-policy source, the rows served by that version."""
+        check = check_current_rows if self.source.off_policy else check_parity
+        return check(rows, step, self.cfg.bridge, self.weight_version, lambda: engine_versions(self.rt.fleet))
 
     def _update_parity(self, per_rank: list[dict], step: int) -> dict:
         """actor.old_log_prob=rollout: the check on the update's first mini-batch (parity.py)."""
@@ -333,14 +366,15 @@ class SyncTrainer:
         )
 
     def _bridge_spec(self) -> BridgeSpec:
+        """The sync's spec; the source pauses generation in flight around it (fully_async)."""
         b = self.cfg.bridge
-        return BridgeSpec(
+        spec = BridgeSpec(
             transport=b.transport,
             server_urls=tuple(self.rt.server_urls),
             api_key=self.rt.fleet.api_key,
             bucket_bytes=int(b.bucket_size_mb * 2**20),
             disk_dir=str(self.rt.run_dir / "weights"),
             timeout_s=self.cfg.rollout.request_timeout_s,
-            # this loop syncs only after generation finished: nothing to pause
             pause_generation=False,
         )
+        return self.source.bridge_spec(spec)
