@@ -103,8 +103,10 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_import_contracts_hold():
     """pyproject.toml's [tool.importlinter] contracts (scripts/lint.sh runs the same command)."""
     lint_imports = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
-    if lint_imports is None:
-        pytest.skip("import-linter is not installed next to this Python (scripts/setup_env.sh installs it)")
+    assert lint_imports is not None, (
+        "lint-imports is missing next to this Python: import-linter is pinned in requirements.lock; "
+        "run scripts/setup_env.sh"
+    )
     result = subprocess.run([lint_imports, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 

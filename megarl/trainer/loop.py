@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,10 +51,13 @@ from megarl.trainer.rank_watch import RankWatch
 from megarl.trainer.sources import RolloutSource, rollout_source
 from megarl.trainer.step_metrics import average, rollout_metrics, timer
 
+if TYPE_CHECKING:
+    from megarl.trainer.runtime import Runtime
+
 
 class Trainer:
     def __init__(
-        self, runtime, logger: MetricsLogger, resume: tuple | None = None, source: RolloutSource | None = None
+        self, runtime: Runtime, logger: MetricsLogger, resume: tuple | None = None, source: RolloutSource | None = None
     ):
         """`resume`: (checkpoint dir, its trainer state) to continue from (checkpoints.resume_point);
         `source`: where the rows come from (default: the one trainer.mode names)."""
