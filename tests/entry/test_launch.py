@@ -5,7 +5,7 @@
    succeeds, writes 5 metric rows, and its Megatron ranks ran as actors of that cluster (the
    run joined it instead of starting its own).
 2. A local Slurm cluster (slurmctld + two slurmd "nodes" n1, n2 on 127.0.0.1, its own munged,
-   everything under one temp dir, SLURM_CONF pointing there; ../shared/reference recipe) runs
+   everything under one temp dir, SLURM_CONF pointing there; docs/clusters.md) runs
    `sbatch --nodes=2 launch/slurm.sbatch` for a 5-step disaggregated quickstart: the job
    completes with exit 0, 5 metric rows are written, the actor ranks ran on one node's Ray and
    the rollout engine on the other's, and no process the job started is left afterwards.

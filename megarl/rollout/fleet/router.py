@@ -99,7 +99,7 @@ to one engine while another restarts. Strictly sequential requests to idle
 workers all go to the same worker under cache_aware.
 
 The router re-serialises /generate bodies with extra default fields ("model": null, "stream": false,
-...); see ../shared/reference/sglang-http-api.md.
+...), which the server accepts; docs/rollout.md lists what else it changes.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
         [--max-body-mb 256] [--weight-dirs DIR[,DIR]]   (or MEGARL_ROLLOUT_WEIGHT_DIRS)
         [--tp N [--nnodes K --node-rank R --dist-init-addr HOST:PORT]]   (engine/runner/mesh.py)
 
-Request and response shapes are SGLang 0.5's (see shared/reference/sglang-http-api.md), so the
+Request and response shapes are SGLang 0.5's (docs/rollout.md), so the
 same client, router and tests work against both servers. /generate accepts every field SGLang
 does (sglang_fields.py says which are honoured, which change nothing here, which are refused),
 answers batched input with n>1 as a flat prompt-major list (generate_input.py), and streams
