@@ -133,3 +133,17 @@ def test_no_function_is_over_the_line_limit():
         f"functions over {MAX_FUNCTION_LINES} lines; give their steps names of their own:\n  "
         + "\n  ".join(long_functions)
     )
+
+
+def test_nothing_points_outside_the_repo():
+    """A clone has only its own files: code, tests and docs name none beside it (the design notes
+    the project started from live in docs/architecture.md)."""
+    outside = "../" + "shared"  # spelled in two so this file does not name it
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    texts = [p for p in tracked if p.endswith((".py", ".md", ".sh", ".yaml", ".toml", ".sbatch", "Dockerfile"))]
+    hits = []
+    for name in texts:
+        for i, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1):
+            if outside in line or ("shared/" + "reference") in line:
+                hits.append(f"{name}:{i}: {line.strip()[:100]}")
+    assert not hits, "references to files outside the repo:\n  " + "\n  ".join(hits)
