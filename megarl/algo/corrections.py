@@ -72,9 +72,12 @@ def rollout_is_weights(
 
 def parity_stats(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, atol: float) -> dict:
     """Sums over response tokens of |trainer - rollout| log-probs ([B, R] each): the pieces that
-    add up across ranks (merge_parity_stats) before trainer/parity.py judges them."""
+    add up across ranks (merge_parity_stats) before trainer/parity.py judges them. A non-finite
+    log-prob on either side is a difference of inf (off, and the worst): never a silent pass."""
     mask = mask.bool()
-    per_token = (trainer - rollout.to(trainer.dtype)).abs() * mask
+    per_token = (trainer - rollout.to(trainer.dtype)).abs()
+    per_token = torch.where(per_token.isfinite(), per_token, torch.inf)
+    per_token = torch.where(mask, per_token, 0.0)  # padding holds anything, NaN included
     diff = per_token[mask]
     return {
         "diff_max": float(diff.max()) if diff.numel() else 0.0,
@@ -82,10 +85,11 @@ def parity_stats(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tenso
         "tokens": float(diff.numel()),
         "rows_off": float((per_token > atol).any(1).sum()),
         "rows": float(len(trainer)),
+        "nonfinite": float(diff.isinf().sum()),
     }
 
 
 def merge_parity_stats(parts: list[dict]) -> dict:
-    out = {k: sum(p[k] for p in parts) for k in ("diff_sum", "tokens", "rows_off", "rows")}
+    out = {k: sum(p.get(k, 0.0) for p in parts) for k in ("diff_sum", "tokens", "rows_off", "rows", "nonfinite")}
     out["diff_max"] = max((p["diff_max"] for p in parts), default=0.0)
     return out

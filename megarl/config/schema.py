@@ -322,6 +322,9 @@ class BridgeConfig:
     # sides (measured on the tiny MoE: 1e-3..1e-2 at that token, one row); a broken or stale sync
     # puts every row off. The largest difference is logged either way (rollout/logprob_diff_max)
     parity_rows_off: float = 0.01
+    # how far a row tolerated by parity_rows_off may be off at its worst token: a near-tie moves it
+    # by 1e-2 at most; beyond this the check fails whatever the count (a non-finite log-prob always)
+    parity_row_max: float = 0.05
 
 
 @dataclass

@@ -96,6 +96,12 @@ def check_ranges(cfg: RunConfig) -> None:
         f"bridge.parity_rows_off={frac!r} must be in [0, 1): the fraction of checked rows allowed "
         "a token beyond bridge.parity_atol (0 = strict)",
     )
+    _require(
+        cfg.bridge.parity_row_max >= cfg.bridge.parity_atol,
+        "bridge.parity_row_max",
+        f"bridge.parity_row_max={cfg.bridge.parity_row_max!r} must be >= bridge.parity_atol="
+        f"{cfg.bridge.parity_atol!r}: it bounds how far a row beyond parity_atol may be off",
+    )
     low = cfg.actor.clip_ratio_low
     _require(
         low < 1,

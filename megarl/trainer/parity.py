@@ -12,8 +12,9 @@ instead: each rank reports parity_stats of its rows, merged and judged here.
 
 Tolerances: `bridge.parity_atol` per token; up to `bridge.parity_rows_off` of the rows may exceed
 it (isolated rows: an MoE router's near-tied experts take different branches in the two engines'
-numerics); more raise ParityError, whose message says where the disagreement is and what version
-every engine serves.
+numerics), by at most `bridge.parity_row_max`; more, or further, raise ParityError, whose message
+says where the disagreement is and what version every engine serves. A non-finite log-prob on
+either side always raises.
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ def check_parity_stats(stats: dict, step: int, bridge, weight_version: int, deta
     disagreement is, asked only for the error message."""
     rows_off, worst = int(stats["rows_off"]), stats["diff_max"]
     allowed = int(bridge.parity_rows_off * stats["rows"])
+    nonfinite = int(stats.get("nonfinite", 0))
+    if bridge.check_parity and nonfinite:
+        raise ParityError(
+            f"step {step}: {nonfinite} response tokens have a non-finite log-prob on the rollout "
+            f"server's or the trainer's side, for weight version {weight_version}. " + detail()
+        )
+    if bridge.check_parity and rows_off and worst > bridge.parity_row_max:
+        raise ParityError(
+            f"step {step}: rollout server and trainer log-probs differ by {worst:.2e} at one token, "
+            f"beyond bridge.parity_row_max={bridge.parity_row_max} (what an isolated row tolerated by "
+            f"bridge.parity_rows_off may differ by), for weight version {weight_version}. " + detail()
+        )
     if bridge.check_parity and rows_off > allowed:
         raise ParityError(
             f"step {step}: rollout server and trainer log-probs differ by up to {worst:.2e} "
@@ -48,6 +61,7 @@ def check_parity_stats(stats: dict, step: int, bridge, weight_version: int, deta
     return {
         "rollout/logprob_diff_max": worst,
         "rollout/logprob_rows_off": float(rows_off),
+        "rollout/logprob_nonfinite": float(nonfinite),
         "rollout/logprob_diff_mean": stats["diff_sum"] / stats["tokens"] if stats["tokens"] else 0.0,
     }
 
@@ -61,7 +75,8 @@ def check_parity(rows: Batch, step: int, bridge, weight_version: int, engine_ver
 
     def detail() -> str:
         mask = rows["response_mask"].bool()
-        per_token = (rows["old_log_probs"] - rows["rollout_log_probs"]).abs() * mask
+        per_token = (rows["old_log_probs"] - rows["rollout_log_probs"]).abs()
+        per_token = torch.where(mask, torch.where(per_token.isfinite(), per_token, torch.inf), 0.0)
         return parity_detail(rows, per_token, bridge.parity_atol, engine_versions())
 
     return check_parity_stats(stats, step, bridge, weight_version, detail)
