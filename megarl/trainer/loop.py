@@ -42,7 +42,7 @@ from megarl.reward import take_counts
 from megarl.reward.model import RowScorer
 from megarl.reward.overlong import overlong_penalty
 from megarl.rollout.client.manager import SamplingSpec
-from megarl.trainer import checkpoints, phases, run_state
+from megarl.trainer import checkpoints, finite, phases, run_state
 from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
@@ -164,8 +164,12 @@ class Trainer:
         # rows were sampled with the actor's current weights (validate allows it only then)
         reuse = self.reuse_rollout_log_probs and not self.source.off_policy
         rows, parity = phases.old_ref_values(self, rows, step, timing, reuse)
+        finite.check_rows(rows, finite.ROLLOUT_AND_OLD, "old/ref/values", step, self.weight_version)
         rows, kl_metrics = phases.advantages(self, rows, timing)
+        finite.check_rows(rows, finite.ADVANTAGES, "advantages", step, self.weight_version)
         per_rank, critic_metrics = phases.update(self, rows, step, timing, reuse)
+        finite.check_ranks(critic_metrics or [], "critic update", step, self.weight_version)
+        finite.check_ranks(per_rank, "actor update", step, self.weight_version)  # before the sync
         if reuse:
             parity = self._update_parity(per_rank, step)
         bridge_stats = phases.sync(self, timing)

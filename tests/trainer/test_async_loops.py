@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,8 @@ from megarl.config.validate import validate
 from megarl.data.batch import Batch
 from megarl.rollout.client.client import GenerateOutput
 from megarl.rollout.client.manager import SamplingSpec
+from megarl.trainer.finite import NonFiniteError
+from megarl.trainer.parity import engine_versions
 from tests._parity import MEAN_BOUND, assert_served_by_the_trainers_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def async_runs(tmp_path_factory):
     """One runtime: one_step_off for 4 steps (checkpoints at 2 and 4), then fully_async resumed
-    from one_step_off's step-2 checkpoint for steps 3 and 4."""
+    from one_step_off's step-2 checkpoint for steps 3 and 4, then a one_step_off trainer whose
+    rollout source hands it one NaN engine log-prob (the error it stopped with, and the version
+    the engines serve after it)."""
     from megarl.trainer import checkpoints
     from megarl.trainer.loop import Trainer
     from megarl.trainer.metrics import MetricsLogger
@@ -64,8 +69,39 @@ def async_runs(tmp_path_factory):
         trainer = Trainer(rt, full, resume=point)
         trainer.fit()
         full.close()
+        rt.cfg.trainer.mode = "one_step_off"
+        poisoned = Trainer(rt, MetricsLogger(None, 4, stream=io.StringIO()))
+        poisoned.source = _NaNLogProb(poisoned.source)
+        with pytest.raises(NonFiniteError) as nan_error:
+            poisoned.fit()
+        served = engine_versions(rt.fleet)
     read = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]  # noqa: E731
-    return read("one.jsonl"), read("full.jsonl"), state2, trainer
+    return read("one.jsonl"), read("full.jsonl"), state2, trainer, (str(nan_error.value), served)
+
+
+class _NaNLogProb:
+    """A rollout source whose rows carry one NaN engine log-prob (row 3's first response token)."""
+
+    def __init__(self, inner):
+        self.inner, self.off_policy = inner, inner.off_policy
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def rows(self, step, timing):
+        rows, stats = self.inner.rows(step, timing)
+        rows["rollout_log_probs"][3, 0] = float("nan")
+        return rows, stats
+
+
+def test_a_nan_engine_log_prob_stops_the_step_before_the_weights_move(async_runs):
+    message, served = async_runs[4]
+    assert message.startswith("step 1, weight version 0: the rollout engine's log-probs (rollout_log_probs, ")
+    # the row's index is after the data-parallel balancing, which depends on the lengths sampled
+    assert re.search(
+        r"non-finite at 1 response tokens in 1 rows; first: row \d+ \(nan\), served with weight_version '4'$", message
+    )
+    assert served and all(line.endswith(": '4'") for line in served), served  # no sync after the refused step
 
 
 def test_one_step_off_trains_one_version_behind(async_runs):
