@@ -317,14 +317,11 @@ class BridgeConfig:
     bucket_size_mb: float = 64.0
     check_parity: bool = True  # compare server and trainer log-probs after a sync
     parity_atol: float = 1e-3  # max |logprob difference| the parity check accepts
-    # the fraction of checked rows allowed a token beyond parity_atol (rounded down; 0 = strict).
-    # An MoE router whose top-k experts are near-tied can route one token differently on the two
-    # sides (measured on the tiny MoE: 1e-3..1e-2 at that token, one row); a broken or stale sync
-    # puts every row off. The largest difference is logged either way (rollout/logprob_diff_max)
+    # the fraction of checked rows allowed a token beyond parity_atol (rounded down; 0 = strict),
+    # each by at most parity_row_max: an MoE router's near-tied experts can route one token
+    # differently on the two sides (tiny MoE: 1e-3..1e-2, one row); a stale sync puts every row off
     parity_rows_off: float = 0.01
-    # how far a row tolerated by parity_rows_off may be off at its worst token: a near-tie moves it
-    # by 1e-2 at most; beyond this the check fails whatever the count (a non-finite log-prob always)
-    parity_row_max: float = 0.05
+    parity_row_max: float = 0.05  # a non-finite log-prob always fails the check
 
 
 @dataclass
