@@ -322,6 +322,7 @@ class BridgeConfig:
     # differently on the two sides (tiny MoE: 1e-3..1e-2, one row); a stale sync puts every row off
     parity_rows_off: float = 0.01
     parity_row_max: float = 0.05  # a non-finite log-prob always fails the check
+    parity_probe_rows: int = 8  # async loops: rows every engine re-scores after a sync (trainer/parity.py)
 
 
 @dataclass

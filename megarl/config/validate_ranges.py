@@ -102,6 +102,12 @@ def check_ranges(cfg: RunConfig) -> None:
         f"bridge.parity_row_max={cfg.bridge.parity_row_max!r} must be >= bridge.parity_atol="
         f"{cfg.bridge.parity_atol!r}: it bounds how far a row beyond parity_atol may be off",
     )
+    _require(
+        cfg.bridge.parity_probe_rows >= 0,
+        "bridge.parity_probe_rows",
+        f"bridge.parity_probe_rows={cfg.bridge.parity_probe_rows!r} must be >= 0 (0: no probe after a sync in "
+        "the asynchronous loops)",
+    )
     low = cfg.actor.clip_ratio_low
     _require(
         low < 1,

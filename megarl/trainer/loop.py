@@ -46,7 +46,13 @@ from megarl.trainer import checkpoints, finite, phases, run_state
 from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
-from megarl.trainer.parity import check_current_rows, check_parity, check_update_parity, engine_versions
+from megarl.trainer.parity import (
+    check_current_rows,
+    check_parity,
+    check_update_parity,
+    engine_versions,
+    probe_engines,
+)
 from megarl.trainer.rank_watch import RankWatch
 from megarl.trainer.sources import RolloutSource, rollout_source
 from megarl.trainer.step_metrics import average, rollout_metrics, timer
@@ -362,10 +368,21 @@ class Trainer:
         return view
 
     def _check_parity(self, rows: Batch, step: int) -> dict:
-        """The server sampled with the weights the trainer just scored with (parity.py); under an
-        off-policy source, the rows served by that version."""
-        check = check_current_rows if self.source.off_policy else check_parity
-        return check(rows, step, self.cfg.bridge, self.weight_version, lambda: engine_versions(self.rt.fleet))
+        """The server sampled with the weights the trainer just scored with (parity.py). Under an
+        off-policy source the rows served by that version are checked, and every engine re-scores
+        a few of the step's rows under the weights it holds (the last sync's check)."""
+        b = self.cfg.bridge
+        if not self.source.off_policy:
+            return check_parity(rows, step, b, self.weight_version, lambda: engine_versions(self.rt.fleet))
+        metrics = check_current_rows(rows, step, b, self.weight_version, lambda: engine_versions(self.rt.fleet))
+        if b.check_parity and b.parity_probe_rows:
+            t = time.perf_counter()
+            temperature = self.cfg.rollout.temperature
+            metrics.update(
+                probe_engines(rows, step, b, self.weight_version, self.rt.fleet, temperature, b.parity_probe_rows)
+            )
+            metrics["perf/parity_probe_s"] = time.perf_counter() - t
+        return metrics
 
     def _update_parity(self, per_rank: list[dict], step: int) -> dict:
         """actor.old_log_prob=rollout: the check on the update's first mini-batch (parity.py)."""

@@ -32,12 +32,15 @@ class ParityError(RuntimeError):
     """The rollout server and the trainer disagree on the log-probs of the same tokens."""
 
 
-def check_parity_stats(stats: dict, step: int, bridge, weight_version: int, detail: Callable[[], str]) -> dict:
+def check_parity_stats(
+    stats: dict, step: int, bridge, weight_version: int, detail: Callable[[], str], least_allowed: int = 0
+) -> dict:
     """rollout/logprob_* metrics of merged parity_stats; raises ParityError when more rows than
-    bridge.parity_rows_off allows are off (and bridge.check_parity is on). `detail()`: where the
-    disagreement is, asked only for the error message."""
+    bridge.parity_rows_off allows (at least `least_allowed` where it is > 0) are off (and
+    bridge.check_parity is on). `detail()`: where the disagreement is, asked only for the message."""
     rows_off, worst = int(stats["rows_off"]), stats["diff_max"]
     allowed = int(bridge.parity_rows_off * stats["rows"])
+    allowed = max(allowed, least_allowed) if bridge.parity_rows_off > 0 else 0
     nonfinite = int(stats.get("nonfinite", 0))
     if bridge.check_parity and nonfinite:
         raise ParityError(
@@ -113,6 +116,52 @@ def check_current_rows(
         metrics["async/staleness_mean"] = sum(behind) / len(behind)
         metrics["async/staleness_max"] = float(max(behind))
     return metrics
+
+
+def probe_engines(
+    rows: Batch, step: int, bridge, weight_version: int, fleet, temperature: float, probe_rows: int
+) -> dict:
+    """The check of the last sync where the step's rows cannot give it (they were sampled by older
+    versions: the asynchronous loops). `probe_rows` of the step's rows, spread over the batch, are
+    scored teacher-forced by every engine under the weights it holds now (RolloutClient.score) and
+    compared with the trainer's old log-probs of the same tokens, computed by the version it
+    holds; every engine must answer with that version. parity/* metrics; ParityError as
+    check_parity (one isolated row tolerated while bridge.parity_rows_off > 0). An engine that does
+    not answer (dead, being restarted: the fleet resyncs it before it serves) is counted, not judged."""
+    k = min(probe_rows, len(rows))
+    picked = [round(i * (len(rows) - 1) / max(k - 1, 1)) for i in range(k)]
+    mask = rows["response_mask"][picked]
+    ends = [int(m.nonzero().max()) + 1 if m.any() else 0 for m in mask]
+    starts = [int(rows["prompt_lengths"][i]) for i in picked]
+    sequences = [rows["input_ids"][i, : p + e].tolist() for i, p, e in zip(picked, starts, ends)]
+    want = {str(weight_version)} | ({"default", "0", None} if weight_version == 0 else set())
+    old, parts, unreachable = rows["old_log_probs"][picked], [], 0
+    for url in fleet.engine_urls:
+        try:
+            with fleet.client(url, max_retries=0, timeout_s=60.0) as client:
+                scored = client.score(sequences, starts, temperature)
+        except Exception:  # noqa: BLE001  (a dead engine is the fleet's to restart; counted)
+            unreachable += 1
+            continue
+        served = {version for _, version in scored}
+        if not served <= want:
+            raise ParityError(
+                f"step {step}: engine {url} answers with weight version {sorted(map(str, served))} after "
+                f"the sync of version {weight_version}: the sync did not reach it"
+            )
+        engine = torch.full_like(old, float("nan"))
+        for j, (lps, _) in enumerate(scored):
+            engine[j, : len(lps)] = torch.tensor(lps[: old.shape[1]], dtype=old.dtype)
+        parts.append(parity_stats(old, engine, mask, bridge.parity_atol))
+    metrics = {"parity/engines": float(len(parts)), "parity/engines_unreachable": float(unreachable)}
+    if not parts:
+        return metrics
+    stats = merge_parity_stats(parts)
+    checked = check_parity_stats(
+        stats, step, bridge, weight_version, lambda: f"Probe rows {picked} on {len(parts)} engines.", least_allowed=1
+    )
+    metrics["parity/rows"] = stats["rows"]  # rows x engines
+    return {**metrics, **{k.replace("rollout/logprob_", "parity/"): v for k, v in checked.items()}}
 
 
 def check_update_parity(

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def async_runs(tmp_path_factory):
     """One runtime: one_step_off for 4 steps (checkpoints at 2 and 4), then fully_async resumed
     from one_step_off's step-2 checkpoint for steps 3 and 4, then a one_step_off trainer whose
-    rollout source hands it one NaN engine log-prob (the error it stopped with, and the version
-    the engines serve after it)."""
+    rollout source hands it one NaN engine log-prob with the parity check off (the error it
+    stopped with, and the version the engines serve after it)."""
     from megarl.trainer import checkpoints
     from megarl.trainer.loop import Trainer
     from megarl.trainer.metrics import MetricsLogger
@@ -69,8 +69,9 @@ def async_runs(tmp_path_factory):
         trainer = Trainer(rt, full, resume=point)
         trainer.fit()
         full.close()
-        rt.cfg.trainer.mode = "one_step_off"
+        rt.cfg.trainer.mode, rt.cfg.bridge.check_parity = "one_step_off", False  # the guard, not parity
         poisoned = Trainer(rt, MetricsLogger(None, 4, stream=io.StringIO()))
+        poisoned.weight_version = 4  # the actor and the engines hold version 4
         poisoned.source = _NaNLogProb(poisoned.source)
         with pytest.raises(NonFiniteError) as nan_error:
             poisoned.fit()
@@ -96,7 +97,7 @@ class _NaNLogProb:
 
 def test_a_nan_engine_log_prob_stops_the_step_before_the_weights_move(async_runs):
     message, served = async_runs[4]
-    assert message.startswith("step 1, weight version 0: the rollout engine's log-probs (rollout_log_probs, ")
+    assert message.startswith("step 1, weight version 4: the rollout engine's log-probs (rollout_log_probs, ")
     # the row's index is after the data-parallel balancing, which depends on the lengths sampled
     assert re.search(
         r"non-finite at 1 response tokens in 1 rows; first: row \d+ \(nan\), served with weight_version '4'$", message
@@ -118,6 +119,9 @@ def test_one_step_off_trains_one_version_behind(async_runs):
     for m in steps:
         bad = {k: v for k, v in m.items() if not np.isfinite(v)}
         assert not bad, bad
+        # after every sync, every engine re-scored rows of the step with the version the trainer holds
+        assert m["parity/engines"] == 1 and m["parity/rows"] == 8
+        assert_served_by_the_trainers_weights(m, "parity/")
 
 
 def test_one_step_off_checkpoint_regenerates_the_batch_in_flight(async_runs):
@@ -133,6 +137,8 @@ def test_fully_async_resumed_from_a_checkpoint_keeps_the_staleness_bound(async_r
     for m in steps:
         assert m["async/group_staleness_max"] <= 1 and m["async/staleness_max"] <= 1  # max_staleness=1
         assert m["rollout/retries"] == 0 and 0 <= m["async/partial_frac"] <= 1
+        assert m["parity/engines"] == 1
+        assert_served_by_the_trainers_weights(m, "parity/")
     # the first batch after the resume was sent under the checkpoint's weights: parity checked
     assert steps[0]["async/staleness_max"] == 0
     assert_served_by_the_trainers_weights(steps[0])

@@ -284,6 +284,32 @@ class RolloutClient(WeightCalls):
             )
         return [GenerateOutput.from_response(item) for item in items]
 
+    def score(
+        self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0
+    ) -> list[tuple[list[float], str | None]]:
+        """Teacher-forced log-probs under the weights the server holds now: for each sequence, the
+        log-prob of every token from starts[i] on (one prefill; nothing is sampled), with the
+        weight_version that computed them (trainer/parity.py's check of a weight sync)."""
+        return self._run(self._score(sequences, starts, temperature))
+
+    async def _score(self, sequences, starts, temperature) -> list[tuple[list[float], str | None]]:
+        payload = {
+            "input_ids": sequences,
+            "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
+            "return_logprob": True,
+            "logprob_start_len": list(starts),
+        }
+        body = await self._json("POST", "/generate", payload, f"scoring {len(sequences)} sequences")
+        items = body if isinstance(body, list) else [body]
+        if len(items) != len(sequences):
+            raise RolloutRequestError(f"{self.base_url}/generate scored {len(items)} of {len(sequences)} sequences")
+        out = []
+        for item in items:
+            meta = item.get("meta_info", {})
+            lps = [float("nan") if t[0] is None else float(t[0]) for t in meta.get("input_token_logprobs") or []]
+            out.append((lps, meta.get("weight_version")))
+        return out
+
     def generate_text(self, texts: list[str], sampling_params: dict | None = None) -> list[GenerateOutput]:
         """One /generate with SGLang's `text` input (the server tokenizes), for callers without the
         server's tokenizer (a judge model, megarl.reward.genrm): len(texts) * n outputs, in order."""

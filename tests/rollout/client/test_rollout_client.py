@@ -304,6 +304,19 @@ def test_e2e_concurrent_requests_are_batched_with_exact_logprobs(client, server,
     assert client.health() and client.health_generate() and client.flush_cache()
 
 
+def test_e2e_score_gives_teacher_forced_log_probs_of_the_weights_served(client, checkpoints):
+    """Log-probs of given tokens (prefill only), as the Hugging Face model computes them, per
+    sequence from its start index, with the weight version that computed them."""
+    sequences = [[2, 10, 11, 12, 40, 41, 42], [2, 30, 31, 50, 51, 52, 53, 54]]
+    starts = [4, 3]
+    scored = client.score(sequences, starts, temperature=0.7)
+    assert [version for _, version in scored] == ["default", "default"]
+    for seq, start, (lps, _) in zip(sequences, starts, scored):
+        expected = hf_logprobs(checkpoints[0], seq[:start], seq[start:], 0.7)
+        assert len(lps) == len(seq) - start
+        torch.testing.assert_close(torch.tensor(lps), expected, atol=1e-5, rtol=0)
+
+
 def test_e2e_malformed_requests_are_rejected_and_the_server_keeps_serving(client, server):
     response = httpx.post(f"{server.url}/generate", content=b'{"input_ids": [1,', timeout=10)
     assert response.status_code == 400
