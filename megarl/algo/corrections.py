@@ -44,8 +44,9 @@ def rollout_is_weights(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Truncated importance weights (batch, response_len), detached, zero off the response.
 
-    Metrics: rollout_is/mean and rollout_is/clipfrac (fraction truncated) over response tokens
-    (token level) or over rows with a response (sequence level).
+    Metrics: rollout_is/mean, rollout_is/clipfrac (fraction truncated) and rollout_is/spread (mean
+    |w - 1|: the mean is ~1 by construction under the behaviour policy, the spread is not) over
+    response tokens (token level) or over rows with a response (sequence level).
     """
     if level not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"rollout_is level {level!r} is not one of {ROLLOUT_IS_LEVELS}")
@@ -66,6 +67,8 @@ def rollout_is_weights(
     metrics = {
         "rollout_is/mean": masked_mean(w, unit_mask),
         "rollout_is/clipfrac": masked_mean(truncated.to(w.dtype), unit_mask),
+        # how far off-policy: 0 where the engine sampled with the trainer's weights
+        "rollout_is/spread": masked_mean((w - 1).abs(), unit_mask),
     }
     return (w * mask).detach(), metrics
 

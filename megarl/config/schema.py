@@ -153,11 +153,11 @@ class MoEConfig:
 @dataclass
 class RolloutISConfig:
     """Truncated importance sampling against the rollout engine's log-probs (algo/corrections.py):
-    each token's policy loss is weighted by min(exp(old_logp - rollout_logp), threshold) (token),
-    or by the row's min(exp(sum of them), threshold) (sequence). null: off. The mismatch KL
-    (rollout/mismatch_kl) is logged either way."""
+    each token's loss weighted by min(exp(old_logp - rollout_logp), threshold) (token), or by the
+    row's min(exp(sum), threshold) (sequence); null: off; auto: token in the asynchronous loops
+    (decoupled PPO with TIS), off in sync. rollout/mismatch_kl is logged either way."""
 
-    level: Literal["token", "sequence"] | None = None
+    level: Literal["token", "sequence", "auto"] | None = "auto"
     threshold: float = 2.0
 
 

@@ -34,7 +34,7 @@ from megarl.config.validate_pipeline import stage_layers
 from megarl.config.validate_ranges import check_ranges
 from megarl.config.validate_reward import check_reward_function, check_reward_model, resolve_reward
 from megarl.config.validate_rollout import check_rollout, resolve_rollout
-from megarl.config.validate_trainer import check_loop_mode, reuses_rollout_log_probs
+from megarl.config.validate_trainer import check_loop_mode, resolved_rollout_is, reuses_rollout_log_probs
 
 # importable from here as before: the package, the CLI and the engine use them
 __all__ = ["data_parallel_size", "read_model_config", "resolve", "stage_layers", "validate"]
@@ -42,12 +42,13 @@ __all__ = ["data_parallel_size", "read_model_config", "resolve", "stage_layers",
 
 def resolve(cfg: RunConfig) -> RunConfig:
     """A copy with auto fields decided: sequence parallel on iff tp > 1; ref iff a KL needs it;
-    actor.old_log_prob (validate_trainer.reuses_rollout_log_probs)."""
+    actor.rollout_is.level and actor.old_log_prob (validate_trainer)."""
     out = copy.deepcopy(cfg)
     for p in (out.actor.parallel, out.critic.parallel):
         if p.sequence_parallel is None:
             p.sequence_parallel = p.tp > 1
     resolve_ref(out)
+    out.actor.rollout_is.level = resolved_rollout_is(out)
     out.actor.old_log_prob = "rollout" if reuses_rollout_log_probs(out) else "recompute"
     resolve_rollout(out)
     resolve_reward(out)

@@ -5,6 +5,20 @@ from __future__ import annotations
 from megarl.config.loader import ConfigError
 
 
+def resolved_rollout_is(cfg) -> str | None:
+    """actor.rollout_is.level resolved. auto: token-level truncated importance sampling (threshold
+    actor.rollout_is.threshold, 2 by default) in one_step_off and fully_async, whose rows come from
+    older weights than the actor's: decoupled PPO, the ratio against the recomputed old (proximal)
+    log-probs and the truncated weight old / behaviour on each token (TIS, as verl's rollout_is and
+    slime's --use-tis; token level keeps the variance of long responses bounded where a sequence's
+    product of ratios would not). Off in sync, where the engine sampled with the actor's weights
+    (parity holds) and the weight would be 1 up to rounding."""
+    level = cfg.actor.rollout_is.level
+    if level != "auto":
+        return level
+    return "token" if cfg.trainer.mode != "sync" else None
+
+
 def reuses_rollout_log_probs(cfg) -> bool:
     """actor.old_log_prob resolved: whether the rollout's log-probs serve as old_log_probs (see
     the schema): explicitly, or by auto where they equal the trainer's up to fp32 rounding."""

@@ -262,6 +262,7 @@ def test_rollout_is_token_and_sequence_hand_checked():
     assert w.tolist() == [pytest.approx([1.5, 1.0, 0.4], **TOL), pytest.approx([1.5, 1.5, 0.0], **TOL)]
     assert m["rollout_is/mean"].item() == pytest.approx(5.9 / 5, **TOL)
     assert m["rollout_is/clipfrac"].item() == pytest.approx(3 / 5, **TOL)
+    assert m["rollout_is/spread"].item() == pytest.approx((0.5 + 0 + 0.6 + 0.5 + 0.5) / 5, **TOL)
     w, m = rollout_is_weights(old, rollout, mask, "sequence", 1.5)
     # products: 2 * 1 * 0.4 = 0.8 (kept), 2 * 2 = 4 -> 1.5; per row, zero off the response
     assert w.tolist() == [pytest.approx([0.8] * 3, **TOL), pytest.approx([1.5, 1.5, 0.0], **TOL)]

@@ -122,6 +122,13 @@ def test_one_step_off_trains_one_version_behind(async_runs):
         # after every sync, every engine re-scored rows of the step with the version the trainer holds
         assert m["parity/engines"] == 1 and m["parity/rows"] == 8
         assert_served_by_the_trainers_weights(m, "parity/")
+    # decoupled PPO with token-level TIS by default (actor.rollout_is.level: auto): every weight is
+    # 1 where the rows are the trainer's version (step 1), not where they are a version behind (the
+    # weights' mean stays ~1 there: that is what importance weights do under the behaviour policy)
+    assert steps[0]["rollout_is/spread"] < MEAN_BOUND
+    for m in steps[1:]:
+        assert m["rollout_is/spread"] > 100 * MEAN_BOUND, m["rollout_is/spread"]
+        assert m["rollout_is/mean"] == pytest.approx(1.0, abs=0.05)
 
 
 def test_one_step_off_checkpoint_regenerates_the_batch_in_flight(async_runs):

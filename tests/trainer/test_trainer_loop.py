@@ -392,6 +392,15 @@ def test_old_log_prob_auto_takes_the_rollouts_only_where_they_are_the_trainers_o
         validate(load_config(ROOT / "configs/disaggregated.yaml", ["trainer.mode=one_step_off"])).actor.old_log_prob
         == "recompute"
     )
+
+    def rollout_is(*overrides):
+        return validate(load_config(ROOT / "configs/disaggregated.yaml", list(overrides))).actor.rollout_is.level
+
+    # the off-policy correction: on by default where rows come from older weights, off in sync
+    assert rollout_is() is None and rollout_is("trainer.mode=one_step_off") == "token"
+    assert rollout_is("trainer.mode=fully_async") == "token"
+    assert rollout_is("trainer.mode=fully_async", "actor.rollout_is.level=null") is None
+    assert rollout_is("actor.rollout_is.level=sequence") == "sequence"
     with pytest.raises(ConfigError, match="actor.old_log_prob=rollout takes the rollout engine's log-probs"):
         validate(
             load_config(
