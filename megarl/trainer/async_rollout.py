@@ -21,7 +21,8 @@ meta_info["weight_versions"], megarl's run-length record). `async/partial_frac` 
 of rows whose tokens span versions.
 
 Failures: the client retries a request (rollout.max_retries); one that still fails stops the
-producer and `take()` raises it (no prompt is dropped silently). Engines restarted by the fleet
+producer and `take()` raises it (no prompt is dropped silently). An answer aborted mid-generation
+is a normal event: it is continued from its tokens (partial rollout, `async/resumed`). Engines restarted by the fleet
 mid-run are not waited for here (the sync loop's re-send rounds are not repeated).
 """
 
@@ -37,6 +38,9 @@ import numpy as np
 
 from megarl.data.batch import Batch
 from megarl.rollout.client.manager import SamplingSpec, rows_to_batch
+from megarl.rollout.client.partial import is_partial, resume_partial
+
+MAX_RESUMES = 16  # times one answer may be aborted and continued before the producer gives up
 
 
 @dataclasses.dataclass
@@ -70,7 +74,7 @@ class RolloutProducer:
         self._cond = threading.Condition()
         self._version = self._version0 = version
         self._buffer: list[_Group] = []
-        self._sent = self._dropped = self._partial = 0
+        self._sent = self._dropped = self._partial = self._resumed = 0
         self._error: BaseException | None = None
         self._stopping = False
         self._prompts = self._prompt_stream(cursor)
@@ -89,7 +93,7 @@ class RolloutProducer:
         step's async/* stats. Blocks until enough have finished (perf/wait_s)."""
         t0 = time.perf_counter()
         with self._cond:
-            dropped_before = self._dropped
+            dropped_before, resumed_before = self._dropped, self._resumed
             while True:
                 if self._error is not None:
                     raise RuntimeError(f"fully_async rollout failed: {self._error}") from self._error
@@ -105,6 +109,7 @@ class RolloutProducer:
                 self._cond.wait(timeout=1.0)
             stats = {
                 "async/dropped_stale": float(self._dropped - dropped_before),
+                "async/resumed": float(self._resumed - resumed_before),  # aborted answers continued
                 "async/buffered_groups": float(len(self._buffer)),
                 "async/sent_groups": float(self._sent),
             }
@@ -185,6 +190,7 @@ class RolloutProducer:
         client = self._client()
         try:
             outputs = await client.agenerate([ids], self.sampling.to_sglang(), return_logprob=True)
+            outputs = await self._resume_aborted(client, ids, outputs)
         except Exception as exc:  # noqa: BLE001
             with self._cond:
                 if not self._stopping and self._error is None:
@@ -198,6 +204,25 @@ class RolloutProducer:
             elif not aborted:
                 self._buffer.append(_Group(row, ids, outputs, version))
             self._cond.notify_all()
+
+    async def _resume_aborted(self, client, ids: list[int], outputs: list) -> list:
+        """Answers aborted mid-generation (an engine that pauses for a weight update by aborting, as
+        SGLang's abort mode does) are continued from their tokens under the weights the engine
+        holds now (client/partial.py): nothing generated is lost, each token keeps the log-prob and
+        the version that produced it. Not while the producer stops (stop() aborts on purpose)."""
+        params, done = {**self.sampling.to_sglang(), "n": 1}, []
+        for out in outputs:
+            for _ in range(MAX_RESUMES):
+                if not is_partial(out) or self._stopping:
+                    break
+                out = await resume_partial(client, ids, params, out)
+                with self._cond:
+                    self._resumed += 1
+            else:
+                if is_partial(out):
+                    raise RuntimeError(f"an answer was aborted {MAX_RESUMES} times in a row: {out.finish_reason}")
+            done.append(out)
+        return done
 
     def _prompt_stream(self, cursor: int):
         for k in itertools.count(cursor):

@@ -291,3 +291,45 @@ def test_producer_sends_nothing_past_the_last_step():
         for e in client.release.values():
             e.set()
         p.stop()
+
+
+class _AbortingClient:
+    """Every first answer is interrupted after one token (finish_reason abort, as an engine that
+    pauses for a weight update by aborting answers); the continuation (prompt + that token)
+    finishes with one more token under the next version."""
+
+    retries = 0
+
+    def __init__(self):
+        self.requests: list[tuple[list[int], dict]] = []
+
+    async def agenerate(self, ids, params, return_logprob=False, rids=None):
+        params = params if isinstance(params, dict) else params[0]
+        self.requests.append((list(ids[0]), dict(params)))
+        if ids[0][-1] != 5:  # a fresh prompt: interrupted after token 5
+            meta = {"weight_version": "default", "weight_versions": [["default", 1]]}
+            out = GenerateOutput([5], "a", [-1.0], {"type": "abort"}, meta)
+        else:  # the continuation, under version 1
+            out = GenerateOutput(
+                [6], "b", [-2.0], {"type": "stop"}, {"weight_version": "1", "weight_versions": [["1", 1]]}
+            )
+        return [out for _ in range(params["n"])]
+
+    def close(self):
+        pass
+
+
+def test_an_aborted_answer_is_continued_and_keeps_its_tokens_log_probs_and_versions():
+    client = _AbortingClient()
+    p = _producer(client, max_staleness=1, steps=1)
+    try:
+        rows, stats = p.take(0, {})
+    finally:
+        p.stop()
+    assert stats["async/resumed"] == 4 and stats["async/partial_frac"] == 1.0  # 2 groups x n=2
+    assert rows["responses"].tolist() == [[5, 6]] * 4
+    assert rows["rollout_log_probs"].tolist() == [[-1.0, -2.0]] * 4
+    assert list(rows["rollout_weight_version"]) == ["1"] * 4 and list(rows["finish_reason"]) == ["stop"] * 4
+    continued = [(ids, params) for ids, params in client.requests if ids[-1] == 5]
+    assert len(continued) == 4 and all(params["n"] == 1 for _, params in continued)
+    assert all(params["max_new_tokens"] == SamplingSpec(n=2).max_new_tokens - 1 for _, params in continued)
