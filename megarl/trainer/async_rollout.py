@@ -74,7 +74,7 @@ class RolloutProducer:
         self._cond = threading.Condition()
         self._version = self._version0 = version
         self._buffer: list[_Group] = []
-        self._sent = self._dropped = self._partial = self._resumed = 0
+        self._sent = self._dropped = self._resumed = 0
         self._error: BaseException | None = None
         self._stopping = False
         self._prompts = self._prompt_stream(cursor)
