@@ -307,12 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     except (RunDirBusy, ResumeRefused) as err:
         print(f"megarl: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("megarl: interrupted; every process this run started has been stopped", file=sys.stderr)
+    except KeyboardInterrupt as err:  # a first Ctrl-C saves and stops (trainer/preemption.py); a second
+        print(f"megarl: {err or 'interrupted'}; every process this run started has been stopped", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001  (any failure: one line here, the traceback in the log)
         return _report_failure(err, run_dir_of(cfg), args.debug)
-    return 0
+    return 0  # also when a signal stopped it at a step boundary: saved, its last line says where
 
 
 def entry() -> None:

@@ -45,6 +45,7 @@ SLOW_MODULES = {
     "tests/trainer/test_async_loops.py",
     "tests/trainer/test_crash.py",
     "tests/trainer/test_durability.py",
+    "tests/trainer/test_preemption_runs.py",
     "tests/trainer/test_reference_curve.py",
     "tests/trainer/test_trainer_loop.py",
 }

@@ -11,13 +11,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
-# Activation recompute (Megatron's): trade backward-pass compute for activation memory; the numbers
-# are unchanged (tests/engine/test_engine_recompute.py). "none" keeps every activation. "selective"
-# recomputes core attention (Megatron's default recompute_modules ["core_attn"]): the [s, s]
-# attention scores are not kept, for a few % more compute. "full" keeps only each layer's input and
-# recomputes the whole layer in backward (granularity full, method uniform, 1 layer per unit): the
-# least memory, for about one more forward pass per step (~+33% compute). MFU counts model FLOPs, so
-# recompute does not raise it (trainer/mfu.py).
+# Activation recompute (Megatron's; numbers unchanged: tests/engine/test_engine_recompute.py). "none"
+# keeps every activation; "selective" recomputes core attention (no [s, s] scores kept, a few % more
+# compute); "full" keeps each layer's input and recomputes the layer in backward (granularity full,
+# method uniform, 1 layer per unit): least memory, ~+33% compute. MFU counts model FLOPs (trainer/mfu.py).
 Recompute = Literal["none", "selective", "full"]
 AdvEstimator = Literal[
     "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gae"
@@ -382,10 +379,9 @@ class TrainerConfig:
     # fully_async: a sample trained at version v started generating at version >= v - max_staleness
     # (admission holds new prompts back; a sample that still came out older is dropped, counted)
     max_staleness: int = 1
-    # fully_async: how in-flight requests ride over a weight update (/pause_generation mode):
-    # retract re-prefills them with the new weights, so every later token's log-prob is exactly
-    # the new weights' on the whole prefix; in_place keeps their KV cache (computed by the old
-    # weights; no re-prefill). Either way each token records the version that produced it
+    # fully_async: how in-flight requests ride over a weight update (/pause_generation mode): retract
+    # re-prefills them with the new weights (each later log-prob exactly the new weights' on the whole
+    # prefix); in_place keeps their old-weights KV cache. Each token records its weights' version
     pause_mode: Literal["in_place", "retract"] = "retract"
     output_dir: str = "outputs"
     experiment_name: str = "megarl"
@@ -399,8 +395,11 @@ class TrainerConfig:
     balance_batch: bool = True  # reorder rows so data-parallel ranks get equal tokens
     seed: int = 0
     # checkpoints under RUN_DIR/checkpoints/step_NNNNNN (actor model + optimizer, every rank's RNG,
-    # data position, step, weight version); 0 = none (a run that stops is lost)
+    # data position, step, weight version); 0 = none (but one on SIGTERM, SIGUSR1 or Ctrl-C)
     save_every: int = 0
+    # SIGTERM, SIGUSR1 or a first Ctrl-C: finish the step, save, exit 0 (trainer/preemption.py); a
+    # step not finished within stop_grace_s seconds of the signal (or a second Ctrl-C) stops at once
+    stop_grace_s: float = 300.0
     max_checkpoints: int = 3  # keep the newest K; older ones are deleted after a save
     # "auto": continue from the newest complete checkpoint of RUN_DIR (start fresh when there is
     # none); "never": start fresh (refused when RUN_DIR already holds checkpoints); or a checkpoint

@@ -33,6 +33,7 @@ _POSITIVE = [
     "trainer.total_steps",
     "trainer.log_every",
     "trainer.max_checkpoints",
+    "trainer.stop_grace_s",
     "cluster.num_actor_ranks",
     "critic.parallel.tp",
     "critic.parallel.pp",

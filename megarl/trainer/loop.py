@@ -53,6 +53,7 @@ from megarl.trainer.parity import (
     engine_versions,
     probe_engines,
 )
+from megarl.trainer.preemption import STOP_SIGNALS, GracefulStop, Stopped
 from megarl.trainer.rank_watch import RankWatch
 from megarl.trainer.sources import RolloutSource, rollout_source
 from megarl.trainer.step_metrics import average, rollout_metrics, timer
@@ -63,10 +64,16 @@ if TYPE_CHECKING:
 
 class Trainer:
     def __init__(
-        self, runtime: Runtime, logger: MetricsLogger, resume: tuple | None = None, source: RolloutSource | None = None
+        self,
+        runtime: Runtime,
+        logger: MetricsLogger,
+        resume: tuple | None = None,
+        source: RolloutSource | None = None,
+        stop: GracefulStop | None = None,
     ):
         """`resume`: (checkpoint dir, its trainer state) to continue from (checkpoints.resume_point);
-        `source`: where the rows come from (default: the one trainer.mode names)."""
+        `source`: where the rows come from (default: the one trainer.mode names); `stop`: the
+        run's signal handling (preemption.py; default: one of its own)."""
         self.rt = runtime
         self.cfg = runtime.cfg
         self.logger = logger
@@ -91,12 +98,15 @@ class Trainer:
         )
         self.mfu: StepMfu | None = None  # made by fit(): it asks rank 0 for its device's peak
         self.source = source if source is not None else rollout_source(self)
+        self.stop = stop if stop is not None else GracefulStop(self.cfg.trainer.stop_grace_s)
+        self.stopped: Stopped | None = None  # set when a signal stopped the run (preemption.py)
         runtime.fleet.on_restart = self._resync
 
     # ---------------------------------------------------------------- steps
     def fit(self) -> None:
         """Every step: the source's rows through the phases, then validation, metrics and a
-        checkpoint when due; at the end the policy exported."""
+        checkpoint when due; at the end the policy exported. SIGTERM, SIGUSR1 or Ctrl-C: the step
+        finishes, a checkpoint is saved and fit returns with `stopped` set (preemption.py)."""
         from megarl.data.mix import make_prompt_batches
 
         t = self.cfg.trainer
@@ -104,14 +114,26 @@ class Trainer:
         self.mfu = StepMfu.for_run(self.rt.model_path, self.rt.actor, self.cfg)
         if self.resume_from is not None:
             self.restore(*self.resume_from)
-        self.source.start()
-        try:
-            for step in range(self.start_step + 1, t.total_steps + 1):
-                self.finish_step(step, self.train_step(step))
-        finally:
-            self.source.stop()
+        step = self.start_step
+        with self.stop.handling(*STOP_SIGNALS):
+            self.source.start()
+            try:
+                while step < t.total_steps and not (self.stop.requested and step > self.start_step):
+                    step += 1
+                    self.finish_step(step, self.train_step(step))
+            finally:
+                self.source.stop()  # nothing generates while a stop's checkpoint is written
+            if step < t.total_steps:
+                self._stop_at(step)
+                return
         if t.export_hf:
             self.export_hf()
+
+    def _stop_at(self, step: int) -> None:
+        """A signal asked the run to stop after `step`: its checkpoint (unless just saved)."""
+        if self.last_checkpoint is None or not str(self.last_checkpoint).endswith(f"step_{step:06d}"):
+            self.save_checkpoint(step)
+        self.stopped = Stopped(self.stop.signal or "?", step, self.cfg.trainer.total_steps, str(self.last_checkpoint))
 
     def finish_step(self, step: int, metrics: dict) -> None:
         """Validate when due, log the step's metrics, save when due."""

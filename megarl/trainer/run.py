@@ -36,14 +36,20 @@ _LOOK_UP = object()  # _train_locked's `point` not given: look it up
 
 
 def train(cfg: RunConfig, stream=sys.stdout) -> dict:
-    """Run `cfg` (already validated) to completion; returns the reward-curve summary."""
+    """Run `cfg` (already validated) to completion, or until a signal stops it at a step boundary
+    (trainer/preemption.py: the summary's "stopped" line then says where it saved); returns the
+    reward-curve summary."""
+    import signal
+
     from megarl.trainer import checkpoints
+    from megarl.trainer.preemption import GracefulStop
     from megarl.trainer.run_lock import RunDirLock
     from megarl.trainer.runtime import cluster_for, run_dir_of
 
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with RunDirLock(run_dir), open(log_path_of(run_dir), "a") as log:
+    stop = GracefulStop(cfg.trainer.stop_grace_s)  # SIGUSR1 from now on; the rest once the loop runs
+    with stop.handling(signal.SIGUSR1), RunDirLock(run_dir), open(log_path_of(run_dir), "a") as log:
         point = checkpoints.resume_point(run_dir, cfg.trainer.resume)  # refused before Ray starts
         # Ray starts now, in the background, and comes up while this process imports torch,
         # Megatron and transformers and builds the model and the data (~6 s of a quickstart's
@@ -51,12 +57,13 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
         cluster = cluster_for(cfg)
         cluster.start(background=True)
         with contextlib.closing(cluster):  # closed already when start_runtime took it over
-            return _train_locked(cfg, run_dir, Tee(stream, log), cluster, point)
+            return _train_locked(cfg, run_dir, Tee(stream, log), cluster, point, stop)
 
 
-def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LOOK_UP) -> dict:
+def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LOOK_UP, stop=None) -> dict:
     """The run in its locked run dir; `point`: the checkpoint to continue from (resume_point's
-    answer; looked up here when not given)."""
+    answer; looked up here when not given); `stop`: its signal handling (the Trainer's own when
+    None)."""
     from megarl.trainer import checkpoints
     from megarl.trainer.loop import Trainer
     from megarl.trainer.metrics import MetricsLogger
@@ -88,11 +95,13 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
                 f"x{len(runtime.actor.mesh)}{critic}; loop {cfg.trainer.mode}; start-up "
                 f"{StartupClock.describe(runtime.startup or {})}\n"
             )
-            Trainer(runtime, logger, resume=point).fit()
+            trainer = Trainer(runtime, logger, resume=point, stop=stop)
+            trainer.fit()
     finally:
         logger.close()
     summary = logger.curve_summary("reward/mean", window=10)
     summary["tensorboard_dir"] = str(tb_dir) if tb_dir else None
+    summary["stopped"] = trainer.stopped.line() if trainer.stopped else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if summary.get("steps"):
         stream.write(
@@ -100,4 +109,6 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
             f"last {summary['window']} steps mean {summary['last_mean']:.3f} "
             f"(x{summary['ratio']:.1f}, max {summary['max']:.3f}) over {summary['steps']} steps\n"
         )
+    if summary["stopped"]:
+        stream.write(summary["stopped"] + "\n")
     return summary

@@ -58,10 +58,12 @@ def test_dataset_row_missing_a_field_is_reported_with_row_and_field(tmp_path):
     _assert_nothing_left(run_id)
 
 
-def test_ctrl_c_mid_run_stops_every_process(tmp_path):
+def test_ctrl_c_twice_mid_run_stops_at_once_and_every_process(tmp_path):
+    """A first Ctrl-C asks for a stop at the step boundary with a checkpoint (the runs in
+    tests/trainer/test_preemption_runs.py); a second one stops at once, without saving."""
     run_id = uuid.uuid4().hex
     proc = _start(
-        ["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}", *SMALL_RUN],
+        ["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}", *SMALL_RUN, "trainer.save_every=0"],
         run_id,
         start_new_session=True,
     )
@@ -69,9 +71,12 @@ def test_ctrl_c_mid_run_stops_every_process(tmp_path):
     assert len(_marked(run_id)) > 3  # Ray, the server and Megatron ranks are really up
     tree = _tree(proc.pid)  # also Ray's agents, whose environment the marker cannot be read from
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    _wait_for_line(proc, "SIGINT received: finishing this step", timeout_s=60)
+    os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
-    assert "interrupted" in out
+    assert "interrupted again while stopping; stopped without saving" in out
+    assert "stopped by SIGINT" not in out  # no "saved, continue from it" line
     _assert_nothing_left(run_id, also=tree)
 
 

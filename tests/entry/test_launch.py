@@ -6,9 +6,10 @@
    run joined it instead of starting its own).
 2. A local Slurm cluster (slurmctld + two slurmd "nodes" n1, n2 on 127.0.0.1, its own munged,
    everything under one temp dir, SLURM_CONF pointing there; docs/clusters.md) runs
-   `sbatch --nodes=2 launch/slurm.sbatch` for a 5-step disaggregated quickstart: the job
-   completes with exit 0, 5 metric rows are written, the actor ranks ran on one node's Ray and
-   the rollout engine on the other's, and no process the job started is left afterwards.
+   `sbatch --nodes=2 launch/slurm.sbatch` for a disaggregated quickstart stopped mid-run by the
+   time-limit signal (SIGUSR1 to the batch script): the job saves a checkpoint and completes with
+   exit 0, its metric rows are all there, the actor ranks ran on one node's Ray and the rollout
+   engine on the other's, and no process the job started is left afterwards.
    Skipped, saying how to enable it, without slurmctld/slurmd/munged or without root.
 
 Every process a job starts inherits the environment, so a marker variable finds leftovers.
@@ -341,13 +342,24 @@ def _logs_naming(ray_tmp: Path, text: str) -> bool:
     return False
 
 
-def test_slurm_two_nodes_quickstart(slurm_cluster):
+def test_slurm_two_nodes_quickstart_stopped_by_its_time_limit_signal(slurm_cluster):
+    """The job runs until Slurm's time-limit signal (SIGUSR1 to the batch script, what
+    `#SBATCH --signal=B:USR1@300` sends; here by hand with scancel): the script passes it to the
+    driver, which finishes its step, saves a checkpoint and exits 0, and so does the job."""
     tmp, env = slurm_cluster
     run_id = uuid.uuid4().hex
     out_dir = tmp / "outputs"
     job_out = tmp / "job.out"
+    env = {
+        **env,
+        MARKER: run_id,
+        "MEGARL_DEVICES_PER_NODE": "2",
+        "MEGARL_PYTHON": PYTHON,
+        "MEGARL_RAY_TMPDIR": str(tmp),
+        "MEGARL_STOP_GRACE": "15",
+    }
     start = time.monotonic()
-    result = subprocess.run(
+    sbatch = subprocess.Popen(
         [
             "sbatch",
             "--wait",
@@ -357,30 +369,33 @@ def test_slurm_two_nodes_quickstart(slurm_cluster):
             "launch/slurm.sbatch",
             "configs/quickstart.yaml",
             *SMALL,
+            "trainer.total_steps=1000",  # stopped by the signal, long before
             f"trainer.output_dir={out_dir}",
             # actor ranks on one node (2 devices), the engine on the other (1 device of its own pool)
             "cluster.placement=disaggregated",
             "bridge.transport=reshard",
         ],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=500,
-        env={
-            **env,
-            MARKER: run_id,
-            "MEGARL_DEVICES_PER_NODE": "2",
-            "MEGARL_PYTHON": PYTHON,
-            "MEGARL_RAY_TMPDIR": str(tmp),
-            "MEGARL_STOP_GRACE": "15",
-        },
+        env=env,
     )
+    job_id = sbatch.stdout.readline().strip().split(";")[0]  # --parsable prints it at submission
+    _poll(lambda: job_out.exists() and "step 3/1000" in job_out.read_text(), 400, "step 3 of the job", sbatch)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, env=env, timeout=30)
+    _, err = sbatch.communicate(timeout=300)
     elapsed = time.monotonic() - start
     output = job_out.read_text() if job_out.exists() else "(no job output)"
-    job_id = result.stdout.strip().split(";")[0]
-    assert result.returncode == 0, f"sbatch --wait: {result.returncode} {result.stderr}\n{output[-5000:]}"
+    assert sbatch.returncode == 0, f"sbatch --wait: {sbatch.returncode} {err}\n{output[-5000:]}"
     assert "2 Ray nodes alive" in output, output[-3000:]
-    assert _metric_steps(out_dir / "quickstart") == [1, 2, 3, 4, 5]
+    assert "received USR1; megarl train saves a checkpoint" in output, output[-3000:]
+    assert "megarl train exited with 0" in output, output[-3000:]
+    steps = _metric_steps(out_dir / "quickstart")
+    n = steps[-1]
+    assert steps == list(range(1, n + 1)) and n >= 3, steps
+    assert f"megarl: stopped by SIGUSR1 after step {n}/1000; checkpoint " in output, output[-3000:]
+    assert (out_dir / "quickstart" / "checkpoints" / f"step_{n:06d}" / "trainer_state.json").exists()
     # Each Slurm node ran its own Ray node (temp dir per node index); the actor ranks ran on one,
     # the rollout engine's launcher on the other.
     ray_dirs = [tmp / f"megarl-ray-{job_id}-{i}" for i in range(2)]
@@ -390,4 +405,4 @@ def test_slurm_two_nodes_quickstart(slurm_cluster):
     assert actor_on.count(True) == 1 and engine_on.count(True) == 1, (actor_on, engine_on)
     left = _wait_until_gone(run_id, 20)
     assert not left, f"processes of the job left running: {left}"
-    print(f"slurm.sbatch 2-node 5-step quickstart: {elapsed:.1f}s")
+    print(f"slurm.sbatch 2-node quickstart stopped by SIGUSR1 after step {n}: {elapsed:.1f}s")
