@@ -126,6 +126,10 @@ class ReshardTransport(WeightTransport):
                 wait_all(requests, [e.url for e in self.engines.engines], "update_weights_from_reshard")
         except Exception as exc:  # noqa: BLE001  (every rank learns every error below)
             error = f"trainer rank {self.rank}: {exc}"
+            # this rank's side of the group closes now: engines still waiting for its messages (a
+            # live engine, when another one died) fail at once instead of at their timeout, which
+            # would hold the abort below and the fleet's restart for two request timeouts (measured)
+            self._group.destroy()
         self._conclude(error, version)
         stats = {"bridge/bytes_sent": float(sent), "bridge/messages": float(len(plan.sends_of(self.rank)))}
         if self.rank == 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -98,6 +99,8 @@ class RayWorkerGroup:
         self.actors: list[ray.actor.ActorHandle] = []
         self.mesh: list[MeshCoord] = []
         self.processes: list[dict] = []  # per rank: {"pid": ..., "node": ...} (Worker.process_info)
+        # calls from several threads reach every rank in one order (collectives match up)
+        self._submitting = threading.Lock()
         if bundles is not None and len(bundles) != num_workers:
             raise ValueError(f"{self.name}: {len(bundles)} bundles given for {num_workers} ranks")
         self._bundles = list(bundles) if bundles is not None else None
@@ -202,7 +205,8 @@ class RayWorkerGroup:
         if not self._alive:
             raise RuntimeError(f"{self.name}: the worker group was shut down; create a new one")
         calls = _share_repeated_args(split_args(dispatch, self.mesh, args, kwargs))
-        refs = [getattr(actor, method_name).remote(*a, **k) for actor, (a, k) in zip(self.actors, calls)]
+        with self._submitting:
+            refs = [getattr(actor, method_name).remote(*a, **k) for actor, (a, k) in zip(self.actors, calls)]
         return PendingCall(self, method_name, dispatch, refs)
 
     def check_alive(self, timeout_s: float = 30.0) -> None:
@@ -229,7 +233,11 @@ class RayWorkerGroup:
             others, _ = ray.wait(rest, num_returns=len(rest), timeout=0) if rest else ([], [])
             for ref in ready + others:
                 rank = rank_of.pop(ref)
-                results[rank] = self._get_one(ref, rank, method_name)
+                try:
+                    results[rank] = self._get_one(ref, rank, method_name)
+                except WorkerError:
+                    _collect_quietly(list(rank_of))
+                    raise
         return results
 
     def _get_one(self, ref: ray.ObjectRef, rank: int, method_name: str) -> Any:
@@ -295,6 +303,20 @@ class PendingCall:
     def get(self, timeout_s: float | None = None) -> Any:
         outputs = self.group._gather(self.refs, self.method_name, timeout_s=timeout_s)
         return collect_outputs(self.dispatch, self.group.mesh, outputs)
+
+
+def _collect_quietly(refs: list[ray.ObjectRef], within_s: float = 2.0) -> None:
+    """The other ranks' results of a call that failed on one: fetched (errors too) when they end
+    within `within_s`, so Ray does not print their errors later as "Unhandled error" lines about a
+    failure already raised."""
+    if not refs:
+        return
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=within_s)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError:
+            pass
 
 
 def _one_line(error: BaseException) -> str:

@@ -20,10 +20,14 @@ each token's log-prob is that of the weights that produced it (the engines recor
 meta_info["weight_versions"], megarl's run-length record). `async/partial_frac` is the fraction
 of rows whose tokens span versions.
 
-Failures: the client retries a request (rollout.max_retries); one that still fails stops the
-producer and `take()` raises it (no prompt is dropped silently). An answer aborted mid-generation
-is a normal event: it is continued from its tokens (partial rollout, `async/resumed`). Engines restarted by the fleet
-mid-run are not waited for here (the sync loop's re-send rounds are not repeated).
+Failures: the client retries a request (rollout.max_retries). One that still fails makes the
+fleet look for dead engines (RolloutFleet.recover: a dead one leaves service and restarts in the
+background, or is waited for when none is left) and the prompt is sent again, to a live engine,
+under the current version (`async/resent`; counted in rollout/retries); a restarted engine gets
+the actor's weights before it serves (Trainer._resync), at the latest at the next sync. A request
+that fails twice with no engine found dead, or MAX_RESENDS times, stops the producer and `take()`
+raises it: no prompt is dropped silently, none is trained twice. An answer aborted
+mid-generation is a normal event: it is continued from its tokens (partial rollout, `async/resumed`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from megarl.rollout.client.manager import SamplingSpec, rows_to_batch
 from megarl.rollout.client.partial import is_partial, resume_partial
 
 MAX_RESUMES = 16  # times one answer may be aborted and continued before the producer gives up
+MAX_RESENDS = 4  # times one prompt's request may fail (engines dying) before the producer gives up
 
 
 @dataclasses.dataclass
@@ -74,7 +79,7 @@ class RolloutProducer:
         self._cond = threading.Condition()
         self._version = self._version0 = version
         self._buffer: list[_Group] = []
-        self._sent = self._dropped = self._resumed = 0
+        self._sent = self._dropped = self._resumed = self._resent = self._retries_reported = 0
         self._error: BaseException | None = None
         self._stopping = False
         self._prompts = self._prompt_stream(cursor)
@@ -93,7 +98,7 @@ class RolloutProducer:
         step's async/* stats. Blocks until enough have finished (perf/wait_s)."""
         t0 = time.perf_counter()
         with self._cond:
-            dropped_before, resumed_before = self._dropped, self._resumed
+            dropped_before, resumed_before, resent_before = self._dropped, self._resumed, self._resent
             while True:
                 if self._error is not None:
                     raise RuntimeError(f"fully_async rollout failed: {self._error}") from self._error
@@ -110,6 +115,7 @@ class RolloutProducer:
             stats = {
                 "async/dropped_stale": float(self._dropped - dropped_before),
                 "async/resumed": float(self._resumed - resumed_before),  # aborted answers continued
+                "async/resent": float(self._resent - resent_before),  # prompts sent again (failures)
                 "async/buffered_groups": float(len(self._buffer)),
                 "async/sent_groups": float(self._sent),
             }
@@ -118,7 +124,9 @@ class RolloutProducer:
         stats["async/group_staleness_max"] = float(max(version - g.version for g in groups))
         spans = [_spans(out, g) for g in groups for out in g.outputs]
         stats["async/partial_frac"] = sum(spans) / len(spans)
-        stats["rollout/retries"] = float(sum(c.retries for c in self._clients.values()))
+        retries = sum(c.retries for c in self._clients.values())  # the clients' counts: since they began
+        stats["rollout/retries"] = float(retries - self._retries_reported) + stats["async/resent"]
+        self._retries_reported = retries
         return rows, stats
 
     def set_version(self, version: int) -> None:
@@ -187,16 +195,22 @@ class RolloutProducer:
 
     async def _one(self, prompt: tuple[Batch, list[int]], version: int) -> None:
         row, ids = prompt
-        client = self._client()
-        try:
-            outputs = await client.agenerate([ids], self.sampling.to_sglang(), return_logprob=True)
-            outputs = await self._resume_aborted(client, ids, outputs)
-        except Exception as exc:  # noqa: BLE001
-            with self._cond:
-                if not self._stopping and self._error is None:
-                    self._error = exc
-                self._cond.notify_all()
-            return
+        for attempt in range(MAX_RESENDS + 1):
+            client = self._client()
+            try:
+                outputs = await client.agenerate([ids], self.sampling.to_sglang(), return_logprob=True)
+                outputs = await self._resume_aborted(client, ids, outputs)
+                break
+            except Exception as exc:  # noqa: BLE001  (sent again after a dead engine, else raised)
+                if self._stopping or attempt == MAX_RESENDS or not await self._engine_replaced(attempt):
+                    with self._cond:
+                        if not self._stopping and self._error is None:
+                            self._error = exc
+                        self._cond.notify_all()
+                    return
+                with self._cond:
+                    self._resent += 1
+                    version = self._version  # generated again: under the engines' current weights
         aborted = [o for o in outputs if o.finish_reason.get("type") == "abort"]
         with self._cond:
             if aborted and not self._stopping and self._error is None:
@@ -204,6 +218,13 @@ class RolloutProducer:
             elif not aborted:
                 self._buffer.append(_Group(row, ids, outputs, version))
             self._cond.notify_all()
+
+    async def _engine_replaced(self, attempt: int) -> bool:
+        """A request failed: the fleet takes dead engines out of service and restarts them (on a
+        thread: Ray calls block). True to send it again: an engine was dead, or it is the
+        request's first failure (another request may have found the dead engine first)."""
+        dead = await asyncio.to_thread(self.rt.fleet.recover)
+        return bool(dead) or attempt == 0
 
     async def _resume_aborted(self, client, ids: list[int], outputs: list) -> list:
         """Answers aborted mid-generation (an engine that pauses for a weight update by aborting, as

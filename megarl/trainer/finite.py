@@ -53,11 +53,14 @@ def check_rows(rows: Batch, keys: tuple[str, ...], stage: str, step: int, versio
 
 
 def check_ranks(per_rank: list[dict], stage: str, step: int, version: int) -> None:
-    """Every rank's losses and gradient norms (keys ending in `loss` or `grad_norm`) are finite."""
-    for rank, metrics in enumerate(per_rank):
-        for key, value in sorted((metrics or {}).items()):
-            if (key.endswith("loss") or key.endswith("grad_norm")) and not math.isfinite(value):
-                raise NonFiniteError(
-                    f"step {step}, weight version {version}: {key} is {value} on rank {rank} ({stage}); "
-                    "the update is not synced to the engines; the last checkpoint is the way back"
-                )
+    """Every rank's losses and gradient norms (keys ending in `loss` or `grad_norm`) are finite.
+    Losses are looked at first, on every rank: a NaN loss makes every rank's gradient NaN (the
+    gradients are all-reduced), and the rank whose loss it was is the one to name."""
+    for suffix in ("loss", "grad_norm"):
+        for rank, metrics in enumerate(per_rank):
+            for key, value in sorted((metrics or {}).items()):
+                if key.endswith(suffix) and not math.isfinite(value):
+                    raise NonFiniteError(
+                        f"step {step}, weight version {version}: {key} is {value} on rank {rank} ({stage}); "
+                        "the update is not synced to the engines; the last checkpoint is the way back"
+                    )

@@ -30,6 +30,7 @@ uninterrupted one exactly. At the end the policy is exported as a Hugging Face f
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -81,7 +82,11 @@ class Trainer:
         self.scorer = RowScorer(self.cfg.reward, getattr(runtime, "reward_model_url", None))
         self.reward_fn = self.scorer.reward_fn
         self.dp_size = runtime.actor.mesh[0].dp_size
-        self.weight_version = 0
+        self.weight_version = 0  # the version the engines hold (after the last sync)
+        # the version the actor's weights are: weight_version + 1 between an update and its sync.
+        # A restarted engine gets the actor's weights under this label, from whichever thread
+        # notices (a rollout thread runs ahead in the async modes); the lock orders it with updates
+        self.actor_version, self.actor_lock = 0, threading.Lock()
         self.release = bool(self.cfg.rollout.release_memory)
         self.reuse_rollout_log_probs = self.cfg.actor.old_log_prob == "rollout"  # resolved by validate
         self.resume_from, self.start_step = resume, 0
@@ -227,6 +232,7 @@ class Trainer:
         weights through _resync) and the push is repeated for all engines."""
         from megarl.controller.worker_group import WorkerError
 
+        self.rt.fleet.finish_recovery(only_ready=True)  # engines restarted meanwhile rejoin first
         try:
             return self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version)) or {}
         except WorkerError:
@@ -235,8 +241,10 @@ class Trainer:
             return self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version)) or {}
 
     def _resync(self, urls: list[str]) -> None:
-        """A restarted engine gets the weights the others serve before it takes requests."""
-        self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version), urls)
+        """A restarted engine gets the actor's weights, labelled with their version, before it
+        takes requests (the others' version, or the next one when an update has run since)."""
+        with self.actor_lock:
+            self.rt.actor.sync_weights(self._bridge_spec(), str(self.actor_version), urls)
 
     def validate(self, step: int) -> dict:
         """trainer.val_n samples of every val prompt; val/* metrics per data_source (validation.py)."""

@@ -16,7 +16,8 @@ CONSOLE_KEYS = [
     ("actor/ppo_kl", "ppo_kl", "{:.4f}"),
     ("actor/entropy", "ent", "{:.3f}"),
     ("actor/grad_norm", "gnorm", "{:.3f}"),
-    ("rollout/logprob_diff_max", "lpdiff", "{:.1e}"),
+    ("rollout/logprob_diff_max", "lpdiff", "{:.1e}"),  # async modes: off-policy rows' mismatch too
+    ("parity/diff_max", "parity", "{:.1e}"),  # async modes: the engines re-scoring under the last sync
     ("perf/mfu/update", "mfu", "{:.1%}"),
     ("perf/step_s", "s/step", "{:.2f}"),
 ]

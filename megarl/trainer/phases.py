@@ -13,6 +13,7 @@ version; every phase records its seconds in `timing` under perf/<phase>_s.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -36,6 +37,8 @@ class StepLoop(Protocol):
     release: bool  # colocated engines release their memory for the training phases
     dp_size: int
     weight_version: int
+    actor_version: int
+    actor_lock: threading.Lock
     source: RolloutSource  # where the rows come from; it waits for or pauses generation at the sync
 
     def sync_weights(self) -> dict: ...
@@ -109,7 +112,7 @@ def update(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: bool) ->
                 c.ppo_epochs,
                 cfg.trainer.seed + step,
             )
-    with timer(timing, "update"):
+    with timer(timing, "update"), loop.actor_lock:  # a restarted engine's resync waits (loop._resync)
         keys = ["old_log_probs", "advantages", "rollout_log_probs"] + (["ref_log_probs"] if cfg.ref.enabled else [])
         per_rank = loop.rt.actor.update_actor(
             loop._trainer_view(rows, *keys),
@@ -119,6 +122,7 @@ def update(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: bool) ->
             cfg.trainer.seed + step,
             parity_atol=cfg.bridge.parity_atol if reuse else None,
         )
+        loop.actor_version = loop.weight_version + 1
     return per_rank, critic_metrics
 
 

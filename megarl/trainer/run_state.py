@@ -30,6 +30,7 @@ class DurableLoop(Protocol):
     checkpointer: RunCheckpointer
     start_step: int
     weight_version: int
+    actor_version: int
     data_cursor: int
     kl_ctrl: Any  # the adaptive KL controller (algo/kl.py), None without KL in the reward
     last_checkpoint: Any
@@ -79,6 +80,7 @@ def restore(loop: DurableLoop, path, state: dict) -> None:
         loop.rt.critic.load_checkpoint(str(path / "critic"))
     set_driver_rng_state(state["driver_rng"])
     loop.start_step, loop.weight_version = int(state["step"]), int(state["weight_version"])
+    loop.actor_version = loop.weight_version
     loop.data_cursor = int(state.get("data_cursor", loop.start_step))
     if loop.kl_ctrl is not None and state.get("kl_coef") is not None:
         loop.kl_ctrl.value = float(state["kl_coef"])

@@ -54,3 +54,10 @@ def test_a_rank_whose_loss_or_gradient_norm_is_nan_is_named():
         check_ranks([ok, {**ok, "actor/grad_norm": float("nan")}], "actor update", 3, 2)
     with pytest.raises(NonFiniteError, match=r"critic/vf_loss is inf on rank 0 \(critic update\)"):
         check_ranks([{"critic/vf_loss": float("inf")}], "critic update", 3, 2)
+
+
+def test_the_rank_whose_loss_went_nan_is_named_not_the_gradients_it_spread_to():
+    # a NaN loss on rank 1 makes every rank's (all-reduced) gradient norm NaN
+    spread = {"actor/pg_loss": 0.1, "actor/grad_norm": float("nan")}
+    with pytest.raises(NonFiniteError, match="actor/pg_loss is nan on rank 1"):
+        check_ranks([spread, {**spread, "actor/pg_loss": float("nan")}], "actor update", 3, 2)

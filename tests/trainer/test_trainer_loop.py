@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -243,7 +244,9 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
     """Two engines behind the router. Engine 1 is SIGKILLed while step 2 generates: its prompts go to
     engine 0, it is restarted with the current weights and rejoins. Engine 0 is SIGKILLed after step
     3: step 3's weight push fails on it, it is restarted and the push repeated. Parity on every later
-    step proves each restarted engine serves the trainer's weights."""
+    step proves each restarted engine serves the trainer's weights. The engines are tp=2 (a server
+    and a follower process each): the live engine's follower, left waiting for the failed push's
+    messages, must let go at once, not at the request timeout (it held the restart for two)."""
     from megarl.data.dataset import PromptBatches
     from megarl.trainer.loop import Trainer
     from megarl.trainer.metrics import MetricsLogger
@@ -257,9 +260,10 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
                 "trainer.total_steps=4",
                 "trainer.val_every=0",
                 "data.num_train=64",
-                "rollout.tp=1",
+                "rollout.tp=2",
                 "rollout.num_servers=2",
                 "rollout.max_new_tokens=24",
+                "rollout.request_timeout_s=120",
                 "trainer.tensorboard=false",
             ],
         )
@@ -274,9 +278,11 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
         killed.append(victim)
         restarts = rt.fleet.restarts
         os.kill(rt.fleet.server_pids()[0][0], signal.SIGKILL)  # dies before the next weight push
-        trainer.weight_version += 1
+        trainer.weight_version = trainer.actor_version = trainer.weight_version + 1
+        started = time.monotonic()
         trainer.sync_weights()
         assert rt.fleet.restarts == restarts + 1
+        assert time.monotonic() - started < cfg.rollout.request_timeout_s  # ~7 s; 240 s when it waited
         metrics.append(trainer.train_step(3, next(batches)))
         metrics.append(trainer.train_step(4, next(batches)))
         pids = [p for nodes in rt.fleet.server_pids() for p in nodes]

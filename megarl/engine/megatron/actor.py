@@ -7,6 +7,7 @@ servers). Every method is called on all ranks by the worker group.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -121,6 +122,8 @@ class MegatronActor(Worker):
         self.actor_offload: OffloadPolicy | None = None
         self.ref_offload_policy: OffloadPolicy | None = None
         self._transport = None  # the weight bridge, kept across syncs
+        self._sync_fault: tuple[str, float] | None = None  # inject_sync_fault: the next sync's
+        self._update_fault: str | None = None  # inject_update_fault: the next update's
         self._transport_spec: BridgeSpec | None = None
 
     def init_distributed(self) -> None:
@@ -187,13 +190,18 @@ class MegatronActor(Worker):
         head = self.actor.logprob_head(temperature, entropy_grad=bool(self.loss_spec.entropy_coeff))
         first: list[tuple] = []  # the first mini-batch's (log_prob, entropy, micro-batch)
 
+        fault, self._update_fault = self._update_fault, None  # inject_update_fault
+
         def loss(lp, ent, mb):
             if capture:
                 first.append((lp.detach(), ent.detach(), mb))
-            return actor_loss(self.loss_spec, lp, ent, mb)
+            value, units, metrics = actor_loss(self.loss_spec, lp, ent, mb)
+            if fault == "loss":
+                value, metrics["actor/pg_loss"] = value * float("nan"), float("nan")
+            return value, units, metrics
 
         capture = parity_atol is not None
-        with self.actor_offload.update(keep_params=True):  # the weight sync comes next
+        with self.actor_offload.update(keep_params=True), self._nan_gradient(fault == "grad"):
             for _ in range(epochs):
                 order = torch.randperm(len(batch), generator=gen)
                 shuffled = batch[order]
@@ -226,10 +234,58 @@ class MegatronActor(Worker):
                 self._transport.close()
             self._transport = make_transport(spec, self.rank, self.world_size, self.get_node_ip())
             self._transport_spec = spec
-        with self.actor_offload.forward():  # the step is over: the actor leaves the device
+        with self.actor_offload.forward(), self._faulty_sync():  # the step is over: the actor leaves the device
             return self._transport.sync(
                 self.actor, weight_version, server_urls or spec.server_urls, restarted=server_urls is not None
             )
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def inject_sync_fault(self, name_part: str, delta: float) -> str:
+        """Diagnostics: the next sync sends the first parameter whose name contains `name_part`
+        with `delta` added (every rank's shard), then the parameter is restored exactly: the
+        engines get wrong weights, the trainer keeps its own. What the parity checks must catch
+        (a bridge that corrupts a tensor in transit). Returns the parameter's name."""
+        name = next((n for chunk in self.actor.model for n, _ in chunk.named_parameters() if name_part in n), None)
+        if name is None:
+            raise ValueError(f"inject_sync_fault: no parameter name contains {name_part!r}")
+        self._sync_fault = (name, float(delta))
+        return name
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def inject_update_fault(self, kind: str, rank: int) -> None:
+        """Diagnostics: in the next update, rank `rank`'s loss ("loss") or the gradient of its
+        first parameter ("grad") is NaN; what the trainer's finiteness check must catch."""
+        if kind not in ("loss", "grad"):
+            raise ValueError(f"inject_update_fault: kind must be 'loss' or 'grad', got {kind!r}")
+        self._update_fault = kind if self.rank == rank else None
+
+    @contextlib.contextmanager
+    def _nan_gradient(self, on: bool):
+        if not on:
+            yield
+            return
+        param = next(p for chunk in self.actor.model for p in chunk.parameters() if p.requires_grad)
+        handle = param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    @contextlib.contextmanager
+    def _faulty_sync(self):
+        fault, self._sync_fault = self._sync_fault, None
+        if fault is None:
+            yield
+            return
+        param = dict(p for chunk in self.actor.model for p in chunk.named_parameters())[fault[0]]
+        kept = param.detach().clone()
+        with torch.no_grad():
+            param.add_(fault[1])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                param.copy_(kept)
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str) -> dict:

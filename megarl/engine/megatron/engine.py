@@ -29,6 +29,7 @@ from megarl.engine.megatron import mcore_fixes
 from megarl.engine.megatron import value_head as vh
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.cpu import compat as cpu_compat
+from megarl.engine.megatron.grad_guard import grads_finite
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge, pipeline_split_args, precision_dtype, recompute_args
 from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
@@ -63,10 +64,9 @@ class EngineSpec:
 # A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
 # local labels [b, s] to per-position tensors [b, s]: (log_prob, entropy) for the policy.
 Head = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
-# A loss function maps the head's tensors aligned with the responses ([b, R] each) and the
-# micro-batch to (loss summed over its units, number of units, metrics). Megatron divides the
-# summed gradient by the units of the whole mini-batch across data-parallel ranks
-# (calculate_per_token_loss).
+# A loss function maps the head's tensors aligned with the responses ([b, R] each) and the micro-batch
+# to (loss summed over its units, number of units, metrics). Megatron divides the summed gradient by
+# the units of the whole mini-batch across data-parallel ranks (calculate_per_token_loss).
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, dict]]
 
 
@@ -372,7 +372,7 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         _, per_micro_batch = self._run(batch, loss_fn, head or self.logprob_head(temperature), forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm, _ = self.optimizer.step() if grads_finite(self.model) else (False, float("nan"), None)
         metrics = mean_metrics(per_micro_batch)
         metrics[f"{prefix}/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics[f"{prefix}/update_skipped"] = float(not ok)

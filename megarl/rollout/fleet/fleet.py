@@ -13,11 +13,14 @@ weight updates and control calls go to every engine directly, never through the 
 engine is taken out of the router, restarted by its launchers, handed the current weights by the
 `on_restart` callback (the trainer's weight sync), and only then put back: an engine never serves
 with stale weights. Every restart is counted (`restarts`); past `max_restarts` the run fails.
+Recovery may be asked for from several threads (the trainer's, a rollout thread running ahead):
+it runs under one lock, so a dead engine is restarted once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -75,6 +78,7 @@ class RolloutFleet:
         self._pending: dict[int, list] = {}  # engine -> start refs of a restart in flight
         self._starting: dict[int, list] = {}  # engine -> start refs of the first start
         self._clients: dict[str, RolloutClient] = {}
+        self._recovery = threading.RLock()  # recover / finish_recovery, from any thread
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> RolloutFleet:
@@ -224,6 +228,10 @@ class RolloutFleet:
         """Take dead engines out of service and restart them. With a live engine left the restart
         runs in the background (finish_recovery waits for it); with none, it is waited for here.
         Returns the engines found dead."""
+        with self._recovery:
+            return self._recover(wait)
+
+    def _recover(self, wait: bool) -> list[int]:
         dead = self.dead_engines()
         for index in dead:
             engine = self.engines[index]
@@ -244,13 +252,26 @@ class RolloutFleet:
             self.finish_recovery()
         return dead
 
-    def finish_recovery(self) -> list[str]:
-        """Wait for restarts in flight, give the engines the current weights, then route to them."""
-        if not self._pending:
-            return []
+    def finish_recovery(self, only_ready: bool = False) -> list[str]:
+        """Wait for restarts in flight, give the engines the current weights, then route to them.
+        `only_ready`: only the restarts already up (nothing waited for); the rest stay pending."""
+        import ray
+
+        with self._recovery:
+            if only_ready:
+                ready = {
+                    i: refs
+                    for i, refs in self._pending.items()
+                    if not ray.wait(refs, num_returns=len(refs), timeout=0)[1]
+                }
+            else:
+                ready = dict(self._pending)
+            return self._finish_recovery(ready) if ready else []
+
+    def _finish_recovery(self, pending: dict[int, list]) -> list[str]:
         started = time.perf_counter()
         restarted = []
-        for index, refs in sorted(self._pending.items()):
+        for index, refs in sorted(pending.items()):
             engine = self.engines[index]
             while True:  # a restart that fails to start is tried again, within the same budget
                 try:
@@ -268,7 +289,8 @@ class RolloutFleet:
             # still pending meanwhile: not in live_urls (direct routes) nor in the router. Should
             # this fail, they stay so, and the next finish_recovery gives them the weights again
             self.on_restart(urls)
-        self._pending.clear()
+        for engine in restarted:
+            del self._pending[engine.index]
         for engine in restarted:
             self._attach(engine)
         log.warning("restarted rollout engines %s in %.1fs", urls, time.perf_counter() - started)
