@@ -2,20 +2,19 @@
 
 Every process a run starts (Ray's raylet, GCS and workers, the rollout server, Megatron ranks)
 inherits the environment, so a unique marker variable finds them all, also orphans (tests/_procs.py).
-Crashes (a SIGKILL'd driver, a dead rank) are in test_crash.py.
+Crashes (a SIGKILL'd driver, a dead rank) are in test_crash.py; SIGTERM and Ctrl-C (once: save and
+stop; twice: stop at once) in tests/trainer/test_preemption_runs.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 import uuid
 
 import pytest
 
-from tests._procs import SMALL_RUN, _assert_nothing_left, _marked, _start, _tree, _wait_for_line
+from tests._procs import SMALL_RUN, _assert_nothing_left, _start
 
 
 @pytest.mark.parametrize(
@@ -56,28 +55,6 @@ def test_dataset_row_missing_a_field_is_reported_with_row_and_field(tmp_path):
     assert proc.returncode == 2, out
     assert "row 17" in out and "ground_truth" in out, out
     _assert_nothing_left(run_id)
-
-
-def test_ctrl_c_twice_mid_run_stops_at_once_and_every_process(tmp_path):
-    """A first Ctrl-C asks for a stop at the step boundary with a checkpoint (the runs in
-    tests/trainer/test_preemption_runs.py); a second one stops at once, without saving."""
-    run_id = uuid.uuid4().hex
-    proc = _start(
-        ["train", "configs/quickstart.yaml", f"trainer.output_dir={tmp_path}", *SMALL_RUN, "trainer.save_every=0"],
-        run_id,
-        start_new_session=True,
-    )
-    _wait_for_line(proc, "step 2/", timeout_s=240)
-    assert len(_marked(run_id)) > 3  # Ray, the server and Megatron ranks are really up
-    tree = _tree(proc.pid)  # also Ray's agents, whose environment the marker cannot be read from
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
-    _wait_for_line(proc, "SIGINT received: finishing this step", timeout_s=60)
-    os.killpg(proc.pid, signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out[-3000:]
-    assert "interrupted again while stopping; stopped without saving" in out
-    assert "stopped by SIGINT" not in out  # no "saved, continue from it" line
-    _assert_nothing_left(run_id, also=tree)
 
 
 def test_error_mid_run_stops_every_process_and_reports_it(tmp_path):

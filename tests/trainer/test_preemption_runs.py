@@ -1,23 +1,26 @@
 """A run stopped by a signal loses nothing: real `megarl train` runs (sync and fully_async)
-SIGTERMed mid-run finish the step, save, exit 0 saying where, and resume from that checkpoint
-(trainer/preemption.py; the handler's rules: test_preemption.py)."""
+SIGTERMed mid-run finish the step, save, exit 0 saying where, and resume from that checkpoint; a
+second Ctrl-C stops at once, leaving no process (trainer/preemption.py; the handler's rules:
+test_preemption.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import uuid
 
-from tests._procs import SMALL_RUN, _assert_nothing_left, _start, _tree, _wait_for_line
+from tests._procs import SMALL_RUN, _assert_nothing_left, _marked, _start, _tree, _wait_for_line
 
 _STOPPED = re.compile(r"^megarl: stopped by SIGTERM after step (\d+)/1000; checkpoint (\S+); continue with")
 
 
-def _sigterm_then_resume(tmp_path, config: str, run: str, extra: list[str]) -> tuple[int, str]:
-    """Start `config`, SIGTERM the driver after step 2, check the stop; resume it for one more
-    step. Returns (the step it stopped after, the resumed run's output)."""
-    args = ["train", config, f"trainer.output_dir={tmp_path}", *SMALL_RUN, *extra]
+def _sigterm(tmp_path, config: str, run: str, extra: list[str]) -> tuple[list[str], int, str]:
+    """Start `config`, SIGTERM the driver after step 2 and check the stop: exit 0, the last line
+    naming the checkpoint of the step it stopped after, nothing left. Returns (the run's
+    arguments, that step, the checkpoint)."""
+    args = ["train", config, f"trainer.output_dir={tmp_path}", *SMALL_RUN, "trainer.save_every=0", *extra]
     run_id = uuid.uuid4().hex
     proc = _start(args, run_id)
     _wait_for_line(proc, "step 2/", timeout_s=240)
@@ -29,24 +32,48 @@ def _sigterm_then_resume(tmp_path, config: str, run: str, extra: list[str]) -> t
     match = _STOPPED.match(last)
     assert match, out[-3000:]
     step, checkpoint = int(match[1]), match[2]
+    # saved because of the signal (save_every 0 saves nothing else)
     assert checkpoint == str(tmp_path / run / "checkpoints" / f"step_{step:06d}")
     assert json.loads((tmp_path / run / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").read_text())
     assert "received: finishing this step" in out and f"step {step + 1}/" not in out
     _assert_nothing_left(run_id, also=tree)
-
-    resumed = _start([*args, f"trainer.total_steps={step + 1}"], uuid.uuid4().hex)
-    out, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, out[-3000:]
-    assert f"resumed from {checkpoint} (step {step}," in out
-    steps = [json.loads(x)["step"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, step + 2))  # every step once: none lost, none repeated
-    return step, out
+    return args, step, checkpoint
 
 
-def test_sigterm_mid_run_saves_exits_0_and_resumes_sync(tmp_path):
-    _sigterm_then_resume(tmp_path, "configs/quickstart.yaml", "quickstart", [])
+def _steps(tmp_path, run: str) -> list[int]:
+    return [json.loads(x)["step"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_sigterm_mid_run_saves_exits_0_and_resumes_fully_async(tmp_path):
-    _, out = _sigterm_then_resume(tmp_path, "configs/disaggregated.yaml", "disaggregated", ["trainer.mode=fully_async"])
-    assert "loop fully_async" in out
+    args, step, checkpoint = _sigterm(
+        tmp_path, "configs/disaggregated.yaml", "disaggregated", ["trainer.mode=fully_async"]
+    )
+    resumed = _start([*args, f"trainer.total_steps={step + 1}"], uuid.uuid4().hex)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out[-3000:]
+    assert f"resumed from {checkpoint} (step {step}," in out and "loop fully_async" in out
+    assert _steps(tmp_path, "disaggregated") == list(range(1, step + 2))  # every step once: none lost or repeated
+
+
+def test_sigterm_saves_and_resumes_then_ctrl_c_twice_stops_at_once_sync(tmp_path):
+    """The sync loop stopped by SIGTERM resumes from its checkpoint; that run, interrupted twice
+    from a terminal (Ctrl-C goes to the whole process group; Ray's daemons ignore it), stops at
+    once without saving (the first Ctrl-C asks for a stop with a checkpoint, the second
+    overrides it), exit 130, and every process it started is gone."""
+    args, step, checkpoint = _sigterm(tmp_path, "configs/quickstart.yaml", "quickstart", [])
+    run_id = uuid.uuid4().hex
+    proc = _start(args, run_id, start_new_session=True)
+    _wait_for_line(proc, f"resumed from {checkpoint} (step {step},", timeout_s=240)
+    _wait_for_line(proc, f"step {step + 1}/", timeout_s=120)
+    assert len(_marked(run_id)) > 3  # Ray, the server and Megatron ranks are really up
+    tree = _tree(proc.pid)  # also Ray's agents, whose environment the marker cannot be read from
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    _wait_for_line(proc, "SIGINT received: finishing this step", timeout_s=60)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted again while stopping; stopped without saving" in out
+    assert "stopped by SIGINT" not in out  # no "saved, continue from it" line
+    _assert_nothing_left(run_id, also=tree)
+    steps = _steps(tmp_path, "quickstart")
+    assert steps[: step + 1] == list(range(1, step + 2))  # the resumed run went on where it stopped
