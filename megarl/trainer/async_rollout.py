@@ -80,6 +80,7 @@ class RolloutProducer:
         self._version = self._version0 = version
         self._buffer: list[_Group] = []
         self._sent = self._dropped = self._resumed = self._resent = self._retries_reported = 0
+        self._reported = (0, 0, 0)  # dropped, resumed, resent as of the last take(): a step's own counts
         self._error: BaseException | None = None
         self._stopping = False
         self._prompts = self._prompt_stream(cursor)
@@ -98,7 +99,6 @@ class RolloutProducer:
         step's async/* stats. Blocks until enough have finished (perf/wait_s)."""
         t0 = time.perf_counter()
         with self._cond:
-            dropped_before, resumed_before, resent_before = self._dropped, self._resumed, self._resent
             while True:
                 if self._error is not None:
                     raise RuntimeError(f"fully_async rollout failed: {self._error}") from self._error
@@ -112,6 +112,8 @@ class RolloutProducer:
                     del self._buffer[: self.groups_per_step]
                     break
                 self._cond.wait(timeout=1.0)
+            dropped_before, resumed_before, resent_before = self._reported
+            self._reported = (self._dropped, self._resumed, self._resent)
             stats = {
                 "async/dropped_stale": float(self._dropped - dropped_before),
                 "async/resumed": float(self._resumed - resumed_before),  # aborted answers continued

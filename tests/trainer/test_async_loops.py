@@ -84,7 +84,7 @@ def async_runs(tmp_path_factory):
             poisoned.fit()
         served = engine_versions(rt.fleet)
         rt.cfg.bridge.check_parity, caught = True, {}
-        for transport in ("reshard", "distributed", "disk"):
+        for transport in ("reshard", "distributed", "disk", "tensor"):
             for mode in ("sync", "one_step_off", "fully_async"):
                 caught[mode, transport] = _faulty_sync_caught(rt, mode, transport, 5 + 2 * len(caught))
         for kind, rank in (("loss", 1), ("grad", 0)):  # last: a NaN gradient is applied (policy: stop)
@@ -238,7 +238,7 @@ def test_a_sync_corrupted_in_transit_is_caught_in_every_mode_over_every_transpor
     weights); one_step_off and fully_async, the engines' re-scoring of probe rows (their rows are
     from the version before)."""
     caught = {k: v for k, v in async_runs[6].items() if isinstance(k, tuple)}
-    assert len(caught) == 9
+    assert len(caught) == 12
     for (mode, transport), message in caught.items():
         assert message.startswith("step 2"), (mode, transport, message)
         if mode != "sync":
@@ -249,8 +249,8 @@ def test_a_nan_loss_or_gradient_on_a_rank_stops_the_step_with_one_line_naming_it
     caught = async_runs[6]
     end = "(actor update); the update is not synced to the engines; the last checkpoint is the way back"
     # the rank whose loss went NaN is named, not the NaN gradient norms it spread to every rank
-    assert caught["loss"] == f"step 1, weight version 108: actor/pg_loss is nan on rank 1 {end}"
-    assert caught["grad"] == f"step 1, weight version 109: actor/grad_norm is nan on rank 0 {end}"
+    assert caught["loss"] == f"step 1, weight version 111: actor/pg_loss is nan on rank 1 {end}"
+    assert caught["grad"] == f"step 1, weight version 112: actor/grad_norm is nan on rank 0 {end}"
 
 
 def test_one_step_off_checkpoint_regenerates_the_batch_in_flight(async_runs):
