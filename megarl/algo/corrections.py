@@ -35,6 +35,17 @@ def mismatch_metrics(
     return {"rollout/mismatch_kl": masked_mean(rollout_log_prob - old_log_prob, response_mask).detach()}
 
 
+def version_span_metrics(versions: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """rollout/version_span_mean: mean over rows of (newest - oldest) weight version among a row's
+    response tokens (`versions` per token, -1 unknown: left out). 0 when every row came from one
+    version; a fully_async row whose generation a weight update interrupted spans 1 or more."""
+    known = (response_mask > 0) & (versions >= 0)
+    high = torch.where(known, versions, torch.full_like(versions, -1)).amax(dim=1)
+    low = torch.where(known, versions, torch.full_like(versions, 2**62)).amin(dim=1)
+    span = torch.where(known.any(dim=1), high - low, torch.zeros_like(high)).to(torch.float64)
+    return {"rollout/version_span_mean": span.mean() if len(span) else torch.zeros((), dtype=torch.float64)}
+
+
 def rollout_is_weights(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,

@@ -389,6 +389,7 @@ class Trainer:
         """Only the tensors the engine reads travel to the workers."""
         keys = ["input_ids", "prompt_lengths", "responses", "response_mask", *extra]
         keys += ["routed_experts"] if "routed_experts" in rows else []  # actor.moe.routing_replay
+        keys += ["rollout_versions"] if "rollout_versions" in rows and "rollout_log_probs" in keys else []
         view = Batch({k: rows[k] for k in keys})
         if len(view) % self.dp_size:
             raise ValueError(

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import io
 import json
+import math
 import os
 import re
 import signal
@@ -90,7 +91,12 @@ def async_runs(tmp_path_factory):
         for kind, rank in (("loss", 1), ("grad", 0)):  # last: a NaN gradient is applied (policy: stop)
             caught[kind] = _nan_update_caught(rt, kind, rank, 100 + len(caught))
     read = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]  # noqa: E731
-    rows = {"one": one_rows.seen, "full": full_rows.seen, "killed": [killed, full_rows.killed]}
+    rows = {
+        "one": one_rows.seen,
+        "full": full_rows.seen,
+        "killed": [killed, full_rows.killed],
+        "spans": full_rows.spans,
+    }
     return read("one.jsonl"), read("full.jsonl"), state2, trainer, (str(nan_error.value), served), rows, caught
 
 
@@ -130,8 +136,9 @@ class _Counting:
     """A rollout source that records, per step, how many rows of each prompt it trained."""
 
     def __init__(self, inner, kill_on_start=None):
-        """`kill_on_start`: a fleet whose engine 0 is SIGKILLed as the source starts generating."""
-        self.inner, self.off_policy, self.seen = inner, inner.off_policy, {}
+        """`kill_on_start`: a fleet whose engine 0 is SIGKILLed as the source starts generating.
+        `spans[step]`: each row's newest minus oldest token version, from the rows as generated."""
+        self.inner, self.off_policy, self.seen, self.spans = inner, inner.off_policy, {}, {}
         self.fleet, self.killed = kill_on_start, None
 
     def __getattr__(self, name):
@@ -147,6 +154,8 @@ class _Counting:
     def rows(self, step, timing):
         rows, stats = self.inner.rows(step, timing)
         self.seen[step] = collections.Counter(rows["uid"])  # a prompt's id in its epoch
+        versions, mask = rows["rollout_versions"], rows["response_mask"] > 0
+        self.spans[step] = [int(v[m].max() - v[m].min()) if m.any() else 0 for v, m in zip(versions, mask)]
         return rows, stats
 
 
@@ -213,6 +222,19 @@ def test_one_step_off_trains_one_version_behind(async_runs):
     for m in behind:
         assert m["rollout_is/spread"] > 100 * MEAN_BOUND, m["rollout_is/spread"]
         assert m["rollout_is/mean"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_loss_sees_each_tokens_behaviour_version_through_the_data_parallel_split(async_runs):
+    """Each row carries, per response token, the version of the weights that produced it (the
+    engine's record, through the client and the batch); the loss's rollout/version_span_mean is
+    computed on the trainer's ranks from what reached them after balancing and the data-parallel
+    split, and equals the span of the rows as generated (exactly: equal micro-batches). Rows that
+    span versions: test_a_row_spanning_versions_reaches_the_loss_with_each_tokens_version."""
+    full, spans = async_runs[1], async_runs[5]["spans"]
+    assert sorted(spans) == [3, 4]
+    for m in full:
+        expected = sum(spans[m["step"]]) / len(spans[m["step"]])
+        assert m["rollout/version_span_mean"] == pytest.approx(expected, abs=1e-12), (m["step"], expected)
 
 
 def test_an_engine_killed_mid_generation_loses_no_row_in_either_async_mode(async_runs):
@@ -361,6 +383,34 @@ def _wait(cond, what):
     raise AssertionError(what)
 
 
+def test_a_row_spanning_versions_reaches_the_loss_with_each_tokens_version_and_behaviour_log_prob():
+    """The producer's rows of answers interrupted by a weight update (tokens of versions 0 then 1,
+    behaviour log-probs -1 and -2), as the actor's loss gets them: the version span is 1 and the
+    token-level truncated importance weights are exp(old - behaviour) per token."""
+    from megarl.engine.megatron.actor import ActorLossSpec, actor_loss
+
+    p = _producer(_AbortingClient(), max_staleness=1, steps=1)
+    try:
+        rows, _ = p.take(0, {})
+    finally:
+        p.stop()
+    old = torch.tensor([[-1.5, -1.5]] * 4)
+    mb = Batch(
+        {
+            "response_mask": rows["response_mask"],
+            "rollout_log_probs": rows["rollout_log_probs"],
+            "rollout_versions": rows["rollout_versions"],
+            "old_log_probs": old,
+            "advantages": torch.ones(4, 2),
+        }
+    )
+    lp = old.clone().requires_grad_(True)
+    _, _, metrics = actor_loss(ActorLossSpec(rollout_is_level="token"), lp, torch.zeros(4, 2), mb)
+    assert metrics["rollout/version_span_mean"] == 1.0
+    w = [min(math.exp(-1.5 - b), 2.0) for b in (-1.0, -2.0)]  # per token, against its own behaviour
+    assert metrics["rollout_is/mean"] == pytest.approx(sum(w) / 2, rel=1e-6)
+
+
 def test_producer_admits_max_staleness_plus_one_steps_and_drops_late_groups():
     client = _ScriptedClient()
     p = _producer(client, max_staleness=1)
@@ -422,27 +472,29 @@ class _AbortingClient:
 
     retries = 0
 
-    def __init__(self):
+    def __init__(self, per_token_record: bool = True):
+        """per_token_record False: answers carry only the version they ended under (SGLang)."""
         self.requests: list[tuple[list[int], dict]] = []
+        self.record = per_token_record
 
     async def agenerate(self, ids, params, return_logprob=False, rids=None):
         params = params if isinstance(params, dict) else params[0]
         self.requests.append((list(ids[0]), dict(params)))
         if ids[0][-1] != 5:  # a fresh prompt: interrupted after token 5
-            meta = {"weight_version": "default", "weight_versions": [["default", 1]]}
+            meta = {"weight_version": "default", **({"weight_versions": [["default", 1]]} if self.record else {})}
             out = GenerateOutput([5], "a", [-1.0], {"type": "abort"}, meta)
         else:  # the continuation, under version 1
-            out = GenerateOutput(
-                [6], "b", [-2.0], {"type": "stop"}, {"weight_version": "1", "weight_versions": [["1", 1]]}
-            )
+            meta = {"weight_version": "1", **({"weight_versions": [["1", 1]]} if self.record else {})}
+            out = GenerateOutput([6], "b", [-2.0], {"type": "stop"}, meta)
         return [out for _ in range(params["n"])]
 
     def close(self):
         pass
 
 
-def test_an_aborted_answer_is_continued_and_keeps_its_tokens_log_probs_and_versions():
-    client = _AbortingClient()
+@pytest.mark.parametrize("per_token_record", [True, False], ids=["embedded", "sglang"])
+def test_an_aborted_answer_is_continued_and_keeps_its_tokens_log_probs_and_versions(per_token_record):
+    client = _AbortingClient(per_token_record)
     p = _producer(client, max_staleness=1, steps=1)
     try:
         rows, stats = p.take(0, {})
@@ -452,6 +504,8 @@ def test_an_aborted_answer_is_continued_and_keeps_its_tokens_log_probs_and_versi
     assert rows["responses"].tolist() == [[5, 6]] * 4
     assert rows["rollout_log_probs"].tolist() == [[-1.0, -2.0]] * 4
     assert list(rows["rollout_weight_version"]) == ["1"] * 4 and list(rows["finish_reason"]) == ["stop"] * 4
+    # each token's version: the engine's record, or (SGLang) each segment's version at its boundary
+    assert rows["rollout_versions"].tolist() == [[0, 1]] * 4
     continued = [(ids, params) for ids, params in client.requests if ids[-1] == 5]
     assert len(continued) == 4 and all(params["n"] == 1 for _, params in continued)
     assert all(params["max_new_tokens"] == SamplingSpec(n=2).max_new_tokens - 1 for _, params in continued)

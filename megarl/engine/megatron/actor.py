@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.algo.corrections import mismatch_metrics, parity_stats, rollout_is_weights
+from megarl.algo.corrections import mismatch_metrics, parity_stats, rollout_is_weights, version_span_metrics
 from megarl.algo.kl import kl_penalty
 from megarl.algo.losses import PolicyLossConfig, agg_loss, get_policy_loss, masked_mean
 from megarl.bridge.spec import BridgeSpec
@@ -54,6 +54,8 @@ def actor_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
     if "rollout_log_probs" in mb:  # the rollout engine's log-probs: the mismatch is always logged
         old, rollout = mb["old_log_probs"], mb["rollout_log_probs"].to(log_prob.dtype)
         extra.update(mismatch_metrics(old, rollout, mask))
+        if "rollout_versions" in mb:  # each token's behaviour version (-1 unknown): the span per row
+            extra.update(version_span_metrics(mb["rollout_versions"], mask))
         if spec.rollout_is_level is not None:
             weights, is_metrics = rollout_is_weights(
                 old, rollout, mask, spec.rollout_is_level, spec.rollout_is_threshold

@@ -32,6 +32,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.rollout.client.client import GenerateOutput, RolloutClient, RolloutRequestError
+from megarl.rollout.client.partial import token_version_runs
 from megarl.wire.routing import batch_column
 
 
@@ -316,6 +317,8 @@ def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]], routed_experts: 
     rollout_log_probs = torch.tensor(
         [list(out.output_logprobs) + z for (_, out), z in zip(rows, pad)], dtype=torch.float32
     ).reshape(n, R)
+    # the weights' version that produced each token (-1: unknown, and padding)
+    versions = torch.tensor([_token_versions(out, R) for _, out in rows], dtype=torch.long).reshape(n, R)
     return Batch(
         tensors={
             "input_ids": input_ids,
@@ -323,6 +326,7 @@ def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]], routed_experts: 
             "responses": responses,
             "response_mask": response_mask,
             "rollout_log_probs": rollout_log_probs,
+            "rollout_versions": versions,
             **({"routed_experts": batch_column(rows, T)} if routed_experts else {}),
         },
         non_tensors={
@@ -331,3 +335,12 @@ def rows_to_batch(rows: list[tuple[list[int], GenerateOutput]], routed_experts: 
             "rollout_weight_version": np.array([out.meta_info.get("weight_version") for _, out in rows], dtype=object),
         },
     )
+
+
+def _token_versions(out: GenerateOutput, width: int) -> list[int]:
+    """One answer's per-token versions (partial.token_version_runs), padded to `width` with -1;
+    a label that is not a trainer version ("default", the initial weights) is 0, another -1."""
+    runs = token_version_runs(out) or []
+    labels = [label for label, count in runs for _ in range(int(count))][: len(out.output_ids)]
+    numbers = [0 if v == "default" else int(v) if str(v).lstrip("-").isdigit() else -1 for v in labels]
+    return numbers + [-1] * (width - len(numbers))

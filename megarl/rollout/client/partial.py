@@ -73,8 +73,9 @@ def merge_partial(first: GenerateOutput, resumed: GenerateOutput) -> GenerateOut
         meta.pop(key, None)
         if key in meta_a:  # the original prompt's, not those of prompt + partial output
             meta[key] = meta_a[key]
-    if "weight_versions" in meta_a and "weight_versions" in meta_b:
-        meta["weight_versions"] = merge_runs(meta_a["weight_versions"], meta_b["weight_versions"])
+    runs_a, runs_b = token_version_runs(first), token_version_runs(resumed)
+    if runs_a is not None and runs_b is not None:
+        meta["weight_versions"] = merge_runs(runs_a, runs_b)
     else:
         meta.pop("weight_versions", None)
     if "e2e_latency" in meta_a and "e2e_latency" in meta_b:
@@ -88,6 +89,21 @@ def merge_partial(first: GenerateOutput, resumed: GenerateOutput) -> GenerateOut
         finish_reason=resumed.finish_reason,
         meta_info=meta,
     )
+
+
+def token_version_runs(output: GenerateOutput) -> list | None:
+    """The weight version of each output token as runs [[version, count], ...]: the engine's own
+    record (meta_info weight_versions, megarl's embedded engine), or, from an engine that reports
+    only the version an answer ended under (SGLang: weight_version), that version for all of its
+    tokens: each segment of a resumed answer was generated whole by one version (the pause
+    between segments is where the weights changed). None when neither is known."""
+    runs = output.meta_info.get("weight_versions")
+    if runs is not None:
+        return [list(run) for run in runs]
+    version = output.meta_info.get("weight_version")
+    if version is None:
+        return None
+    return [[version, len(output.output_ids)]] if output.output_ids else []
 
 
 def merge_runs(a: list, b: list) -> list[list]:
