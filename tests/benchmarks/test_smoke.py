@@ -45,6 +45,7 @@ COVERED = {
     "bench_gpu.py": "test_bench_gpu",
     "bench_gpu_plan.py": "test_bench_gpu_plan",
     "bench_kv_cache.py": "test_bench_kv_cache",
+    "bench_learning.py": "test_bench_learning",
     "bench_mfu.py": "test_bench_mfu",
     "bench_plan.py": "test_bench_plan",
     "bench_rollout.py": "test_bench_rollout",
@@ -165,6 +166,12 @@ def test_every_benchmark_script_has_a_smoke_test():
     for script, test in COVERED.items():
         assert test in tests, f"{script}: {test} is not defined"
         assert "--smoke" in (BENCHMARKS / script).read_text(), f"{script} has no --smoke flag"
+
+
+def test_bench_learning():
+    """The analysis on curves built in code (no run): samples to the trailing mean and the ratio."""
+    out = smoke("bench_learning.py", timeout=60)
+    assert_lines(out, "| sync | 20 | 11 | 2816 | 1.00x |", "| fully_async | 20 | 13 | 3328 | 1.18x |")
 
 
 def test_bench_kv_cache(pair):
