@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -55,7 +54,21 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.master_addr = master_addr if master_addr is not None else get_node_ip()
-        self.master_port = master_port if master_port is not None else find_free_port()
+        # rank 0 picking the rendezvous: its store listens from now on, on a port the OS chose, so
+        # no other process can take the port between choosing it and binding it (seen: a port
+        # probed free at construction was taken by the time every rank joined, EADDRINUSE)
+        self._store = None
+        if master_port is None:
+            self._store = dist.TCPStore(
+                self.master_addr,
+                0,
+                world_size,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=DEFAULT_PROCESS_GROUP_TIMEOUT_S),
+            )
+            master_port = self._store.port
+        self.master_port = master_port
         torch.set_num_threads(resolve_num_threads(num_threads))
 
     def get_master_addr_port(self) -> tuple[str, int]:
@@ -95,12 +108,12 @@ class Worker:
             MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self.master_port),
         )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self._store is None:  # every rank joins rank 0's store the same way (no key prefix)
+            self._store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, False, timeout)
+        self._store.set_timeout(timeout)
         dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{_url_host(self.master_addr)}:{self.master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=backend, store=self._store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
 
     def get_mesh_coord(self) -> MeshCoord:
@@ -119,14 +132,3 @@ def resolve_num_threads(num_threads: int | None) -> int:
     if num_threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
     return num_threads
-
-
-def find_free_port() -> int:
-    """A TCP port that was free a moment ago on this node (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def _url_host(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
