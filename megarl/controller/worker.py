@@ -109,8 +109,8 @@ class Worker:
             MASTER_PORT=str(self.master_port),
         )
         timeout = datetime.timedelta(seconds=timeout_s)
-        if self._store is None:  # every rank joins rank 0's store the same way (no key prefix)
-            self._store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, False, timeout)
+        if self._store is None:  # rank 0 given its port serves it here; the others join rank 0's
+            self._store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, self.rank == 0, timeout)
         self._store.set_timeout(timeout)
         dist.init_process_group(
             backend=backend, store=self._store, rank=self.rank, world_size=self.world_size, timeout=timeout
