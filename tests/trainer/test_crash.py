@@ -61,20 +61,25 @@ def test_driver_sigkill_leaves_no_process_of_the_run(tmp_path):
         "ray::DashboardAgent",
     } <= names, names
     assert sum("multiprocessing.spawn" in name for name in names) == 1  # the TP follower
-    os.kill(proc.pid, signal.SIGKILL)  # the driver only, not its group: nothing else is signalled
-    proc.wait(timeout=10)
-    gone_s = _wait_until_none_left(run_id, within_s=30, also=tree)
-    print(f"driver SIGKILL -> nothing left {gone_s:.1f}s")
-    # ... but its ranks' torch shared-memory files (the bridge's bucket buffers), which a next run
-    # in this run directory removes (shm_leftovers.py); here the same call, on the run's record
+    # the ranks' torch shared-memory files (the bridge's bucket buffers) exist while they run
     from megarl.controller.shm_leftovers import SHM_DIR, remove_recorded_leftovers
 
     record = tmp_path / "quickstart" / "ranks.json"
     pids = json.loads(record.read_text())["pids"]
     left = lambda: [f for pid in pids for f in glob.glob(f"{SHM_DIR}/torch_{pid}_*")]  # noqa: E731
-    assert len(pids) == 2 and left(), "the killed ranks left no shared-memory file: nothing to test"
+    assert len(pids) == 2 and left(), "the ranks hold no shared-memory file: the record names the wrong pids"
+    os.kill(proc.pid, signal.SIGKILL)  # the driver only, not its group: nothing else is signalled
+    proc.wait(timeout=10)
+    gone_s = _wait_until_none_left(run_id, within_s=30, also=tree)
+    print(f"driver SIGKILL -> nothing left {gone_s:.1f}s")
+    # A rank's files outlive it when its torch_shm_manager dies with it (Ray ends a dead driver's
+    # workers); a manager that outlives its rank unlinks them itself: which one happens is a race.
+    # Either way a next run in this run directory leaves none (shm_leftovers.py; the removal
+    # itself is tested on files made to stay in tests/controller/test_shm_leftovers.py).
+    stayed = left()
     assert remove_recorded_leftovers(record, json.loads(record.read_text())["node"]) == []
     assert left() == []
+    print(f"shared-memory files left by the killed ranks and removed: {len(stayed)}")
 
 
 def test_killed_launcher_actor_takes_its_server_and_tp_followers_down(tiny_model_path, tmp_path):
