@@ -52,6 +52,7 @@ PY_SPY = Path(sys.executable).with_name("py-spy")
 PROCESS_KINDS = [
     ("megatron rank", re.compile(r"ray::(MegatronActor|actor)")),
     ("rollout engine", re.compile(r"megarl\.rollout\.server")),
+    ("rollout engine TP rank", re.compile(r"multiprocessing\.spawn")),  # --tp > 1: ranks 1.. (mesh.py)
     ("engine launcher", re.compile(r"ray::EngineLauncher|ray::rollout_")),
     ("ray raylet", re.compile(r"raylet")),
     ("ray gcs", re.compile(r"gcs_server")),

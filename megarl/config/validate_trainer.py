@@ -93,12 +93,3 @@ def check_loop_mode(cfg) -> None:
                 "Use trainer.mode=one_step_off or sync with an agent loop"
             ),
         )
-    if cfg.actor.moe.routing_replay:
-        raise ConfigError(
-            "actor.moe.routing_replay",
-            (
-                "actor.moe.routing_replay replays the experts the rollout chose; with trainer.mode="
-                "fully_async a response spans weight versions and its experts with them. Use "
-                "trainer.mode=sync or one_step_off"
-            ),
-        )

@@ -75,6 +75,7 @@ class RolloutProducer:
         URL (default: a RolloutClient)."""
         self.rt, self.batches, self.sampling = runtime, batches, dataclasses.replace(sampling, seed=None)
         self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+        self._routed = sampling.return_routed_experts  # actor.moe.routing_replay
         self.max_groups = None if steps is None else steps * groups_per_step
         self._cond = threading.Condition()
         self._version = self._version0 = version
@@ -184,6 +185,7 @@ class RolloutProducer:
                     task = asyncio.create_task(self._one(next(self._prompts), version))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                    task.add_done_callback(self._failed)
                     continue
                 self._wake.clear()
                 with self._cond:
@@ -195,12 +197,22 @@ class RolloutProducer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _failed(self, task: asyncio.Task) -> None:
+        """A request's task ended with an error it did not hand over itself (the fleet's recovery
+        raised): take() raises it; the prompt is not dropped silently."""
+        if not task.cancelled() and task.exception() is not None:
+            with self._cond:
+                if self._error is None and not self._stopping:
+                    self._error = task.exception()
+                self._cond.notify_all()
+
     async def _one(self, prompt: tuple[Batch, list[int]], version: int) -> None:
         row, ids = prompt
         for attempt in range(MAX_RESENDS + 1):
             client = self._client()
             try:
-                outputs = await client.agenerate([ids], self.sampling.to_sglang(), return_logprob=True)
+                routed = {"return_routed_experts": True} if self._routed else {}
+                outputs = await client.agenerate([ids], self.sampling.to_sglang(), return_logprob=True, **routed)
                 outputs = await self._resume_aborted(client, ids, outputs)
                 break
             except Exception as exc:  # noqa: BLE001  (sent again after a dead engine, else raised)
@@ -238,7 +250,9 @@ class RolloutProducer:
             for _ in range(MAX_RESUMES):
                 if not is_partial(out) or self._stopping:
                     break
-                out = await resume_partial(client, ids, params, out)
+                out = await resume_partial(
+                    client, ids, params, out, **({"return_routed_experts": True} if self._routed else {})
+                )
                 with self._cond:
                     self._resumed += 1
             else:
@@ -255,8 +269,8 @@ class RolloutProducer:
                 yield batch[i : i + 1].select(*keys), list(map(int, batch["raw_prompt_ids"][i]))
 
     def _client(self):
-        fleet = self.rt.fleet
-        urls = [fleet.router_url] if fleet.router_url else fleet.live_urls()
+        fleet = self.rt.fleet  # sglang-router drops return_routed_experts: engines directly then
+        urls = [fleet.router_url] if fleet.router_url and not self._routed else fleet.live_urls()
         url = urls[self._sent % len(urls)]
         if url not in self._clients:
             self._clients[url] = self._make_client(url)
@@ -272,7 +286,7 @@ class RolloutProducer:
 
     def _rows(self, groups: list[_Group]) -> Batch:
         n = self.sampling.n
-        rows = rows_to_batch([(g.prompt_ids, out) for g in groups for out in g.outputs])
+        rows = rows_to_batch([(g.prompt_ids, out) for g in groups for out in g.outputs], routed_experts=self._routed)
         prompts = Batch.concat([g.prompt for g in groups]).repeat_interleave(n)
         rows["rollout_start_version"] = np.array([_label(g.version) for g in groups for _ in g.outputs], dtype=object)
         return prompts.union(rows)

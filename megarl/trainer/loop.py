@@ -48,11 +48,13 @@ from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
 from megarl.trainer.parity import (
+    Probe,
     check_current_rows,
     check_parity,
     check_update_parity,
     engine_versions,
-    probe_engines,
+    judge_probe,
+    start_probe,
 )
 from megarl.trainer.preemption import STOP_SIGNALS, GracefulStop, Stopped
 from megarl.trainer.rank_watch import RankWatch
@@ -398,22 +400,34 @@ class Trainer:
             )
         return view
 
-    def _check_parity(self, rows: Batch, step: int) -> dict:
+    def _start_probe(self, rows: Batch) -> Probe | None:
+        """Under an off-policy source, every engine starts scoring a few of the step's rows under
+        the weights it holds (the last sync's check, parity.py); None elsewhere."""
+        b = self.cfg.bridge
+        if not (self.source.off_policy and b.check_parity and b.parity_probe_rows):
+            return None
+        routed = self.cfg.actor.moe.routing_replay
+        return start_probe(rows, self.rt.fleet, self.cfg.rollout.temperature, b.parity_probe_rows, routed)
+
+    def _check_parity(self, rows: Batch, step: int, probe: Probe | None = None) -> dict:
         """The server sampled with the weights the trainer just scored with (parity.py). Under an
-        off-policy source the rows served by that version are checked, and every engine re-scores
-        a few of the step's rows under the weights it holds (the last sync's check)."""
+        off-policy source the rows served by that version are checked, and the engines' scores of
+        the probe rows are judged. perf/parity_probe_s: what the probe added to the step."""
         b = self.cfg.bridge
         if not self.source.off_policy:
             return check_parity(rows, step, b, self.weight_version, lambda: engine_versions(self.rt.fleet))
         metrics = check_current_rows(rows, step, b, self.weight_version, lambda: engine_versions(self.rt.fleet))
-        if b.check_parity and b.parity_probe_rows:
+        if probe is not None:
             t = time.perf_counter()
-            temperature = self.cfg.rollout.temperature
-            metrics.update(
-                probe_engines(rows, step, b, self.weight_version, self.rt.fleet, temperature, b.parity_probe_rows)
-            )
+            replay = self._replayed_log_probs if self.cfg.actor.moe.routing_replay else None
+            metrics.update(judge_probe(probe, rows, step, b, self.weight_version, replay))
             metrics["perf/parity_probe_s"] = time.perf_counter() - t
         return metrics
+
+    def _replayed_log_probs(self, rows: Batch) -> torch.Tensor:
+        """The actor's log-probs of `rows` replaying their routed_experts (the probe's judge)."""
+        view = self._trainer_view(Batch.concat([rows] * self.dp_size))  # splits over any dp
+        return self.rt.actor.compute_log_prob(view, self.cfg.rollout.temperature)["old_log_probs"][: len(rows)]
 
     def _update_parity(self, per_rank: list[dict], step: int) -> dict:
         """actor.old_log_prob=rollout: the check on the update's first mini-batch (parity.py)."""

@@ -127,32 +127,78 @@ def probe_engines(
     compared with the trainer's old log-probs of the same tokens, computed by the version it
     holds; every engine must answer with that version. parity/* metrics; ParityError as
     check_parity (one isolated row tolerated while bridge.parity_rows_off > 0). An engine that does
-    not answer (dead, being restarted: the fleet resyncs it before it serves) is counted, not judged."""
+    not answer (dead, being restarted: the fleet resyncs it before it serves) is counted, not judged.
+    The two halves: `start_probe` (before the trainer's old log-probs exist: the engines score
+    while the trainer computes them) and `judge_probe`."""
+    return judge_probe(start_probe(rows, fleet, temperature, probe_rows), rows, step, bridge, weight_version)
+
+
+@dataclasses.dataclass
+class Probe:
+    picked: list[int]  # the probed rows
+    scoring: dict  # engine URL -> the Future of its scores, or the exception that refused the call
+
+
+def start_probe(rows: Batch, fleet, temperature: float, probe_rows: int, routed: bool = False) -> Probe:
+    """Send the probe rows to every engine to score; returns at once (probe_engines). `routed`
+    (routing replay): the engines return the experts they routed to (judge_probe's `replay`)."""
     k = min(probe_rows, len(rows))
     picked = [round(i * (len(rows) - 1) / max(k - 1, 1)) for i in range(k)]
     mask = rows["response_mask"][picked]
     ends = [int(m.nonzero().max()) + 1 if m.any() else 0 for m in mask]
     starts = [int(rows["prompt_lengths"][i]) for i in picked]
     sequences = [rows["input_ids"][i, : p + e].tolist() for i, p, e in zip(picked, starts, ends)]
-    want = {str(weight_version)} | ({"default", "0", None} if weight_version == 0 else set())
-    old, parts, unreachable = rows["old_log_probs"][picked], [], 0
+    scoring = {}
     for url in fleet.engine_urls:
         try:
-            with fleet.client(url, max_retries=0, timeout_s=60.0) as client:
-                scored = client.score(sequences, starts, temperature)
+            client = fleet.kept_client(url, max_retries=0, timeout_s=60.0)
+            scoring[url] = client.score_later(sequences, starts, temperature, return_routed_experts=routed)
+        except Exception as exc:  # noqa: BLE001  (judged as unreachable)
+            scoring[url] = exc
+    return Probe(picked, scoring)
+
+
+def judge_probe(
+    probe: Probe,
+    rows: Batch,
+    step: int,
+    bridge,
+    weight_version: int,
+    replay: Callable[[Batch], torch.Tensor] | None = None,
+) -> dict:
+    """The engines' scores of `probe` against the trainer's old log-probs in `rows` (probe_engines).
+    With routing replay the old log-probs replayed the rollout's experts, which the version the
+    engines hold now need not choose: `replay(rows)` then gives the trainer's log-probs of the
+    probe rows replaying the experts each engine chose for them (start_probe's `routed`), so both
+    sides route alike, as in the sync loop's check."""
+    picked = probe.picked
+    mask = rows["response_mask"][picked]
+    want = {str(weight_version)} | ({"default", "0", None} if weight_version == 0 else set())
+    old, parts, unreachable, replayed = rows["old_log_probs"][picked], [], 0, {}
+    for url, scoring in probe.scoring.items():
+        try:
+            if isinstance(scoring, Exception):
+                raise scoring
+            scored = scoring.result()
         except Exception:  # noqa: BLE001  (a dead engine is the fleet's to restart; counted)
             unreachable += 1
             continue
-        served = {version for _, version in scored}
+        served = {answer[1] for answer in scored}
         if not served <= want:
             raise ParityError(
                 f"step {step}: engine {url} answers with weight version {sorted(map(str, served))} after "
                 f"the sync of version {weight_version}: the sync did not reach it"
             )
         engine = torch.full_like(old, float("nan"))
-        for j, (lps, _) in enumerate(scored):
+        for j, (lps, *_) in enumerate(scored):
             engine[j, : len(lps)] = torch.tensor(lps[: old.shape[1]], dtype=old.dtype)
-        parts.append(parity_stats(old, engine, mask, bridge.parity_atol))
+        trainer = old
+        if replay is not None:
+            records = tuple(answer[2] for answer in scored)
+            if records not in replayed:
+                replayed[records] = replay(_with_records(rows[picked], records))
+            trainer = replayed[records]
+        parts.append(parity_stats(trainer, engine, mask, bridge.parity_atol))
     metrics = {"parity/engines": float(len(parts)), "parity/engines_unreachable": float(unreachable)}
     if not parts:
         return metrics
@@ -162,6 +208,21 @@ def probe_engines(
     )
     metrics["parity/rows"] = stats["rows"]  # rows x engines
     return {**metrics, **{k.replace("rollout/logprob_", "parity/"): v for k, v in checked.items()}}
+
+
+def _with_records(rows: Batch, records: tuple) -> Batch:
+    """The probe rows with the engine's routing records as their `routed_experts` column."""
+    from megarl.wire import routing
+
+    column = torch.full_like(rows["routed_experts"], routing.NO_EXPERT)
+    for j, record in enumerate(records):
+        m = rows["response_mask"][j]
+        fed = int(rows["prompt_lengths"][j]) + (int(m.nonzero().max()) + 1 if m.any() else 0) - 1  # start_probe's
+        ids = routing.decode(record, fed)
+        column[j, : len(ids)] = torch.from_numpy(ids.astype("int16"))
+    out = rows.select("input_ids", "prompt_lengths", "responses", "response_mask")
+    out["routed_experts"] = column
+    return out
 
 
 def check_update_parity(

@@ -25,6 +25,7 @@ from megarl.trainer.step_metrics import timer
 
 if TYPE_CHECKING:
     from megarl.config.schema import RunConfig
+    from megarl.trainer.parity import Probe
     from megarl.trainer.runtime import Runtime
     from megarl.trainer.sources import RolloutSource
 
@@ -44,7 +45,8 @@ class StepLoop(Protocol):
     def sync_weights(self) -> dict: ...
     def _token_lengths(self, rows: Batch) -> list[int]: ...
     def _trainer_view(self, rows: Batch, *extra: str) -> Batch: ...
-    def _check_parity(self, rows: Batch, step: int) -> dict: ...
+    def _start_probe(self, rows: Batch) -> Probe | None: ...
+    def _check_parity(self, rows: Batch, step: int, probe: Probe | None = None) -> dict: ...
     def _rewards(self, rows: Batch) -> tuple[torch.Tensor, dict]: ...
 
 
@@ -68,9 +70,10 @@ def old_ref_values(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: 
         rows["old_log_probs"] = rows["rollout_log_probs"].to(torch.float32)
         parity = {}
     else:
+        probe = loop._start_probe(rows)  # the engines score the probe rows meanwhile (async loops)
         with timer(timing, "old_log_prob"):
             rows = rows.union(loop.rt.actor.compute_log_prob(loop._trainer_view(rows), cfg.rollout.temperature))
-        parity = loop._check_parity(rows, step)
+        parity = loop._check_parity(rows, step, probe)
     if cfg.ref.enabled:
         with timer(timing, "ref"):
             rows = rows.union(loop.rt.actor.compute_ref_log_prob(loop._trainer_view(rows), cfg.rollout.temperature))

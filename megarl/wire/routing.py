@@ -130,6 +130,11 @@ def encode(records: np.ndarray, start: int = 0) -> str:
     return base64.b64encode(np.ascontiguousarray(records[start:], dtype="<i4").tobytes()).decode("ascii")
 
 
+def concat(first: str, then: str) -> str:
+    """Two records of consecutive token ranges (SGLang's base64) as one."""
+    return base64.b64encode(base64.b64decode(first) + base64.b64decode(then)).decode("ascii")
+
+
 def decode(value: str, tokens: int) -> np.ndarray:
     """meta_info["routed_experts"] -> [tokens, layers * top_k] int32 (the shape is not sent)."""
     flat = np.frombuffer(base64.b64decode(value), dtype="<i4")

@@ -60,6 +60,7 @@ def async_runs(tmp_path_factory):
                 "trainer.export_hf=false",
                 "trainer.save_every=2",
                 "trainer.mode=one_step_off",
+                "actor.moe.routing_replay=true",  # every mode replays the rollout's experts
             ],
         )
     )
@@ -96,6 +97,7 @@ def async_runs(tmp_path_factory):
         "full": full_rows.seen,
         "killed": [killed, full_rows.killed],
         "spans": full_rows.spans,
+        "routed": [one_rows.routed, full_rows.routed],
     }
     return read("one.jsonl"), read("full.jsonl"), state2, trainer, (str(nan_error.value), served), rows, caught
 
@@ -138,7 +140,7 @@ class _Counting:
     def __init__(self, inner, kill_on_start=None):
         """`kill_on_start`: a fleet whose engine 0 is SIGKILLed as the source starts generating.
         `spans[step]`: each row's newest minus oldest token version, from the rows as generated."""
-        self.inner, self.off_policy, self.seen, self.spans = inner, inner.off_policy, {}, {}
+        self.inner, self.off_policy, self.seen, self.spans, self.routed = inner, inner.off_policy, {}, {}, {}
         self.fleet, self.killed = kill_on_start, None
 
     def __getattr__(self, name):
@@ -156,6 +158,9 @@ class _Counting:
         self.seen[step] = collections.Counter(rows["uid"])  # a prompt's id in its epoch
         versions, mask = rows["rollout_versions"], rows["response_mask"] > 0
         self.spans[step] = [int(v[m].max() - v[m].min()) if m.any() else 0 for v, m in zip(versions, mask)]
+        fed = rows["prompt_lengths"] + mask.sum(1) - 1  # tokens the engine fed: each has its experts
+        recorded = (rows["routed_experts"] >= 0).all(-1).sum(1)
+        self.routed[step] = bool((recorded == fed).all())
         return rows, stats
 
 
@@ -235,6 +240,19 @@ def test_the_loss_sees_each_tokens_behaviour_version_through_the_data_parallel_s
     for m in full:
         expected = sum(spans[m["step"]]) / len(spans[m["step"]])
         assert m["rollout/version_span_mean"] == pytest.approx(expected, abs=1e-12), (m["step"], expected)
+
+
+def test_routing_replay_in_both_async_modes_and_the_probe_replays_the_engines_experts(async_runs):
+    """The fixture's runs replay the rollout's MoE experts: every row of every step reached the
+    trainer with the experts of every token the engine fed (a resumed row too). The probe after a
+    sync compares the engines' scores, routed by the version they hold now, with the trainer's
+    log-probs replaying those same experts (the step's old log-probs replay the rollout's, which the
+    new version need not choose: compared with those, the probe failed at 1.8e-2)."""
+    one, full, rows = async_runs[0], async_runs[1], async_runs[5]
+    assert rows["routed"] == [{1: True, 2: True, 3: True, 4: True}, {3: True, 4: True}]
+    for m in one + full:
+        if m["parity/engines"]:
+            assert m["parity/diff_max"] <= 1e-4, (m["step"], m["parity/diff_max"])
 
 
 def test_an_engine_killed_mid_generation_loses_no_row_in_either_async_mode(async_runs):
@@ -462,6 +480,29 @@ def test_producer_sends_nothing_past_the_last_step():
     finally:
         for e in client.release.values():
             e.set()
+        p.stop()
+
+
+def test_a_failure_of_the_fleets_recovery_reaches_take_instead_of_losing_the_prompt():
+    """A request fails and looking for dead engines fails too (here the fleet has no recover):
+    take() raises that error. Before, the request's task died with it unseen and take() waited
+    forever for a group that would never come."""
+
+    class _Failing:
+        retries = 0
+
+        async def agenerate(self, ids, params, return_logprob=False):
+            raise ConnectionError("engine gone")
+
+        def close(self):
+            pass
+
+    p = _producer(_Failing(), max_staleness=1)
+    try:
+        with pytest.raises(RuntimeError, match="fully_async rollout failed") as failed:
+            p.take(0, {})  # raises within ~1 s (take looks at the error once a second)
+        assert isinstance(failed.value.__cause__, AttributeError)  # SimpleNamespace has no recover
+    finally:
         p.stop()
 
 

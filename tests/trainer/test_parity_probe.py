@@ -19,11 +19,18 @@ TEMPERATURE = 0.8
 
 
 class Fleet:
+    """The part of RolloutFleet the probe uses: engine URLs and a kept client per URL."""
+
+    kept: dict = {}  # across the module's fleets, as one fleet keeps them across steps
+
     def __init__(self, urls):
         self.engine_urls = urls
 
-    def client(self, url, **kwargs):
-        return RolloutClient(url, **kwargs)
+    def kept_client(self, url, **kwargs):
+        key = (url, tuple(sorted(kwargs.items())))
+        if key not in Fleet.kept:
+            Fleet.kept[key] = RolloutClient(url, **kwargs)
+        return Fleet.kept[key]
 
 
 @pytest.fixture(scope="module")

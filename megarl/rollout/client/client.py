@@ -202,8 +202,14 @@ class RolloutClient(WeightCalls):
         return_logprob: bool = False,
         rids: list[str] | None = None,
         return_routed_experts: bool = False,
+        routed_experts_start_len: int | None = None,
     ) -> list[GenerateOutput]:
-        coro = self._generate_all(input_ids, sampling_params, _fields(return_logprob, return_routed_experts), rids)
+        """`routed_experts_start_len` (SGLang's field): the first token whose routing record is
+        returned, for every prompt (None: the server's default, 0)."""
+        fields = _fields(return_logprob, return_routed_experts)
+        if routed_experts_start_len is not None:
+            fields["routed_experts_start_len"] = routed_experts_start_len
+        coro = self._generate_all(input_ids, sampling_params, fields, rids)
         return await asyncio.wrap_future(self._submit(coro))
 
     async def _generate_all(self, input_ids, sampling_params, fields, rids) -> list[GenerateOutput]:
@@ -285,19 +291,36 @@ class RolloutClient(WeightCalls):
         return [GenerateOutput.from_response(item) for item in items]
 
     def score(
-        self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0
-    ) -> list[tuple[list[float], str | None]]:
+        self,
+        sequences: list[list[int]],
+        starts: list[int],
+        temperature: float = 1.0,
+        return_routed_experts: bool = False,
+    ) -> list[tuple]:
         """Teacher-forced log-probs under the weights the server holds now: for each sequence, the
         log-prob of every token from starts[i] on (one prefill; nothing is sampled), with the
-        weight_version that computed them (trainer/parity.py's check of a weight sync)."""
-        return self._run(self._score(sequences, starts, temperature))
+        weight_version that computed them (trainer/parity.py's check of a weight sync): a
+        (log-probs, version) pair per sequence, and with `return_routed_experts` its MoE routing
+        record third (SGLang's base64, len(sequence) - 1 tokens; megarl/wire/routing.py)."""
+        return self._run(self._score(sequences, starts, temperature, return_routed_experts))
 
-    async def _score(self, sequences, starts, temperature) -> list[tuple[list[float], str | None]]:
+    def score_later(
+        self,
+        sequences: list[list[int]],
+        starts: list[int],
+        temperature: float = 1.0,
+        return_routed_experts: bool = False,
+    ):
+        """`score`, sent now and answered through the returned concurrent Future (the caller
+        works meanwhile)."""
+        return self._submit(self._score(sequences, starts, temperature, return_routed_experts))
+
+    async def _score(self, sequences, starts, temperature, return_routed_experts=False) -> list[tuple]:
         payload = {
             "input_ids": sequences,
             "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
-            "return_logprob": True,
             "logprob_start_len": list(starts),
+            **_fields(True, return_routed_experts),
         }
         body = await self._json("POST", "/generate", payload, f"scoring {len(sequences)} sequences")
         items = body if isinstance(body, list) else [body]
@@ -307,7 +330,8 @@ class RolloutClient(WeightCalls):
         for item in items:
             meta = item.get("meta_info", {})
             lps = [float("nan") if t[0] is None else float(t[0]) for t in meta.get("input_token_logprobs") or []]
-            out.append((lps, meta.get("weight_version")))
+            routed = (meta.get("routed_experts"),) if return_routed_experts else ()
+            out.append((lps, meta.get("weight_version"), *routed))
         return out
 
     def generate_text(self, texts: list[str], sampling_params: dict | None = None) -> list[GenerateOutput]:

@@ -8,7 +8,10 @@ output as a new prompt with max_new_tokens (and min_new_tokens) reduced by what 
 otherwise the same sampling parameters (`resume_request`), then concatenate (`merge_partial`):
 output_ids, output log-probs and weight_versions of the merged answer are those of the first
 part followed by those of the resumed part, so every token keeps the log-prob of the weights that
-produced it, which is what off-policy corrections need. `resume_partial` does both with a
+produced it, which is what off-policy corrections need. MoE routing records (meta_info
+routed_experts, megarl/wire/routing.py) are kept the same way: the resumed request asks for the
+records from the first token the first part did not feed (routed_experts_start_len), so every
+token keeps the experts of the forward that produced its successor, under the version that ran it. `resume_partial` does both with a
 RolloutClient, as often as the request keeps being interrupted.
 
 What a resumed request cannot know, compared with one that ran uninterrupted (SGLang's partial
@@ -20,7 +23,10 @@ concatenated (a tokenizer may decode the joined ids slightly differently).
 
 from __future__ import annotations
 
+import dataclasses
+
 from megarl.rollout.client.client import GenerateOutput
+from megarl.wire import routing
 
 _COUNTED = ("max_new_tokens", "min_new_tokens")  # reduced by the tokens already generated
 
@@ -54,7 +60,9 @@ def resume_request(input_ids: list[int], sampling_params: dict, partial: Generat
 def merge_partial(first: GenerateOutput, resumed: GenerateOutput) -> GenerateOutput:
     """One answer: `first`'s tokens, log-probs and weight versions, then `resumed`'s; the finish
     reason, weight_version and other meta_info of `resumed` (whose prompt_tokens counted the
-    partial output: the original prompt's count is restored)."""
+    partial output: the original prompt's count is restored). Routing records are joined when
+    both parts have them (`resumed` asked from routed_experts_start_len = resume_start(first)),
+    else dropped: a record that covers only a part would misalign with the tokens."""
     if (first.output_logprobs is None) != (resumed.output_logprobs is None):
         raise ValueError(
             "one part of a partial rollout has output log-probs and the other not; ask both with return_logprob=true"
@@ -73,6 +81,9 @@ def merge_partial(first: GenerateOutput, resumed: GenerateOutput) -> GenerateOut
         meta.pop(key, None)
         if key in meta_a:  # the original prompt's, not those of prompt + partial output
             meta[key] = meta_a[key]
+    meta.pop("routed_experts", None)
+    if isinstance(meta_a.get("routed_experts"), str) and isinstance(meta_b.get("routed_experts"), str):
+        meta["routed_experts"] = routing.concat(meta_a["routed_experts"], meta_b["routed_experts"])
     runs_a, runs_b = token_version_runs(first), token_version_runs(resumed)
     if runs_a is not None and runs_b is not None:
         meta["weight_versions"] = merge_runs(runs_a, runs_b)
@@ -124,6 +135,7 @@ async def resume_partial(
     partial: GenerateOutput,
     return_logprob: bool = True,
     rid: str | None = None,
+    return_routed_experts: bool = False,
 ) -> GenerateOutput:
     """Finish `partial` (an answer to input_ids / sampling_params) with `client` (a RolloutClient;
     its `agenerate`) and return the merged answer. An answer that is not partial is returned as
@@ -141,7 +153,21 @@ async def resume_partial(
             {"type": "length", "length": budget},
             {**partial.meta_info, "finish_reason": {"type": "length", "length": budget}},
         )
+    routed = {"return_routed_experts": True, "routed_experts_start_len": resume_start(input_ids, partial)}
+    if return_routed_experts and not partial.output_ids:  # nothing of the first part is kept
+        partial = dataclasses.replace(partial, meta_info={**partial.meta_info, "routed_experts": ""})
     (resumed,) = await client.agenerate(
-        [ids], [params], return_logprob=return_logprob, rids=None if rid is None else [rid]
+        [ids],
+        [params],
+        return_logprob=return_logprob,
+        rids=None if rid is None else [rid],
+        **(routed if return_routed_experts else {}),
     )
     return merge_partial(partial, resumed)
+
+
+def resume_start(input_ids: list[int], partial: GenerateOutput) -> int:
+    """The first token whose routing record the resumed request must return: the first part fed
+    prompt + output - 1 tokens (its last sampled token never went through the model), or nothing
+    when it was aborted before its prefill produced a token."""
+    return len(input_ids) + len(partial.output_ids) - 1 if partial.output_ids else 0

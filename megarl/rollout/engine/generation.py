@@ -223,6 +223,7 @@ class GenerationEngine(EngineWeights, Scheduler):
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
+        log.info("engine counters at shutdown: %s", dict(sorted(self.stats.items())))
 
     def _collect_eos_ids(self) -> frozenset[int]:
         values = (

@@ -77,7 +77,7 @@ class RolloutFleet:
         self._id = uuid.uuid4().hex[:6]  # Ray actor names of this fleet
         self._pending: dict[int, list] = {}  # engine -> start refs of a restart in flight
         self._starting: dict[int, list] = {}  # engine -> start refs of the first start
-        self._clients: dict[str, RolloutClient] = {}
+        self._clients: dict[tuple, RolloutClient] = {}  # (url, options): kept_client
         self._recovery = threading.RLock()  # recover / finish_recovery, from any thread
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -184,10 +184,17 @@ class RolloutFleet:
         return [e.url for e in self.engines if e.url is not None]
 
     def _control_client(self, url: str) -> RolloutClient:
-        """One kept client per engine for control calls (a client owns a thread and a pool)."""
-        if url not in self._clients:
-            self._clients[url] = self.client(url, max_retries=1)
-        return self._clients[url]
+        """One kept client per engine for control calls."""
+        return self.kept_client(url, max_retries=1)
+
+    def kept_client(self, url: str, **kwargs) -> RolloutClient:
+        """A client for `url` made once per set of options and kept until close(): a client owns a
+        thread, an event loop and a connection pool, ~ms of CPU to make and close, which a call
+        made every step (the asynchronous loops' parity probe) should not pay each time."""
+        key = (url, tuple(sorted(kwargs.items())))
+        if key not in self._clients:
+            self._clients[key] = self.client(url, **kwargs)
+        return self._clients[key]
 
     def client(self, url: str, **kwargs) -> RolloutClient:
         return RolloutClient(
@@ -304,9 +311,8 @@ class RolloutFleet:
 
         if self.router is not None and engine.url is not None:
             ray.get(self.router.remove_worker.remote(engine.url))
-        client = self._clients.pop(engine.url, None)
-        if client is not None:
-            client.close()
+        for key in [k for k in self._clients if k[0] == engine.url]:
+            self._clients.pop(key).close()
         engine.url = None
 
     def _attach(self, engine: _Engine) -> None:

@@ -259,6 +259,7 @@ def test_partial_rollout_resumed_after_a_weight_update_keeps_each_tokens_logprob
     served, monkeypatch, reference, updated_reference, new_weights
 ):
     from megarl.rollout.client.partial import is_partial, resume_partial
+    from megarl.wire import routing
     from megarl.wire.weights_codec import serialize_named_tensors
 
     engine, client = served
@@ -272,13 +273,13 @@ def test_partial_rollout_resumed_after_a_weight_update_keeps_each_tokens_logprob
 
     monkeypatch.setattr(engine, "submit", submit_with_interrupt)
     prompt, params = PROMPTS[2], {"max_new_tokens": total, "temperature": 1.0, "ignore_eos": True}
-    (partial,) = client.generate([prompt], params, return_logprob=True)
+    (partial,) = client.generate([prompt], params, return_logprob=True, return_routed_experts=True)
     monkeypatch.setattr(engine, "submit", submit)
     assert is_partial(partial) and len(partial.output_ids) == k
     assert partial.meta_info["weight_versions"] == [["default", k]]
     client.update_weights_from_tensor(serialize_named_tensors(new_weights), weight_version="v2")
     client.continue_generation()
-    merged = asyncio.run(resume_partial(client, prompt, params, partial))
+    merged = asyncio.run(resume_partial(client, prompt, params, partial, return_routed_experts=True))
     assert merged.finish_reason == {"type": "length", "length": total - k}
     assert merged.output_ids[:k] == partial.output_ids and len(merged.output_ids) == total
     assert merged.meta_info["weight_versions"] == [["default", k], ["v2", total - k]]
@@ -292,6 +293,15 @@ def test_partial_rollout_resumed_after_a_weight_update_keeps_each_tokens_logprob
     torch.testing.assert_close(logprobs[k:], new[k:], atol=TOL, rtol=0)
     assert (old[k:] - new[k:]).abs().max() > 1e-2
     assert asyncio.run(resume_partial(client, prompt, params, merged)) is merged  # finished: nothing to do
+    # MoE routing records: each token keeps the experts of the forward that fed it, under the
+    # version that ran it: the first part's up to where it stopped, then v2's (a fresh v2 prefill
+    # of the whole answer routes those positions alike)
+    fed, cut = len(prompt) + total - 1, len(prompt) + k - 1
+    experts = routing.decode(merged.meta_info["routed_experts"], fed)
+    first = routing.decode(partial.meta_info["routed_experts"], cut)
+    (whole,) = client.generate([prompt + merged.output_ids], {"max_new_tokens": 1}, return_routed_experts=True)
+    under_v2 = routing.decode(whole.meta_info["routed_experts"], fed + 1)[:fed]
+    assert (experts[:cut] == first).all() and (experts[cut:] == under_v2[cut:]).all()
 
 
 def test_a_streamed_request_that_joins_a_running_batch_streams_its_answer(served):
