@@ -82,6 +82,13 @@ class StepTime:
     def total(self) -> float:
         return self.generation + self.log_prob + self.update + self.weight_sync
 
+    @property
+    def overlapped(self) -> float:
+        """An asynchronous loop on pools of their own: each step takes the slower side, the engines
+        generating or the trainer scoring, updating and syncing (its pause of generation is
+        counted on the trainer's side only). A lower bound: contention and staleness ignored."""
+        return max(self.generation, self.log_prob + self.update + self.weight_sync)
+
 
 def _moe_layers(hf: dict) -> tuple[int, int, int]:
     """(MoE layers, experts, top-k)."""
