@@ -295,7 +295,9 @@ def format_plan(cfg, plan: Plan) -> str:
         f"  total        {t.total:10.{digits}f}",
     ]
     if cfg.trainer.mode != "sync" and cfg.cluster.placement == "disaggregated":
-        lines.append(f"  {cfg.trainer.mode}: {t.overlapped:.{digits}f} (the slower side: generation and training overlap)")
+        lines.append(
+            f"  {cfg.trainer.mode}: {t.overlapped:.{digits}f} (the slower side: generation and training overlap)"
+        )
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
