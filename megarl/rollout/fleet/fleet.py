@@ -79,6 +79,7 @@ class RolloutFleet:
         self._starting: dict[int, list] = {}  # engine -> start refs of the first start
         self._clients: dict[tuple, RolloutClient] = {}  # (url, options): kept_client
         self._recovery = threading.RLock()  # recover / finish_recovery, from any thread
+        self._clients_lock = threading.Lock()  # kept_client from the loop, _detach from a recovery
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> RolloutFleet:
@@ -161,9 +162,10 @@ class RolloutFleet:
     def close(self) -> None:
         import ray
 
-        for client in self._clients.values():
+        with self._clients_lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
             client.close()
-        self._clients.clear()
         if not ray.is_initialized():
             return
         handles = ([self.router] if self.router is not None else []) + [
@@ -192,9 +194,10 @@ class RolloutFleet:
         thread, an event loop and a connection pool, ~ms of CPU to make and close, which a call
         made every step (the asynchronous loops' parity probe) should not pay each time."""
         key = (url, tuple(sorted(kwargs.items())))
-        if key not in self._clients:
-            self._clients[key] = self.client(url, **kwargs)
-        return self._clients[key]
+        with self._clients_lock:
+            if key not in self._clients:
+                self._clients[key] = self.client(url, **kwargs)
+            return self._clients[key]
 
     def client(self, url: str, **kwargs) -> RolloutClient:
         return RolloutClient(
@@ -311,8 +314,10 @@ class RolloutFleet:
 
         if self.router is not None and engine.url is not None:
             ray.get(self.router.remove_worker.remote(engine.url))
-        for key in [k for k in self._clients if k[0] == engine.url]:
-            self._clients.pop(key).close()
+        with self._clients_lock:
+            gone = [self._clients.pop(k) for k in [k for k in self._clients if k[0] == engine.url]]
+        for client in gone:
+            client.close()
         engine.url = None
 
     def _attach(self, engine: _Engine) -> None:
