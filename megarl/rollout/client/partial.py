@@ -11,8 +11,9 @@ part followed by those of the resumed part, so every token keeps the log-prob of
 produced it, which is what off-policy corrections need. MoE routing records (meta_info
 routed_experts, megarl/wire/routing.py) are kept the same way: the resumed request asks for the
 records from the first token the first part did not feed (routed_experts_start_len), so every
-token keeps the experts of the forward that produced its successor, under the version that ran it. `resume_partial` does both with a
-RolloutClient, as often as the request keeps being interrupted.
+token keeps the experts of the forward that produced its successor, under the version that ran
+it. `resume_partial` does both with a RolloutClient, as often as the request keeps being
+interrupted.
 
 What a resumed request cannot know, compared with one that ran uninterrupted (SGLang's partial
 rollout has the same limits): frequency / presence / repetition penalties count only the resumed
