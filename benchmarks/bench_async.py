@@ -17,6 +17,10 @@ step waits for the longest; the reward reads only the first character, so the ta
 The engines report log-probs of the biased logits (as SGLang does), so the parity check is off
 here: every mode trains on the same slightly off-policy samples.
 
+CPU: the CPU seconds per steady step of every process of the run (this script is the driver;
+Ray's processes, the ranks and the engine are its descendants; profile_step.py's accounting), and
+that total over the 2 cores: no mode's step can be shorter than that bound.
+
 Each mode gets its own runtime (Ray cluster, engine, actor; start-up not timed) and --steps
 steps; time is wall-clock from the first step's start to the last step's end. Reported per mode:
 samples/s (rows trained / time) and steady samples/s (steps 3..N only: the first steps carry
@@ -31,8 +35,10 @@ of up to 8 new tokens, a window of 1: checks the script and the loop end to end 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -80,18 +86,42 @@ def parse_args(argv=None):
 
 
 class _TimedLogger:
-    """The trainer's logger, plus the wall-clock time each step was logged."""
+    """The trainer's logger, plus the wall-clock time each step was logged and the CPU seconds of
+    every process of the run when step 2 and the last step were logged (the steady window)."""
 
-    def __init__(self, inner):
-        self.inner, self.times, self.rows = inner, [], []
+    def __init__(self, inner, steps: int):
+        self.inner, self.times, self.rows, self.steps, self.cpu = inner, [], [], steps, []
 
     def log(self, step, metrics):
         self.times.append(time.perf_counter())
         self.rows.append(dict(metrics))
+        if len(self.times) in (2, self.steps):
+            self.cpu.append(_cpu_per_process())
         self.inner.log(step, metrics)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def _cpu_per_process() -> dict[int, tuple[str, float]]:
+    """pid -> (kind, CPU seconds so far) of this process (the driver) and every descendant (Ray's
+    processes, the Megatron ranks, the engines): profile_step.py's accounting."""
+    from profile_step import _children, _cmdline, _cpu_seconds, kind_of
+
+    me, out = os.getpid(), {}
+    for pid in [me, *_children(me)]:
+        seconds = _cpu_seconds(pid)
+        if seconds is not None:
+            out[pid] = (kind_of(_cmdline(pid), pid == me), seconds)
+    return out
+
+
+def _cpu_per_step(before: dict, after: dict, steps: int) -> dict[str, float]:
+    """CPU seconds per step of each kind of process between two snapshots, and "all"."""
+    per_kind: dict[str, float] = collections.Counter()
+    for pid, (kind, seconds) in after.items():
+        per_kind[kind] += (seconds - before.get(pid, (kind, 0.0))[1]) / steps
+    return {**per_kind, "all": sum(per_kind.values())}
 
 
 def run_mode(label: str, args, workdir: Path) -> dict:
@@ -132,7 +162,7 @@ def run_mode(label: str, args, workdir: Path) -> dict:
         from transformers import AutoTokenizer
 
         eos = AutoTokenizer.from_pretrained(rt.model_path).eos_token_id
-        logger = _TimedLogger(MetricsLogger(None, args.steps, stream=io.StringIO()))
+        logger = _TimedLogger(MetricsLogger(None, args.steps, stream=io.StringIO()), args.steps)
         trainer = Trainer(rt, logger)
         plain = trainer.sampling
 
@@ -168,6 +198,7 @@ def run_mode(label: str, args, workdir: Path) -> dict:
         "staleness_mean": float(np.mean([m.get("async/staleness_mean", 0.0) for m in logger.rows])),
         "partial_frac": float(np.mean([m.get("async/partial_frac", 0.0) for m in logger.rows])),
         "engine_stats": engine_stats,
+        "cpu_s_per_step": _cpu_per_step(*logger.cpu, args.steps - 2),
         "per_step": [
             {k: v for k, v in m.items() if k.startswith(("perf/", "async/", "reward/mean"))} for m in logger.rows
         ],
@@ -182,6 +213,8 @@ def _median_run(runs: list[dict]) -> dict:
     for key, value in runs[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = float(np.median([r[key] for r in runs]))
+    kinds = {k for r in runs for k in r["cpu_s_per_step"]}
+    out["cpu_s_per_step"] = {k: float(np.median([r["cpu_s_per_step"].get(k, 0.0) for r in runs])) for k in kinds}
     return {"ratio_vs_sync": None, "steady_ratio_vs_sync": None, **out}
 
 
@@ -215,15 +248,19 @@ def main(argv=None) -> list[dict]:
         )
     print(
         f"{'mode':<15} {'wall s':>7} {'samples/s':>9} {'x sync':>6} {'steady/s':>8} {'x sync':>6} "
-        f"{'reward first':>12} {'last':>6} {'gain/min':>8} {'len':>5} {'at max':>6} {'stale':>5} {'partial':>7}"
+        f"{'reward first':>12} {'last':>6} {'gain/min':>8} {'len':>5} {'at max':>6} {'stale':>5} {'partial':>7} "
+        f"{'CPU s/step: ranks':>17} {'engine':>6} {'driver':>6} {'all':>5} {'/2 cores':>8} {'s/step':>6}"
     )
     for r in results:
+        cpu = r["cpu_s_per_step"]
         print(
             f"{r['mode']:<15} {r['wall_s']:7.1f} {r['samples_per_s']:9.1f} "
             f"{r['ratio_vs_sync'] or float('nan'):6.2f} {r['steady_samples_per_s']:8.1f} "
             f"{r['steady_ratio_vs_sync'] or float('nan'):6.2f} {r['reward_first']:12.3f} {r['reward_last']:6.3f} "
             f"{r['reward_gain_per_min']:8.3f} {r['length_mean']:5.1f} {r['max_length_frac']:6.1%} "
-            f"{r['staleness_mean']:5.2f} {r['partial_frac']:7.1%}"
+            f"{r['staleness_mean']:5.2f} {r['partial_frac']:7.1%} {cpu.get('megatron rank', 0):17.3f} "
+            f"{cpu.get('rollout engine', 0) + cpu.get('rollout engine TP rank', 0):6.3f} {cpu.get('driver', 0):6.3f} "
+            f"{cpu['all']:5.3f} {cpu['all'] / 2:8.3f} {r['steady_s_per_step']:6.3f}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
