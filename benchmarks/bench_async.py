@@ -26,7 +26,9 @@ steps; time is wall-clock from the first step's start to the last step's end. Re
 samples/s (rows trained / time) and steady samples/s (steps 3..N only: the first steps carry
 every process's first-call costs, the same in each mode), each with its ratio to the sync loop's;
 reward mean over the first and last --window steps, reward gained per minute ((last window -
-first window) / time).
+first window) / time); response tokens trained per second and its ratio to the sync loop's (a
+mode that trains the short answers first, or drops late long ones, gains samples/s, not tokens/s);
+the machine's 1-minute load average as the mode starts.
 
 --smoke: fully_async only (the loop with the most moving parts; --modes still chooses), 3 steps
 of up to 8 new tokens, a window of 1: checks the script and the loop end to end in one runtime.
@@ -134,6 +136,7 @@ def run_mode(label: str, args, workdir: Path) -> dict:
     from megarl.trainer.runtime import start_runtime
 
     mode, _, staleness = label.partition("@")
+    load = os.getloadavg()[0]  # the machine's 1-minute load as this mode starts (before its own processes)
     cfg = validate(
         load_config(
             ROOT / "configs/disaggregated.yaml",
@@ -194,6 +197,8 @@ def run_mode(label: str, args, workdir: Path) -> dict:
         "reward_last": float(np.mean(rewards[-w:])),
         "reward_gain_per_min": (np.mean(rewards[-w:]) - np.mean(rewards[:w])) / (elapsed / 60),
         "length_mean": float(np.mean(lengths)),
+        "tokens_per_s": cfg.data.train_batch_size * cfg.rollout.n * float(np.sum(lengths)) / elapsed,
+        "load_before": load,
         "max_length_frac": float(np.mean([m["response/clip_ratio"] for m in logger.rows])),
         "staleness_mean": float(np.mean([m.get("async/staleness_mean", 0.0) for m in logger.rows])),
         "partial_frac": float(np.mean([m.get("async/partial_frac", 0.0) for m in logger.rows])),
@@ -215,7 +220,7 @@ def _median_run(runs: list[dict]) -> dict:
             out[key] = float(np.median([r[key] for r in runs]))
     kinds = {k for r in runs for k in r["cpu_s_per_step"]}
     out["cpu_s_per_step"] = {k: float(np.median([r["cpu_s_per_step"].get(k, 0.0) for r in runs])) for k in kinds}
-    return {"ratio_vs_sync": None, "steady_ratio_vs_sync": None, **out}
+    return {"ratio_vs_sync": None, "steady_ratio_vs_sync": None, "tokens_ratio_vs_sync": None, **out}
 
 
 @dataclasses.dataclass
@@ -240,6 +245,7 @@ def main(argv=None) -> list[dict]:
         for r in runs:
             r["ratio_vs_sync"] = r["samples_per_s"] / base["samples_per_s"] if base else None
             r["steady_ratio_vs_sync"] = r["steady_samples_per_s"] / base["steady_samples_per_s"] if base else None
+            r["tokens_ratio_vs_sync"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
     results = [_median_run([runs[i] for runs in rounds]) for i in range(len(rounds[0]))]
     if args.repeats > 1:
         print(
@@ -249,7 +255,8 @@ def main(argv=None) -> list[dict]:
     print(
         f"{'mode':<15} {'wall s':>7} {'samples/s':>9} {'x sync':>6} {'steady/s':>8} {'x sync':>6} "
         f"{'reward first':>12} {'last':>6} {'gain/min':>8} {'len':>5} {'at max':>6} {'stale':>5} {'partial':>7} "
-        f"{'CPU s/step: ranks':>17} {'engine':>6} {'driver':>6} {'all':>5} {'/2 cores':>8} {'s/step':>6}"
+        f"{'CPU s/step: ranks':>17} {'engine':>6} {'driver':>6} {'all':>5} {'/2 cores':>8} {'s/step':>6} "
+        f"{'tokens/s':>8} {'x sync':>6} {'load':>5}"
     )
     for r in results:
         cpu = r["cpu_s_per_step"]
@@ -260,7 +267,8 @@ def main(argv=None) -> list[dict]:
             f"{r['reward_gain_per_min']:8.3f} {r['length_mean']:5.1f} {r['max_length_frac']:6.1%} "
             f"{r['staleness_mean']:5.2f} {r['partial_frac']:7.1%} {cpu.get('megatron rank', 0):17.3f} "
             f"{cpu.get('rollout engine', 0) + cpu.get('rollout engine TP rank', 0):6.3f} {cpu.get('driver', 0):6.3f} "
-            f"{cpu['all']:5.3f} {cpu['all'] / 2:8.3f} {r['steady_s_per_step']:6.3f}"
+            f"{cpu['all']:5.3f} {cpu['all'] / 2:8.3f} {r['steady_s_per_step']:6.3f} "
+            f"{r['tokens_per_s']:8.0f} {r.get('tokens_ratio_vs_sync') or float('nan'):6.2f} {r['load_before']:5.2f}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
