@@ -286,10 +286,10 @@ class RolloutConfig:
     dp: int = 1  # attention data parallel inside an engine (sglang only)
     router: bool | None = None  # None: sglang-router in front exactly when num_servers > 1
     router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "round_robin"
-    release_memory: bool | None = None  # None: colocated engines release weights + KV cache
-    # while the trainer runs (SGLang's memory saver), except
-    # on a local CPU-only cluster (validate_rollout.local_cpu_only)
+    release_memory: bool | None = None  # None: colocated engines release weights + KV cache while the
+    # trainer runs (SGLang's memory saver), except on a local CPU-only cluster (validate_rollout.local_cpu_only)
     max_batch_size: int = 256  # sequences one server decodes at once
+    torch_threads: int = 1  # embedded engine: torch threads per rank (more only where its cores idle otherwise)
     # sglang: the fraction of each GPU SGLang takes for weights + KV cache (--mem-fraction-static);
     # None: SGLang's own default (0.79-0.88 by tp and GPU). Colocated, the trainer's resident state
     # must fit in the rest: `megarl plan` says how much that is

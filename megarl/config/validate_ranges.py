@@ -27,6 +27,7 @@ _POSITIVE = [
     "rollout.max_new_tokens",
     "rollout.num_servers",
     "rollout.max_batch_size",
+    "rollout.torch_threads",
     "rollout.request_timeout_s",
     "bridge.bucket_size_mb",
     "bridge.parity_atol",

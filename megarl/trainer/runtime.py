@@ -179,6 +179,7 @@ def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[li
                 host=r.host,
                 port=r.port + e * r.nnodes + k if r.port else 0,
                 max_batch_size=r.max_batch_size,
+                torch_threads=r.torch_threads,
                 seed=cfg.trainer.seed + e,
                 colocated=cfg.cluster.placement == "colocated",
                 mem_fraction_static=r.mem_fraction_static,

@@ -71,11 +71,17 @@ class GrowableLayer(DynamicLayer):
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows `index`, in that order (finished rows leave), in place: only the rows whose
         position changes are copied (those after the first finished row, when the order is
-        kept), then the buffer's leading rows are the cache. No reallocation."""
+        kept), then the buffer's leading rows are the cache. No reallocation, unless `index` has
+        more rows than the cache (rows repeated): then a gathered copy."""
         if not self.is_initialized or self.keys.numel() == 0 or not self._owned():
             super().batch_select_indices(index)
             return
         width, index = self.keys.shape[-2], index.to(self._kbuf.device)
+        if len(index) > self._kbuf.shape[0]:  # rows repeated (a prefill shared by several rows): new buffers
+            with torch.inference_mode():
+                self._kbuf, self._vbuf = self._kbuf.index_select(0, index), self._vbuf.index_select(0, index)
+            self._views(width)
+            return
         moved = index != torch.arange(len(index), device=index.device)  # tensor ops: no loop over rows
         if bool(moved.any()):  # gathered into a temporary first, so sources may also be destinations
             dst, src = moved.nonzero()[:, 0], index[moved]

@@ -78,6 +78,16 @@ class RunningBatch:
             runner.trim_cache(self.cache, shared)
 
 
+def _dedupe(fed: list[list[int]]) -> tuple[list[list[int]], torch.Tensor | None]:
+    """The distinct token lists in first-seen order, and each row's index into them (None when
+    every row is distinct: nothing to share)."""
+    first: dict[tuple[int, ...], int] = {}
+    index = [first.setdefault(tuple(ids), len(first)) for ids in fed]
+    if len(first) == len(fed):
+        return fed, None
+    return [list(ids) for ids in first], torch.tensor(index)
+
+
 def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([mask.new_zeros(mask.shape[0], width - mask.shape[1]), mask], dim=1)
 
@@ -175,14 +185,26 @@ class Scheduler:
         self._running = []
 
     def _join(self, batch: RunningBatch | None, admitted: list[Row]) -> RunningBatch | None:
-        """Prefill the admitted rows on their own cache, sample their first token, merge them in."""
-        ids, mask = self._left_pad([row.fed_ids() for row in admitted])
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        """Prefill the admitted rows on their own cache, sample their first token, merge them in.
+
+        Rows that feed the same tokens (the n samples of one prompt) are prefilled once and each
+        gets a copy of that KV row, as SGLang's prefix cache shares them: a prefill of n x prompt
+        tokens costs one prompt's. Not when a row wants its input log-probs or its experts (those
+        records are per row)."""
+        fed = [row.fed_ids() for row in admitted]
         want_input_lp = any(wants_input_logprobs(row) for row in admitted)
         routing = BatchCapture.start(self.routing, admitted)  # None unless a row asked for its experts
+        unique, index = (fed, None) if want_input_lp or routing is not None else _dedupe(fed)
+        ids, mask = self._left_pad(unique)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         remaining = max(row.req.params.max_new_tokens - len(row.output_ids) for row in admitted)
         cache = self.runner.new_cache(headroom_for(remaining))
         out, version = self._forward(ids, mask, positions, cache, keep_all=want_input_lp)
+        self.stats["prefill_rows"] += len(unique)
+        logits = out.logits[:, -1]
+        if index is not None:
+            out.past_key_values.batch_select_indices(index.to(self.device))
+            mask, positions, logits = mask[index], positions[index], logits[index]
         if routing is not None:
             routing.prefill(ids.shape[1])
         if want_input_lp:
@@ -193,7 +215,7 @@ class Scheduler:
                 self._resolve(row, {"type": "length", "length": 0})
         live = [k for k, row in enumerate(admitted) if row.finish is None]
         if live:
-            self._sample_into_rows([admitted[k] for k in live], out.logits[live, -1], version)
+            self._sample_into_rows([admitted[k] for k in live], logits[live], version)
         joined.keep_unfinished(self.runner, self.device)
         if batch is None:
             self.stats["batches"] += 1

@@ -40,6 +40,7 @@ class EngineNodeSpec:
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
     max_batch_size: int = 256
+    torch_threads: int = 1  # the embedded engine's, per rank
     seed: int = 0
     colocated: bool = False  # SGLang: --enable-memory-saver so it can release memory
     mem_fraction_static: float | None = None  # SGLang: --mem-fraction-static (None: its default)
@@ -103,7 +104,7 @@ class EngineLauncher:
                 port=s.port,
                 max_batch_size=s.max_batch_size,
                 seed=s.seed,
-                torch_threads=1,
+                torch_threads=s.torch_threads,
                 extra_args=tuple(_mesh_args(s, dist_init_addr) + _limit_args(s)),
                 env=env,
                 log_path=s.log_path,

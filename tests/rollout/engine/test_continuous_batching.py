@@ -113,6 +113,24 @@ def test_joined_rows_answer_what_they_answer_alone(engine, temperature):
     assert r0.output_ids[: len(alone["r0"].output_ids)] == alone["r0"].output_ids
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_rows_that_share_a_prompt_are_prefilled_once_and_answer_as_alone(make_engine, temperature):
+    """The n samples of a prompt (here two prompts interleaved, A B A B A) share one prefill and
+    each gets its own copy of the KV row: every answer is the one it gives alone."""
+    engine = make_engine(max_batch_size=8)
+    specs = [(f"s{i}", PROMPTS[i % 2], 5 + i, 200 + i) for i in range(5)]
+    alone = {rid: engine.submit([request(rid, p, m, s, temperature)])[0].result(timeout=60) for rid, p, m, s in specs}
+    before = engine.stats["prefill_rows"]
+    gate = threading.Event()
+    engine.submit([request("gate", PROMPTS[2], 1, 1, on_token=lambda step: gate.wait(timeout=30))])
+    futures = engine.submit([request(rid + "-shared", p, m, s, temperature) for rid, p, m, s in specs])
+    gate.set()  # the five were queued while the gate's row ran: they are admitted in one prefill
+    together = {rid: f.result(timeout=60) for (rid, *_), f in zip(specs, futures)}
+    assert engine.stats["prefill_rows"] - before == 1 + 2  # the gate's prompt, then A and B once each
+    for rid in alone:
+        assert_same_answer(together[rid], alone[rid])
+
+
 def test_long_request_keeps_running_while_short_ones_join_and_leave(engine, reference):
     done: list[str] = []
     shorts = []
