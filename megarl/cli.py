@@ -5,6 +5,7 @@
     megarl plan configs/deepseek-v3-671b.yaml --devices 256xH100  # memory and step time, predicted
     megarl export outputs/quickstart [--step N] [--out DIR]     # a checkpoint as a HF folder
     megarl compare-runs RUN_A RUN_B     # metrics.jsonl identical step for step (but wall clocks)?
+    megarl plot RUN [RUN...] -o curves.png [--x step|samples]   # the runs' curves, overlaid
 
 Bad configuration exits with status 2 and one line naming the key, before any process starts.
 show-config needs neither the model's weights (a directory with only its config.json will do, as
@@ -66,6 +67,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("run_a", help="a run dir or its metrics.jsonl")
     c.add_argument("run_b", help="a run dir or its metrics.jsonl")
+    p = sub.add_parser(
+        "plot",
+        help="draw runs' curves (reward, validation, KL, entropy, length, step time, throughput)",
+        description="draw one or more runs' metrics.jsonl into one image, a panel per metric, the runs "
+        "overlaid; a metric no run logged gets no panel",
+    )
+    p.add_argument("runs", nargs="+", help="run dirs or metrics.jsonl files")
+    p.add_argument("-o", "--out", required=True, help="the image to write (e.g. curves.png)")
+    p.add_argument(
+        "--x",
+        choices=("step", "samples"),
+        default="step",
+        help="x axis: steps, or samples generated (from each run's config.yaml)",
+    )
     return parser
 
 
@@ -80,6 +95,20 @@ def compare_runs(a: str, b: str) -> int:
         print(f"megarl: the runs differ ({len(diffs)} values):\n  " + "\n  ".join(diffs[:20]))
         return 1
     print(f"megarl: identical: {steps} steps, every metric but the wall-clock ones (perf/*, *_s)")
+    return 0
+
+
+def plot(runs: list[str], out: str, x: str) -> int:
+    """`megarl plot`: exit 2 with one line naming the file (and line) of bad input."""
+    from megarl.trainer.plot import PlotInputError, legend_names, load_run, plot_runs, save_figure
+
+    try:
+        loaded = [load_run(path, name) for path, name in zip(runs, legend_names(runs))]
+        written = save_figure(plot_runs(loaded, x), out)
+    except PlotInputError as err:
+        print(f"megarl: plot: {err}", file=sys.stderr)
+        return 2
+    print(f"megarl: wrote {written} ({len(loaded)} run{'s' if len(loaded) > 1 else ''}, x = {x})")
     return 0
 
 
@@ -274,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         return export(args.run_dir, args.step, args.out, args.overwrite)
     if args.command == "compare-runs":
         return compare_runs(args.run_a, args.run_b)
+    if args.command == "plot":
+        return plot(args.runs, args.out, args.x)
     from megarl.config.loader import ConfigError, dump, load_config
     from megarl.config.validate import validate
     from megarl.data.errors import DatasetError

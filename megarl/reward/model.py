@@ -283,10 +283,6 @@ class OverlapScoring:
         )
         self.jobs.append((cols.rows, responses, self.scorer._pool.submit(self.scorer.score_columns, cols)))
 
-    @property
-    def kwargs(self) -> dict:
-        return {"on_rows": self.on_rows}
-
     def collect(self, rows) -> torch.Tensor:
         """Every row's score (waiting for the jobs still running); checks each was scored once, on
         the response the batch holds."""

@@ -43,7 +43,7 @@ from megarl.reward import take_counts
 from megarl.reward.model import RowScorer
 from megarl.reward.overlong import overlong_penalty
 from megarl.rollout.client.manager import SamplingSpec
-from megarl.trainer import checkpoints, finite, phases, run_state
+from megarl.trainer import checkpoints, finite, phases, run_state, status
 from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
@@ -282,7 +282,7 @@ class Trainer:
                     batch,
                     self.sampling(step, train=True, round_=k),
                     self._served_version(),
-                    **(overlap.kwargs if overlap else {}),
+                    on_rows=status.counting(overlap and overlap.on_rows, len(batch) * self.cfg.rollout.n),
                 )
             for key, value in self.rt.rollout.last_stats.items():
                 stats[key] = stats.get(key, 0.0) + float(value)

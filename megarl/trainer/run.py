@@ -41,7 +41,7 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
     reward-curve summary."""
     import signal
 
-    from megarl.trainer import checkpoints
+    from megarl.trainer import checkpoints, status
     from megarl.trainer.preemption import GracefulStop
     from megarl.trainer.run_lock import RunDirLock
     from megarl.trainer.runtime import cluster_for, run_dir_of
@@ -49,7 +49,12 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = GracefulStop(cfg.trainer.stop_grace_s)  # SIGUSR1 from now on; the rest once the loop runs
-    with stop.handling(signal.SIGUSR1), RunDirLock(run_dir), open(log_path_of(run_dir), "a") as log:
+    with (
+        stop.handling(signal.SIGUSR1),
+        RunDirLock(run_dir),
+        open(log_path_of(run_dir), "a") as log,
+        status.shown_on(stream) as terminal,  # on a terminal a status line under the lines (status.py)
+    ):
         point = checkpoints.resume_point(run_dir, cfg.trainer.resume)  # refused before Ray starts
         # Ray starts now, in the background, and comes up while this process imports torch,
         # Megatron and transformers and builds the model and the data (~6 s of a quickstart's
@@ -57,7 +62,7 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
         cluster = cluster_for(cfg)
         cluster.start(background=True)
         with contextlib.closing(cluster):  # closed already when start_runtime took it over
-            return _train_locked(cfg, run_dir, Tee(stream, log), cluster, point, stop)
+            return _train_locked(cfg, run_dir, Tee(terminal, log), cluster, point, stop)
 
 
 def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LOOK_UP, stop=None) -> dict:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from megarl.config.loader import dump
 from megarl.data.mix import data_mix_identity
+from megarl.trainer import status
 from megarl.trainer.checkpoints import ResumeRefused, driver_rng_state, set_driver_rng_state
 
 if TYPE_CHECKING:
@@ -44,19 +45,20 @@ def save(loop: DurableLoop, step: int, data_position: int) -> None:
     position (the first prompt batch not trained on; the rollout source says which), adaptive KL
     coefficient and the controller's RNG (RunCheckpointer)."""
     start = time.perf_counter()
-    partial = loop.checkpointer.begin(step)
-    loop.rt.actor.save_checkpoint(str(partial / "actor"))
-    if loop.rt.critic is not None:
-        loop.rt.critic.save_checkpoint(str(partial / "critic"))
-    state = {
-        "weight_version": loop.weight_version,
-        "data": data_identity(loop),
-        "data_cursor": data_position,
-        "kl_coef": loop.kl_ctrl.value if loop.kl_ctrl is not None else None,
-        "driver_rng": driver_rng_state(),
-        "model_path": loop.rt.model_path,
-    }
-    loop.last_checkpoint = loop.checkpointer.commit(step, partial, state, dump(loop.cfg))
+    with status.phase("save checkpoint"):
+        partial = loop.checkpointer.begin(step)
+        loop.rt.actor.save_checkpoint(str(partial / "actor"))
+        if loop.rt.critic is not None:
+            loop.rt.critic.save_checkpoint(str(partial / "critic"))
+        state = {
+            "weight_version": loop.weight_version,
+            "data": data_identity(loop),
+            "data_cursor": data_position,
+            "kl_coef": loop.kl_ctrl.value if loop.kl_ctrl is not None else None,
+            "driver_rng": driver_rng_state(),
+            "model_path": loop.rt.model_path,
+        }
+        loop.last_checkpoint = loop.checkpointer.commit(step, partial, state, dump(loop.cfg))
     loop._carried["perf/checkpoint_save_s"] = time.perf_counter() - start
     loop.logger.note(f"saved checkpoint {loop.last_checkpoint} ({loop._carried['perf/checkpoint_save_s']:.1f} s)")
 

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Protocol
+
+from megarl.trainer import status
+from megarl.trainer.step_metrics import timer
 
 if TYPE_CHECKING:
     from megarl.bridge.spec import BridgeSpec
@@ -137,10 +139,9 @@ class OneStepOff(OnPolicy):
     def rows(self, step: int, timing: dict) -> tuple[Batch, dict]:
         if self._pending is None:  # the first step (or after a resume): nothing overlapped it
             self._pending = self._start(step)
-        t_wait = time.perf_counter()
-        rows, stats, gen_timing, self._trained = self._pending.result()
+        with timer(timing, "gen_wait"):
+            rows, stats, gen_timing, self._trained = self._pending.result()
         timing.update(gen_timing)
-        timing["perf/gen_wait_s"] = time.perf_counter() - t_wait
         self._pending = self._start(step + 1) if step < self.host.cfg.trainer.total_steps else None
         return rows, stats
 
@@ -156,9 +157,8 @@ class OneStepOff(OnPolicy):
     def before_sync(self, timing: dict) -> None:
         """The engines finish the next step's rollout with the weights they have; then they sync."""
         if self._pending is not None:
-            t = time.perf_counter()
-            concurrent.futures.wait([self._pending])
-            timing["perf/gen_overlap_wait_s"] = time.perf_counter() - t
+            with timer(timing, "gen_overlap_wait"):
+                concurrent.futures.wait([self._pending])
 
     def data_position(self) -> int:
         """The rows generated ahead (for the next step) are not saved: the checkpoint's data
@@ -200,7 +200,8 @@ class FullyAsync(OnPolicy):
 
     def rows(self, step: int, timing: dict) -> tuple[Batch, dict]:
         assert self.producer is not None, "FullyAsync.rows before start()"
-        rows, stats = self.producer.take(self.host.weight_version, timing)
+        with status.phase("wait for rows"):  # the producer's finished groups (perf/wait_s)
+            rows, stats = self.producer.take(self.host.weight_version, timing)
         rows = self.host.score_generated(step, rows, timing)
         self.host.data_cursor += 1  # batches consumed: the checkpoint's data position
         return rows, stats

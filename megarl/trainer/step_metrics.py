@@ -8,21 +8,24 @@ import numpy as np
 
 from megarl.algo.losses import masked_mean
 from megarl.data.batch import Batch
+from megarl.trainer import status
 
 
 class timer:
     """Adds the seconds of its block to out["perf/<name>_s"] (a phase run several times in a step,
-    as generation rounds are, adds up)."""
+    as generation rounds are, adds up); on a terminal the status line names the phase meanwhile."""
 
     def __init__(self, out: dict, name: str):
         self.out, self.name = out, name
 
     def __enter__(self):
+        self.phase = status.enter(self.name)
         self.t = time.perf_counter()
 
     def __exit__(self, *exc):
         key = f"perf/{self.name}_s"
         self.out[key] = self.out.get(key, 0.0) + time.perf_counter() - self.t
+        status.leave(self.phase)
 
 
 def average(dicts: list[dict]) -> dict:

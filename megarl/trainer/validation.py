@@ -27,6 +27,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.data.dataset import PromptBatches
+from megarl.trainer import status
 
 
 def validation_metrics(
@@ -66,7 +67,8 @@ def run_validation(
     and summarise. `generate(prompts)` returns the rows prompt-major with the prompts' columns
     (RolloutManager.generate with n = k); `score(rows)` one reward per row."""
     prompts = PromptBatches(val_data, len(val_data), shuffle=False).batch_at(0)
-    rows = generate(prompts)
-    if len(rows) != k * len(prompts):
-        raise ValueError(f"validation asked for {k} samples of {len(prompts)} prompts and got {len(rows)} rows")
-    return validation_metrics(score(rows), rows["uid"], rows["data_source"], k, threshold)
+    with status.phase("validation"):
+        rows = generate(prompts)
+        if len(rows) != k * len(prompts):
+            raise ValueError(f"validation asked for {k} samples of {len(prompts)} prompts and got {len(rows)} rows")
+        return validation_metrics(score(rows), rows["uid"], rows["data_source"], k, threshold)

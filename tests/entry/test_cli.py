@@ -41,6 +41,21 @@ def test_bad_config_exits_2_with_one_line_naming_the_key(override, key):
     _assert_nothing_left(run_id, within_s=1)
 
 
+def test_plot_of_a_dir_without_metrics_exits_2_naming_it_and_draws_a_run(tmp_path):
+    (tmp_path / "not_a_run").mkdir()
+    proc = _start(["plot", str(tmp_path / "not_a_run"), "-o", str(tmp_path / "x.png")], uuid.uuid4().hex)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    assert out.strip().splitlines() == [
+        f"megarl: plot: {tmp_path / 'not_a_run'} holds no metrics.jsonl (a run dir is "
+        "trainer.output_dir/trainer.experiment_name)"
+    ]
+    assert not (tmp_path / "x.png").exists()
+    proc = _start(["plot", "benchmarks/reference_curves/quickstart.jsonl", "-o", str(tmp_path / "q.png")], "plot")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and (tmp_path / "q.png").read_bytes().startswith(b"\x89PNG"), out
+
+
 def test_dataset_row_missing_a_field_is_reported_with_row_and_field(tmp_path):
     from megarl.data.tasks import make_digits_rows, write_rows
 

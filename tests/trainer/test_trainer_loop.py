@@ -19,6 +19,7 @@ from megarl.config.loader import load_config
 from megarl.config.validate import validate
 from tests._failures import run_while_killing
 from tests._parity import assert_served_by_the_trainers_weights
+from tests.trainer.test_status import CLEAR, FakeTTY
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = [
@@ -97,7 +98,7 @@ def three_steps(tmp_path_factory):
             ],
         )
     )
-    stream = io.StringIO()
+    stream = FakeTTY()  # as on a terminal: with the status line (trainer/status.py)
     summary = train(cfg, stream=stream)
     run_dir = out / "quickstart"
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -158,6 +159,18 @@ def test_console_progress_tensorboard_and_summary(three_steps):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
     assert summary["steps"] == 3
+
+
+def test_a_terminal_shows_each_phase_and_the_log_gets_only_the_lines(three_steps):
+    _, _, run_dir, console = three_steps
+    phases = ["generate 64/64 rows", "reward", "engines release memory", "old log-probs", "reference log-probs"]
+    phases += ["values", "advantages", "critic update", "actor update", "weight sync", "validation", "save checkpoint"]
+    missing = [p for p in phases if f"\x1b[2m{p}" not in console]
+    assert not missing, (missing, console[-2000:])
+    log = (run_dir / "train.log").read_text()
+    assert "\x1b" not in log and "\r" not in log
+    for line in log.splitlines(keepends=True):  # each line the log got, on the terminal unchanged
+        assert CLEAR + line in console, line
 
 
 @pytest.fixture(scope="module")
