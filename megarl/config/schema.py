@@ -55,7 +55,7 @@ class DataConfig:
     # "path/to/file.py:Class" or "package.module:Class": reads each file (or makes rows when there
     # is none) in place of the parquet/jsonl reader; contract in megarl/data/custom.py
     custom_cls: str | None = None
-    # procedural task used when files are None: digits | arith | arith_tool | rg:<reasoning-gym dataset>
+    # procedural task used when files are None: digits | arith | add20 | arith_tool | rg:<reasoning-gym dataset>
     # (rg:basic_arithmetic, rg:chain_sum, rg:countdown, ...; scored by the dataset's own scorer)
     task: str = "digits"
     num_train: int = 1024  # generated prompts (when train_files is None)
@@ -388,6 +388,7 @@ class TrainerConfig:
     log_every: int = 1
     tensorboard: bool = False
     val_every: int = 0  # steps between validations; 0 = never
+    val_before_train: bool = False  # also validate the initial weights (logged as step 0; not on resume)
     # samples per val prompt (k of the val/<data_source>/pass@k and mean@k metrics); > 1 needs
     # rollout.val_temperature > 0, or the k samples would all be the same greedy answer
     val_n: int = 1

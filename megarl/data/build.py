@@ -51,6 +51,8 @@ def build_datasets(data_cfg, tokenizer, work_dir: str | Path):
     if not val_paths and data_cfg.num_val > 0:
         if custom is not None:
             return train, read(None, "val")
-        val_paths = [write_task(data_cfg.task, data_cfg.num_val, data_cfg.seed + 1, work / f"{stem}_val.parquet")]
+        val_paths = [
+            write_task(data_cfg.task, data_cfg.num_val, data_cfg.seed + 1, work / f"{stem}_val.parquet", "val")
+        ]
     val = RLDataset.concat([read(p, "val") for p in val_paths]) if val_paths else None
     return train, val

@@ -12,6 +12,11 @@ the response is the answer (data_source "megarl/arith"), so a worked solution en
 scores too. The instruction keeps answers short: without it SmolLM2-135M explains at length and
 scores 3% (sampled at temperature 1 from 8 prompts x 4), with it 6%.
 
+`add20`: "What is 13 + 7? Answer with the number only.", sums of two integers in 0..20, scored as
+arith. The question space is finite (441 sums), so a fifth of it is held out: validation rows
+(split "val") are the held-out sums, each at most once while there are enough (89), and training rows
+never are. SmolLM2-135M-Instruct answers 44% of them greedily and 20% at temperature 1.
+
 `arith_tool`: "What is 347 * 29?" with a system message showing a python tool call, for the agent
 loop (rollout.agent_loop: tool, configs/agent-python-tool.yaml); scored as arith, plus 0.1 for a
 wrong integer (data_source "megarl/arith_tool").
@@ -83,6 +88,38 @@ def make_arith_rows(num: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+ADD20_MAX = 20
+
+
+def _add20_held_out(a: int, b: int) -> bool:
+    """The validation fifth of add20's sums (a fixed rule, so every seed holds out the same ones)."""
+    return (7 * a + 3 * b) % 5 == 0
+
+
+def make_add20_rows(num: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """`num` rows of "What is a + b?" with a, b in 0..20: training draws (with replacement) from the
+    sums not held out; validation takes the held-out sums in a seeded order (cycling past 89)."""
+    if num < 0 or split not in ("train", "val"):
+        raise ValueError(f"make_add20_rows needs num >= 0 and split train|val, got {num}, {split!r}")
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(ADD20_MAX + 1) for b in range(ADD20_MAX + 1)]
+    pool = [ab for ab in pairs if _add20_held_out(*ab) == (split == "val")]
+    if split == "val":
+        rng.shuffle(pool)
+        chosen = [pool[k % len(pool)] for k in range(num)]
+    else:
+        chosen = [rng.choice(pool) for _ in range(num)]
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"What is {a} + {b}? {ARITH_INSTRUCTION}"}],
+            "data_source": ARITH_DATA_SOURCE,
+            "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+            "extra_info": {"index": index, "a": a, "b": b, "op": "+", "split": split},
+        }
+        for index, (a, b) in enumerate(chosen)
+    ]
+
+
 ARITH_TOOL_DATA_SOURCE = "megarl/arith_tool"
 ARITH_TOOL_SYSTEM = (
     'Call python like this: <tool_call>{"name": "python", "arguments": {"code": '
@@ -121,18 +158,22 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "digits": make_digits_rows,
     "arith": make_arith_rows,
     "arith_tool": make_arith_tool_rows,
+    "add20": make_add20_rows,
 }
+SPLIT_TASKS = {"add20"}  # finite question spaces: their validation questions are held out of training
 
 
-def generate_task(name: str, num: int, seed: int = 0) -> list[dict]:
-    """Rows of the procedural task `name`: a key of TASKS, or rg:<reasoning-gym dataset>."""
+def generate_task(name: str, num: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """Rows of the procedural task `name`: a key of TASKS, or rg:<reasoning-gym dataset>. `split`
+    ("train" or "val") matters to SPLIT_TASKS only; the others differ by seed."""
+
     if name.startswith(REASONING_GYM_PREFIX):
         return make_reasoning_gym_rows(name[len(REASONING_GYM_PREFIX) :], num, seed)
     if name not in TASKS:
         raise ValueError(
             f"unknown procedural task {name!r}; known tasks: {sorted(TASKS)} and rg:<reasoning-gym dataset>"
         )
-    return TASKS[name](num, seed)
+    return TASKS[name](num, seed, split=split) if name in SPLIT_TASKS else TASKS[name](num, seed)
 
 
 def write_rows(rows: list[dict], path: str | Path) -> Path:
@@ -151,6 +192,6 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     return out
 
 
-def write_task(name: str, num: int, seed: int, path: str | Path) -> Path:
+def write_task(name: str, num: int, seed: int, path: str | Path, split: str = "train") -> Path:
     """Generate the procedural task `name` and write it to `path`."""
-    return write_rows(generate_task(name, num, seed), path)
+    return write_rows(generate_task(name, num, seed, split), path)

@@ -43,19 +43,10 @@ from megarl.reward import take_counts
 from megarl.reward.model import RowScorer
 from megarl.reward.overlong import overlong_penalty
 from megarl.rollout.client.manager import SamplingSpec
-from megarl.trainer import checkpoints, finite, phases, run_state, status
+from megarl.trainer import checkpoints, finite, parity, phases, run_state, status
 from megarl.trainer.dynamic_sampling import fill_informative
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
-from megarl.trainer.parity import (
-    Probe,
-    check_current_rows,
-    check_parity,
-    check_update_parity,
-    engine_versions,
-    judge_probe,
-    start_probe,
-)
 from megarl.trainer.preemption import STOP_SIGNALS, GracefulStop, Stopped
 from megarl.trainer.rank_watch import RankWatch
 from megarl.trainer.sources import RolloutSource, rollout_source
@@ -122,6 +113,8 @@ class Trainer:
         if self.resume_from is not None:
             self.restore(*self.resume_from)
         step = self.start_step
+        if step == 0 and t.val_before_train and self.rt.val_data is not None:  # the initial weights' score
+            self.logger.log(0, self.validate(0))
         with self.stop.handling(*STOP_SIGNALS):
             self.source.start()
             try:
@@ -400,27 +393,27 @@ class Trainer:
             )
         return view
 
-    def _start_probe(self, rows: Batch) -> Probe | None:
+    def _start_probe(self, rows: Batch) -> parity.Probe | None:
         """Under an off-policy source, every engine starts scoring a few of the step's rows under
         the weights it holds (the last sync's check, parity.py); None elsewhere."""
         b = self.cfg.bridge
         if not (self.source.off_policy and b.check_parity and b.parity_probe_rows):
             return None
         routed = self.cfg.actor.moe.routing_replay
-        return start_probe(rows, self.rt.fleet, self.cfg.rollout.temperature, b.parity_probe_rows, routed)
+        return parity.start_probe(rows, self.rt.fleet, self.cfg.rollout.temperature, b.parity_probe_rows, routed)
 
-    def _check_parity(self, rows: Batch, step: int, probe: Probe | None = None) -> dict:
+    def _check_parity(self, rows: Batch, step: int, probe: parity.Probe | None = None) -> dict:
         """The server sampled with the weights the trainer just scored with (parity.py). Under an
         off-policy source the rows served by that version are checked, and the engines' scores of
         the probe rows are judged. perf/parity_probe_s: what the probe added to the step."""
-        b = self.cfg.bridge
+        b, versions = self.cfg.bridge, lambda: parity.engine_versions(self.rt.fleet)
         if not self.source.off_policy:
-            return check_parity(rows, step, b, self.weight_version, lambda: engine_versions(self.rt.fleet))
-        metrics = check_current_rows(rows, step, b, self.weight_version, lambda: engine_versions(self.rt.fleet))
+            return parity.check_parity(rows, step, b, self.weight_version, versions)
+        metrics = parity.check_current_rows(rows, step, b, self.weight_version, versions)
         if probe is not None:
             t = time.perf_counter()
             replay = self._replayed_log_probs if self.cfg.actor.moe.routing_replay else None
-            metrics.update(judge_probe(probe, rows, step, b, self.weight_version, replay))
+            metrics.update(parity.judge_probe(probe, rows, step, b, self.weight_version, replay))
             metrics["perf/parity_probe_s"] = time.perf_counter() - t
         return metrics
 
@@ -431,9 +424,8 @@ class Trainer:
 
     def _update_parity(self, per_rank: list[dict], step: int) -> dict:
         """actor.old_log_prob=rollout: the check on the update's first mini-batch (parity.py)."""
-        return check_update_parity(
-            per_rank, step, self.cfg.bridge, self.weight_version, lambda: engine_versions(self.rt.fleet)
-        )
+        versions = lambda: parity.engine_versions(self.rt.fleet)  # noqa: E731  (asked only when the check fails)
+        return parity.check_update_parity(per_rank, step, self.cfg.bridge, self.weight_version, versions)
 
     def _bridge_spec(self) -> BridgeSpec:
         """The sync's spec; the source pauses generation in flight around it (fully_async)."""

@@ -84,7 +84,7 @@ def test_config_accepts_the_tasks_and_names_a_bad_one():
 
     for task in [*TASKS, "rg:basic_arithmetic", "rg:countdown"]:
         validate(load_config(None, [f"data.task={task}"]))
-    with pytest.raises(ConfigError, match=r"data\.task='nope' must be digits, arith, arith_tool or rg:"):
+    with pytest.raises(ConfigError, match=r"data\.task='nope' must be digits, arith, arith_tool, add20 or rg:"):
         validate(load_config(None, ["data.task=nope"]))
     with pytest.raises(ConfigError, match=r"data\.task='rg:nope': reasoning-gym has no dataset 'nope'"):
         validate(load_config(None, ["data.task=rg:nope"]))
@@ -92,9 +92,25 @@ def test_config_accepts_the_tasks_and_names_a_bad_one():
 
 def test_unknown_task_is_named():
     with pytest.raises(
-        ValueError, match=r"unknown procedural task 'nope'; known tasks: \['arith', 'arith_tool', 'digits'\]"
+        ValueError, match=r"unknown procedural task 'nope'; known tasks: \['add20', 'arith', 'arith_tool', 'digits'\]"
     ):
         generate_task("nope", 3)
+
+
+def test_add20_validation_sums_are_held_out_of_training():
+    train = generate_task("add20", 5000, seed=0)
+    val = generate_task("add20", 64, seed=1, split="val")
+    pairs = {
+        split: {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows}
+        for split, rows in (("t", train), ("v", val))
+    }
+    assert not pairs["t"] & pairs["v"]
+    assert len(pairs["v"]) == 64  # 89 held out: no question twice
+    assert len(pairs["t"]) == 441 - 89  # 5000 draws reach every training sum
+    for row in val:
+        a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+        assert row["reward_model"]["ground_truth"] == str(a + b)
+        assert row["prompt"][0]["content"] == f"What is {a} + {b}? Answer with the number only."
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])

@@ -72,6 +72,7 @@ def three_steps(tmp_path_factory):
                 f"trainer.output_dir={out}",
                 "trainer.total_steps=3",
                 "trainer.val_every=3",
+                "trainer.val_before_train=true",
                 "trainer.tensorboard=true",
                 "data.num_train=64",
                 "data.num_val=16",
@@ -102,7 +103,16 @@ def three_steps(tmp_path_factory):
     summary = train(cfg, stream=stream)
     run_dir = out / "quickstart"
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return summary, [json.loads(x) for x in lines], run_dir, stream.getvalue()
+    steps = [json.loads(x) for x in lines]
+    assert steps[0]["step"] == 0  # trainer.val_before_train: the initial weights' validation
+    return summary, steps[1:], run_dir, stream.getvalue()
+
+
+def test_validation_before_training_is_logged_as_step_zero(three_steps):
+    _, steps, run_dir, _ = three_steps
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and "val/reward_mean" in first and "reward/mean" not in first
+    assert "val/reward_mean" in steps[-1] and "val/reward_mean" not in steps[0]  # then every val_every
 
 
 def test_offloaded_actor_and_reference_and_a_critic_group(three_steps):
