@@ -246,6 +246,6 @@ def test_preset_architecture_matches_the_folder_and_validates(smollm2_path, caps
     config = json.loads((smollm2_path / "config.json").read_text())
     for key, value in SMOLLM2_135M.items():
         assert config[key] == (pytest.approx(value) if isinstance(value, float) else value), key
-    assert main(["show-config", "configs/smollm2-arith.yaml"]) == 0
-    assert main(["show-config", "configs/smollm2-arith.yaml", "actor.parallel.tp=2"]) == 2
+    assert main(["show-config", "configs/smollm2-add20.yaml"]) == 0
+    assert main(["show-config", "configs/smollm2-add20.yaml", "actor.parallel.tp=2"]) == 2
     assert "actor.parallel.tp=2 does not divide model.num_attention_heads=9" in capsys.readouterr().err
