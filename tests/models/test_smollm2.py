@@ -249,3 +249,45 @@ def test_preset_architecture_matches_the_folder_and_validates(smollm2_path, caps
     assert main(["show-config", "configs/smollm2-add20.yaml"]) == 0
     assert main(["show-config", "configs/smollm2-add20.yaml", "actor.parallel.tp=2"]) == 2
     assert "actor.parallel.tp=2 does not divide model.num_attention_heads=9" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_add20_config_trains_and_validates_through_the_trainer(smollm2_path, tmp_path):
+    """configs/smollm2-add20.yaml through the trainer, shrunk to two small steps: the initial
+    weights are validated (step 0) and again at the end, by the arith rule (add20's scorer), and
+    the engine's log-probs equal the trainer's on every step's rows."""
+    import io
+    import json
+    from pathlib import Path
+
+    from megarl.config.loader import load_config
+    from megarl.config.validate import validate
+    from megarl.trainer.run import train
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = validate(
+        load_config(
+            root / "configs/smollm2-add20.yaml",
+            [
+                f"trainer.output_dir={tmp_path}",
+                "trainer.total_steps=2",
+                "trainer.val_every=2",
+                "trainer.export_hf=false",
+                "data.num_train=8",
+                "data.num_val=4",
+                "data.train_batch_size=2",
+                "rollout.n=2",
+                "rollout.max_new_tokens=6",
+                "actor.ppo_mini_batch_size=4",
+                "actor.micro_batch_size=2",
+            ],
+        )
+    )
+    train(cfg, stream=io.StringIO())
+    steps = [json.loads(x) for x in (tmp_path / "smollm2-add20" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [0, 1, 2]
+    assert "val/reward_mean" in steps[0] and "val/reward_mean" in steps[2]
+    assert "val/megarl/arith/reward_mean" in steps[0]  # add20 is scored by the arith rule
+    for m in steps[1:]:
+        assert m["rollout/logprob_diff_max"] <= TOLERANCE, m["rollout/logprob_diff_max"]
+        assert m["response/length_mean"] > 0
