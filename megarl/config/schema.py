@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megarl.config.schema_sft import SFTConfig
+
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 # Activation recompute (Megatron's; numbers unchanged: tests/engine/test_engine_recompute.py). "none"
 # keeps every activation; "selective" recomputes core attention (no [s, s] scores kept, a few % more
@@ -212,15 +214,13 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    enabled: bool | None = None  # None: on exactly when actor.use_kl_loss or
-    # algorithm.use_kl_in_reward
+    enabled: bool | None = None  # None: on exactly when actor.use_kl_loss or algorithm.use_kl_in_reward
     offload: bool = False  # the reference's weights leave the device between calls
 
 
 @dataclass
 class CriticModelConfig:
-    path: str | None = None  # HF checkpoint the value model starts from; None = the
-    # actor's (model.path, or the preset built from scratch)
+    path: str | None = None  # HF checkpoint the value model starts from; None: the actor's (model.path or preset)
 
 
 @dataclass
@@ -447,3 +447,4 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)  # `megarl sft` only (schema_sft.py)

@@ -39,6 +39,13 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
     """Run `cfg` (already validated) to completion, or until a signal stops it at a step boundary
     (trainer/preemption.py: the summary's "stopped" line then says where it saved); returns the
     reward-curve summary."""
+    return locked_run(cfg, stream, _train_locked)
+
+
+def locked_run(cfg: RunConfig, stream, body) -> dict:
+    """body(cfg, run_dir, stream, cluster, point, stop) in the locked run dir (train and
+    `megarl sft`): the resume point found (or refused) before Ray starts, Ray starting in the
+    background, SIGUSR1 noted from the start, everything printed also in RUN_DIR/train.log."""
     import signal
 
     from megarl.trainer import checkpoints
@@ -57,7 +64,7 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
         cluster = cluster_for(cfg)
         cluster.start(background=True)
         with contextlib.closing(cluster):  # closed already when start_runtime took it over
-            return _train_locked(cfg, run_dir, Tee(stream, log), cluster, point, stop)
+            return body(cfg, run_dir, Tee(stream, log), cluster, point, stop)
 
 
 def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LOOK_UP, stop=None) -> dict:

@@ -1,0 +1,171 @@
+"""`megarl sft`: the data read and checked in the driver before anything starts, then the run
+(locked run dir, resume point, Ray, the actor's Megatron ranks: no rollout engine), the SFT loop
+(sft.py), the export and the summary. The pieces are train's (run.py, runtime.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megarl.config.loader import dump
+from megarl.config.schema import RunConfig
+from megarl.data.build import as_paths
+from megarl.data.errors import DatasetError
+from megarl.engine.megatron.actor import ActorLossSpec
+
+if TYPE_CHECKING:
+    from megarl.controller.placement import PlacementPlan
+    from megarl.controller.worker_group import RayWorkerGroup
+    from megarl.data.sft import SFTDataset
+
+
+@dataclass
+class SFTData:
+    """An SFT run's conversations, tokenized and masked in the driver (data/sft.py)."""
+
+    train: SFTDataset
+    val: SFTDataset | None
+    steps_per_epoch: int
+    total_steps: int
+
+    def describe(self) -> str:
+        c = self.train.counts
+        cut = f"; {c.truncated} cut to sft.max_length, {c.dropped} of them dropped" if c.truncated else ""
+        val = f", {len(self.val)} val" if self.val is not None else ""
+        return (
+            f"{len(self.train)} train conversations ({self.train.tokens()} tokens{cut}){val}; "
+            f"{self.steps_per_epoch} steps per epoch"
+        )
+
+
+def sft_tokenizer(cfg: RunConfig):
+    """The tokenizer of the model the run starts from, without building the model: model.path's,
+    the SmolLM2 preset's (converted once, cached), or a tiny preset's (built in code)."""
+    from transformers import AutoTokenizer
+
+    from megarl.models import smollm2
+    from megarl.models.tiny import TOOLS_PRESET, build_tokenizer
+
+    if cfg.model.path is not None:
+        return AutoTokenizer.from_pretrained(cfg.model.path)
+    if cfg.model.preset == smollm2.PRESET:
+        return AutoTokenizer.from_pretrained(str(smollm2.materialize()))
+    return build_tokenizer(tools=cfg.model.preset == TOOLS_PRESET)
+
+
+def prepare_sft_data(cfg: RunConfig) -> SFTData:
+    """Every train and val row read, checked, rendered and masked; DatasetError (one line naming
+    the file, the row and the field, or the tokenizer) before any process starts."""
+    from megarl.data.sft import SFTDataset, check_chat_tokenizer
+
+    s = cfg.sft
+    tokenizer = sft_tokenizer(cfg)
+    check_chat_tokenizer(
+        tokenizer, f"model.path={cfg.model.path}" if cfg.model.path else f"model.preset={cfg.model.preset}"
+    )
+    args = (tokenizer, s.max_length, s.overlong, s.messages_key)
+    train = SFTDataset.from_files(as_paths(s.train_files), *args)
+    val = SFTDataset.from_files(as_paths(s.val_files), *args) if s.val_files is not None else None
+    if len(train) < s.batch_size:
+        raise DatasetError(
+            f"{train.source} has {len(train)} conversations to train on, fewer than one batch of "
+            f"sft.batch_size={s.batch_size}; lower sft.batch_size or add rows"
+        )
+    per_epoch = len(train) // s.batch_size  # the last partial batch of an epoch is left out
+    total = s.total_steps if s.total_steps is not None else (s.epochs or 1) * per_epoch
+    return SFTData(train, val, per_epoch, total)
+
+
+@dataclass
+class SFTRuntime:
+    """What the SFT loop talks to: the actor's ranks (objective sft), started by start_sft_runtime."""
+
+    cfg: RunConfig
+    run_dir: Path
+    model_path: str
+    actor: RayWorkerGroup  # of MegatronActor
+    placement: PlacementPlan
+    critic: None = None  # run_state's checkpoints look for one
+    startup: dict[str, float] | None = None
+
+
+@contextlib.contextmanager
+def start_sft_runtime(cfg: RunConfig, cluster=None):
+    """Yield an SFTRuntime; on exit stop every process it started (runtime.start_runtime's pieces:
+    the model, Ray, the actor pool and ranks, without engines, reference or critic)."""
+    from megarl.controller.placement import plan_placement
+    from megarl.trainer.runtime import (
+        StartupClock,
+        cluster_for,
+        reserve_pools,
+        resolve_model_path,
+        run_dir_of,
+        worker_groups,
+    )
+
+    clock, run_dir, plan = StartupClock(), run_dir_of(cfg), plan_placement(cfg)
+    with contextlib.ExitStack() as stack:
+        if cluster is None:
+            cluster = cluster_for(cfg, plan)
+            cluster.start(background=True)
+        stack.push(cluster.__exit__)
+        model_path = resolve_model_path(cfg, run_dir)
+        clock.mark("model")
+        pools, resource, record = reserve_pools(plan, run_dir, cluster, stack, clock, names=("actor",))
+        sft = ActorLossSpec(objective="sft")
+        actor, _ = worker_groups(cfg, plan, pools, resource, model_path, stack, clock, loss=sft)
+        record(actor.processes)
+        yield SFTRuntime(cfg, run_dir, model_path, actor, plan, startup=clock.phases)
+
+
+def run_sft(cfg: RunConfig, data: SFTData, stream=sys.stdout) -> dict:
+    """Run the SFT of `cfg` (validated, validate_sft) on `data` (prepare_sft_data) to completion
+    or until a signal stops it at a step boundary; returns the loss-curve summary."""
+    from megarl.trainer.run import locked_run
+
+    return locked_run(cfg, stream, lambda *args: _sft_locked(data, *args))
+
+
+def _sft_locked(data: SFTData, cfg: RunConfig, run_dir: Path, stream, cluster, point, stop) -> dict:
+    from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.runtime import StartupClock
+    from megarl.trainer.sft import SFTLoop
+
+    (run_dir / "config.yaml").write_text(dump(cfg))
+    tb_dir = run_dir / "tensorboard" if cfg.trainer.tensorboard else None
+    logger = MetricsLogger(
+        tb_dir,
+        data.total_steps,
+        cfg.trainer.log_every,
+        stream,
+        jsonl_path=run_dir / "metrics.jsonl",
+        resume_step=point[1]["step"] if point else 0,
+    )
+    try:
+        with start_sft_runtime(cfg, cluster) as runtime:
+            stream.write(
+                f"megarl: sft run dir {run_dir}; actor mesh {runtime.actor.mesh[0].describe()} "
+                f"x{len(runtime.actor.mesh)}; {data.describe()}, {data.total_steps} steps; start-up "
+                f"{StartupClock.describe(runtime.startup or {})}\n"
+            )
+            loop = SFTLoop(runtime, logger, data, resume=point, stop=stop)
+            loop.fit()
+    finally:
+        logger.close()
+    summary = logger.curve_summary("sft/loss", window=min(10, max(1, math.ceil(data.total_steps / 4))))
+    summary.update(tensorboard_dir=str(tb_dir) if tb_dir else None, data=data.describe())
+    summary["stopped"] = loop.stopped.line() if loop.stopped else None
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if summary.get("steps"):
+        stream.write(
+            f"sft loss: first {summary['window']} steps mean {summary['first_mean']:.4f} -> last "
+            f"{summary['window']} steps mean {summary['last_mean']:.4f} over {summary['steps']} steps\n"
+        )
+    if summary["stopped"]:
+        stream.write(summary["stopped"] + "\n")
+    return summary
