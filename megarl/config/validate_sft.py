@@ -42,8 +42,8 @@ def check_sft(cfg: RunConfig, model_config: dict | None) -> None:
     _require(
         s.train_files is not None,
         "sft.train_files",
-        "megarl sft needs sft.train_files: .parquet or .jsonl files of chat rows (a 'messages' list of "
-        "{role, content} per row); e.g. sft.train_files=configs/data/sft-quickstart-train.jsonl",
+        "sft.train_files is null, but megarl sft trains on .parquet or .jsonl files of chat rows (a "
+        "'messages' list of {role, content} per row); e.g. sft.train_files=configs/data/sft-arith-tool-train.jsonl",
     )
     check_files("sft.train_files", s.train_files, custom=False)
     check_files("sft.val_files", s.val_files, custom=False)
@@ -54,7 +54,7 @@ def check_sft(cfg: RunConfig, model_config: dict | None) -> None:
         _require(value is None or value > 0, key, f"{key}={value} must be > 0 or null")
     _require(
         s.epochs is None or s.total_steps is None,
-        "sft.total_steps",
+        "sft.epochs",
         f"sft.epochs={s.epochs} and sft.total_steps={s.total_steps} both set the run's length; set one "
         "and leave the other null",
     )

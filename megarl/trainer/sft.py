@@ -34,6 +34,13 @@ if TYPE_CHECKING:
     from megarl.trainer.sft_run import SFTData, SFTRuntime
 
 
+def batch_loss(metrics: dict) -> float:
+    """The token-mean loss of a step's whole batch from the data-parallel ranks' averaged metrics
+    (step_metrics.average), popping the sums sft_loss reported. Each rank's sums are means over
+    its micro-batches, and every rank runs as many, so the ratio of the means is exact."""
+    return metrics.pop("sft/nll_sum") / metrics.pop("sft/loss_tokens")
+
+
 class SFTLoop:
     def __init__(
         self,
@@ -95,9 +102,7 @@ class SFTLoop:
         finite.check_ranks(per_rank, "sft update", step, self.weight_version)
         self.weight_version = self.actor_version = self.data_cursor = step
         metrics = average(per_rank)
-        # each rank's sums are means over its micro-batches, and every rank runs as many: the
-        # ratio of the means is the token mean over the whole batch
-        metrics["sft/loss"] = metrics.pop("sft/nll_sum") / metrics.pop("sft/loss_tokens")
+        metrics["sft/loss"] = batch_loss(metrics)
         lengths = self._lengths(batch)
         metrics.update(
             {
