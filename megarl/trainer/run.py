@@ -73,21 +73,11 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
     None)."""
     from megarl.trainer import checkpoints
     from megarl.trainer.loop import Trainer
-    from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import StartupClock, start_runtime
 
     if point is _LOOK_UP:
         point = checkpoints.resume_point(run_dir, cfg.trainer.resume)
-    (run_dir / "config.yaml").write_text(dump(cfg))
-    tb_dir = run_dir / "tensorboard" if cfg.trainer.tensorboard else None
-    logger = MetricsLogger(
-        tb_dir,
-        cfg.trainer.total_steps,
-        cfg.trainer.log_every,
-        stream,
-        jsonl_path=run_dir / "metrics.jsonl",
-        resume_step=point[1]["step"] if point else 0,
-    )
+    logger = run_logger(cfg, run_dir, stream, point, cfg.trainer.total_steps)
     try:
         with start_runtime(cfg, cluster) as runtime:
             critic = (
@@ -107,15 +97,38 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
     finally:
         logger.close()
     summary = logger.curve_summary("reward/mean", window=10)
-    summary["tensorboard_dir"] = str(tb_dir) if tb_dir else None
-    summary["stopped"] = trainer.stopped.line() if trainer.stopped else None
+    curve = (
+        f"reward curve: first {summary.get('window')} steps mean {summary.get('first_mean', 0):.3f} -> "
+        f"last {summary.get('window')} steps mean {summary.get('last_mean', 0):.3f} "
+        f"(x{summary.get('ratio', 0):.1f}, max {summary.get('max', 0):.3f}) over {summary.get('steps')} steps"
+    )
+    return finish_summary(cfg, run_dir, stream, summary, curve, trainer.stopped)
+
+
+def run_logger(cfg: RunConfig, run_dir: Path, stream, point, total_steps: int):
+    """The run's config.yaml written and its MetricsLogger (metrics.jsonl, tensorboard when
+    trainer.tensorboard), continuing after the resume point's step."""
+    from megarl.trainer.metrics import MetricsLogger
+
+    (run_dir / "config.yaml").write_text(dump(cfg))
+    return MetricsLogger(
+        run_dir / "tensorboard" if cfg.trainer.tensorboard else None,
+        total_steps,
+        cfg.trainer.log_every,
+        stream,
+        jsonl_path=run_dir / "metrics.jsonl",
+        resume_step=point[1]["step"] if point else 0,
+    )
+
+
+def finish_summary(cfg: RunConfig, run_dir: Path, stream, summary: dict, curve: str, stopped) -> dict:
+    """RUN_DIR/summary.json, and the run's last lines: `curve` (when a step ran) and where a
+    signal stopped it (`stopped`, preemption.Stopped)."""
+    summary["tensorboard_dir"] = str(run_dir / "tensorboard") if cfg.trainer.tensorboard else None
+    summary["stopped"] = stopped.line() if stopped else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if summary.get("steps"):
-        stream.write(
-            f"reward curve: first {summary['window']} steps mean {summary['first_mean']:.3f} -> "
-            f"last {summary['window']} steps mean {summary['last_mean']:.3f} "
-            f"(x{summary['ratio']:.1f}, max {summary['max']:.3f}) over {summary['steps']} steps\n"
-        )
+        stream.write(curve + "\n")
     if summary["stopped"]:
         stream.write(summary["stopped"] + "\n")
     return summary

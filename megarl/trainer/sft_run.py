@@ -5,14 +5,12 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megarl.config.loader import dump
 from megarl.config.schema import RunConfig
 from megarl.data.build import as_paths
 from megarl.data.errors import DatasetError
@@ -132,20 +130,11 @@ def run_sft(cfg: RunConfig, data: SFTData, stream=sys.stdout) -> dict:
 
 
 def _sft_locked(data: SFTData, cfg: RunConfig, run_dir: Path, stream, cluster, point, stop) -> dict:
-    from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.run import finish_summary, run_logger
     from megarl.trainer.runtime import StartupClock
     from megarl.trainer.sft import SFTLoop
 
-    (run_dir / "config.yaml").write_text(dump(cfg))
-    tb_dir = run_dir / "tensorboard" if cfg.trainer.tensorboard else None
-    logger = MetricsLogger(
-        tb_dir,
-        data.total_steps,
-        cfg.trainer.log_every,
-        stream,
-        jsonl_path=run_dir / "metrics.jsonl",
-        resume_step=point[1]["step"] if point else 0,
-    )
+    logger = run_logger(cfg, run_dir, stream, point, data.total_steps)
     try:
         with start_sft_runtime(cfg, cluster) as runtime:
             stream.write(
@@ -158,14 +147,9 @@ def _sft_locked(data: SFTData, cfg: RunConfig, run_dir: Path, stream, cluster, p
     finally:
         logger.close()
     summary = logger.curve_summary("sft/loss", window=min(10, max(1, math.ceil(data.total_steps / 4))))
-    summary.update(tensorboard_dir=str(tb_dir) if tb_dir else None, data=data.describe())
-    summary["stopped"] = loop.stopped.line() if loop.stopped else None
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if summary.get("steps"):
-        stream.write(
-            f"sft loss: first {summary['window']} steps mean {summary['first_mean']:.4f} -> last "
-            f"{summary['window']} steps mean {summary['last_mean']:.4f} over {summary['steps']} steps\n"
-        )
-    if summary["stopped"]:
-        stream.write(summary["stopped"] + "\n")
-    return summary
+    summary["data"] = data.describe()
+    curve = (
+        f"sft loss: first {summary.get('window')} steps mean {summary.get('first_mean', 0):.4f} -> last "
+        f"{summary.get('window')} steps mean {summary.get('last_mean', 0):.4f} over {summary.get('steps')} steps"
+    )
+    return finish_summary(cfg, run_dir, stream, summary, curve, loop.stopped)

@@ -108,7 +108,10 @@ def test_engine_rows_start_the_response_at_the_first_trained_token(tools_tok):
         ({"messages": [{"role": "user", "content": "hi"}, "yo"]}, "field 'messages[1]' is a str"),
         ({"messages": [{"role": "bot", "content": "hi"}]}, "field 'messages[0].role' is 'bot'"),
         ({"messages": [{"role": "assistant", "content": 3}]}, "field 'messages[0].content' is a int"),
-        ({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}, "field 'messages[0].content' is a NoneType"),
+        (
+            {"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]},
+            "field 'messages[0].content' is a NoneType",
+        ),
     ],
 )
 def test_a_bad_row_is_named_by_file_row_and_field(tmp_path, tools_tok, row, field):

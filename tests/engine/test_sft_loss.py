@@ -63,22 +63,11 @@ def hf_reference(model_path) -> tuple[float, float]:
 
 
 def _sft_step_on_rank(rank, model_path, tp=1, ep=1, cp=1, packed=True):
-    from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.data.sft import engine_rows
     from megarl.engine.megatron.actor import ActorLossSpec, sft_loss
-    from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
+    from tests.engine.test_megatron_engine import _engine
 
-    engine = MegatronEngine(
-        EngineSpec(
-            model_path=str(model_path),
-            parallel=ParallelConfig(tp=tp, ep=ep, cp=cp, sequence_parallel=tp > 1),
-            optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0),
-            micro_batch_size=2,
-            seed=1,
-            pack_sequences=packed,
-        )
-    )
-    engine.initialize()
+    engine = _engine(model_path, tp, ep, train=True, cp=cp, packed=packed)  # Adam, no clipping, 2 rows a micro-batch
     rows = engine_rows(conversations())
     coord = engine.mesh_coord()
     mine = rows.chunk(coord["dp_size"])[coord["dp_rank"]]  # what DP_COMPUTE hands this rank
@@ -127,4 +116,3 @@ def test_packed_and_padded_rows_give_the_same_loss_gradient_and_step(steps):
     assert padded["grad_norm"] == pytest.approx(packed["grad_norm"], rel=1e-6)
     for name, w in packed["weights"].items():
         torch.testing.assert_close(padded["weights"][name], w, atol=1e-6, rtol=0, msg=name)
-
