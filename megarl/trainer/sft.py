@@ -12,16 +12,19 @@ micro-batching, THD packing, every TP / PP / EP / CP layout, the distributed opt
 checkpoints and export are train's too. Durability is run_state's: checkpoints every
 trainer.save_every steps and at the end, trainer.resume, a signal stops at a step boundary
 (preemption.py), the policy exported to RUN_DIR/hf. There is no rollout engine: a step's weights
-go nowhere but the next step.
+go nowhere but the next step. sft_run.py makes what the loop runs on (SFTData, SFTRuntime).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megarl.config.schema import RunConfig
 from megarl.data.balance import balance_across_ranks
-from megarl.data.sft import SFTBatches, eval_batches
+from megarl.data.sft import SFTBatches, SFTDataset, eval_batches
 from megarl.engine.megatron.packing import row_lengths
 from megarl.trainer import checkpoints, finite, run_state
 from megarl.trainer.metrics import MetricsLogger
@@ -30,8 +33,41 @@ from megarl.trainer.preemption import STOP_SIGNALS, GracefulStop, Stopped
 from megarl.trainer.step_metrics import average, timer
 
 if TYPE_CHECKING:
+    from megarl.controller.placement import PlacementPlan
+    from megarl.controller.worker_group import RayWorkerGroup
     from megarl.data.batch import Batch
-    from megarl.trainer.sft_run import SFTData, SFTRuntime
+
+
+@dataclass
+class SFTData:
+    """An SFT run's conversations, tokenized and masked in the driver (data/sft.py)."""
+
+    train: SFTDataset
+    val: SFTDataset | None
+    steps_per_epoch: int
+    total_steps: int
+
+    def describe(self) -> str:
+        c = self.train.counts
+        cut = f"; {c.truncated} cut to sft.max_length, {c.dropped} of them dropped" if c.truncated else ""
+        val = f", {len(self.val)} val" if self.val is not None else ""
+        return (
+            f"{len(self.train)} train conversations ({self.train.tokens()} tokens{cut}){val}; "
+            f"{self.steps_per_epoch} steps per epoch"
+        )
+
+
+@dataclass
+class SFTRuntime:
+    """What the SFT loop talks to: the actor's ranks (objective sft), started by start_sft_runtime."""
+
+    cfg: RunConfig
+    run_dir: Path
+    model_path: str
+    actor: RayWorkerGroup  # of MegatronActor
+    placement: PlacementPlan
+    critic: None = None  # run_state's checkpoints look for one
+    startup: dict[str, float] | None = None
 
 
 def batch_loss(metrics: dict) -> float:

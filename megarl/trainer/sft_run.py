@@ -7,38 +7,13 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from megarl.config.schema import RunConfig
 from megarl.data.build import as_paths
 from megarl.data.errors import DatasetError
 from megarl.engine.megatron.actor import ActorLossSpec
-
-if TYPE_CHECKING:
-    from megarl.controller.placement import PlacementPlan
-    from megarl.controller.worker_group import RayWorkerGroup
-    from megarl.data.sft import SFTDataset
-
-
-@dataclass
-class SFTData:
-    """An SFT run's conversations, tokenized and masked in the driver (data/sft.py)."""
-
-    train: SFTDataset
-    val: SFTDataset | None
-    steps_per_epoch: int
-    total_steps: int
-
-    def describe(self) -> str:
-        c = self.train.counts
-        cut = f"; {c.truncated} cut to sft.max_length, {c.dropped} of them dropped" if c.truncated else ""
-        val = f", {len(self.val)} val" if self.val is not None else ""
-        return (
-            f"{len(self.train)} train conversations ({self.train.tokens()} tokens{cut}){val}; "
-            f"{self.steps_per_epoch} steps per epoch"
-        )
+from megarl.trainer.sft import SFTData, SFTLoop, SFTRuntime
 
 
 def sft_tokenizer(cfg: RunConfig):
@@ -77,19 +52,6 @@ def prepare_sft_data(cfg: RunConfig) -> SFTData:
     per_epoch = len(train) // s.batch_size  # the last partial batch of an epoch is left out
     total = s.total_steps if s.total_steps is not None else (s.epochs or 1) * per_epoch
     return SFTData(train, val, per_epoch, total)
-
-
-@dataclass
-class SFTRuntime:
-    """What the SFT loop talks to: the actor's ranks (objective sft), started by start_sft_runtime."""
-
-    cfg: RunConfig
-    run_dir: Path
-    model_path: str
-    actor: RayWorkerGroup  # of MegatronActor
-    placement: PlacementPlan
-    critic: None = None  # run_state's checkpoints look for one
-    startup: dict[str, float] | None = None
 
 
 @contextlib.contextmanager
@@ -132,7 +94,6 @@ def run_sft(cfg: RunConfig, data: SFTData, stream=sys.stdout) -> dict:
 def _sft_locked(data: SFTData, cfg: RunConfig, run_dir: Path, stream, cluster, point, stop) -> dict:
     from megarl.trainer.run import finish_summary, run_logger
     from megarl.trainer.runtime import StartupClock
-    from megarl.trainer.sft import SFTLoop
 
     logger = run_logger(cfg, run_dir, stream, point, data.total_steps)
     try:
