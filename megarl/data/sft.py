@@ -4,7 +4,9 @@ A row (parquet or jsonl) holds a list of messages under `messages` (sft.messages
 
     {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": str}, ...]}
 
-Other keys of a message (a template's `name`, `tool_calls`) pass through to the chat template.
+Other keys of a message (a template's `name`, `tool_calls`) pass through to the chat template,
+and a row's optional `tools` (a list of function schemas) goes to it as `tools=`, as
+apply_chat_template takes them (a tool-calling model's template renders them into its prompt).
 The conversation is rendered by the model's chat template and tokenized once; the loss covers
 exactly the assistant turns: each turn's content and its end-of-turn token, never the system,
 user or tool tokens nor the template's assistant header. Where a turn starts and ends is found
@@ -81,24 +83,38 @@ def check_chat_row(row, where: str, key: str = "messages") -> list[dict]:
     return out
 
 
-def _render(tokenizer, messages: list[dict], generation: bool, where: str) -> str:
+def check_tools(row: dict, where: str) -> list[dict] | None:
+    """The row's `tools` (function schemas for the template), or None when it has none."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, np.ndarray):
+        tools = list(tools)
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DatasetError(f"{where}: field 'tools' must be a list of function schemas (mappings)")
+    return tools
+
+
+def _render(tokenizer, messages: list[dict], generation: bool, where: str, tools: list[dict] | None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
     except Exception as err:  # noqa: BLE001  (any template failure is the row's: named and re-raised)
         raise DatasetError(f"{where}: the chat template failed on the first {len(messages)} messages: {err}") from None
 
 
-def assistant_spans(tokenizer, messages: list[dict], where: str = "<row>") -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    tokenizer, messages: list[dict], where: str = "<row>", tools: list[dict] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character span [start, end) of every assistant turn's
     content and end of turn (see the module docstring)."""
-    text = _render(tokenizer, messages, False, where)
+    text = _render(tokenizer, messages, False, where, tools)
     eos = tokenizer.eos_token
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        head = _render(tokenizer, messages[:i], True, where)
-        turn = _render(tokenizer, messages[: i + 1], False, where)
+        head = _render(tokenizer, messages[:i], True, where, tools)
+        turn = _render(tokenizer, messages[: i + 1], False, where, tools)
         if not (text.startswith(turn) and turn.startswith(head)):
             raise DatasetError(
                 f"{where}: the chat template renders messages[:{i}] differently once later messages "
@@ -112,11 +128,13 @@ def assistant_spans(tokenizer, messages: list[dict], where: str = "<row>") -> tu
     return text, spans
 
 
-def tokenize_chat(tokenizer, messages: list[dict], where: str = "<row>") -> tuple[list[int], list[bool]]:
+def tokenize_chat(
+    tokenizer, messages: list[dict], where: str = "<row>", tools: list[dict] | None = None
+) -> tuple[list[int], list[bool]]:
     """Token ids of the templated conversation (what apply_chat_template(tokenize=True) gives) and
     the loss mask: True on the tokens of the assistant spans. A token counts when it overlaps a
     span (or, empty, sits in one); the first token is never trained (nothing predicts it)."""
-    text, spans = assistant_spans(tokenizer, messages, where)
+    text, spans = assistant_spans(tokenizer, messages, where, tools)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     starts, ends = offsets[:, 0], offsets[:, 1]
@@ -146,7 +164,8 @@ class SFTDataset:
         self.counts = SFTCounts()
         for index, raw in enumerate(rows):
             where = f"{source} row {index}"
-            ids, mask = tokenize_chat(tokenizer, check_chat_row(raw, where, key), where)
+            messages = check_chat_row(raw, where, key)
+            ids, mask = tokenize_chat(tokenizer, messages, where, check_tools(raw, where))
             if not any(mask):
                 raise DatasetError(f"{where}: field {key!r}: its assistant turns render to no token to train on")
             if len(ids) > max_length:

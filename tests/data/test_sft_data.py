@@ -133,6 +133,24 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_row(tools_
         SFTDataset([{"messages": CHAT[1:3]}], tok, 64, source="x")
 
 
+def test_a_rows_tools_reach_the_template_and_stay_out_of_the_loss(tools_tok):
+    """A row's `tools` (function schemas) go to the template as apply_chat_template's tools=."""
+    from megarl.models.tiny import build_tokenizer
+
+    tok = build_tokenizer(tools=True)
+    tok.chat_template = (
+        "{% if tools %}<|system|>tools: {% for t in tools %}{{ t['function']['name'] }}{% endfor %}{% endif %}"
+        + tools_tok.chat_template
+    )
+    tools = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object"}}}]
+    data = SFTDataset([{"messages": CHAT[1:3], "tools": tools}], tok, 64)
+    ids, mask = data[0]
+    assert tok.decode(ids).startswith("<|system|>tools: python<|user|>hi")
+    assert masked_runs(tok, ids, mask) == ["yo"]
+    with pytest.raises(DatasetError, match="x row 0: field 'tools' must be a list of function schemas"):
+        SFTDataset([{"messages": CHAT[1:3], "tools": "python"}], tok, 64, source="x")
+
+
 def test_a_tokenizer_without_a_chat_template_is_refused(tools_tok):
     from megarl.models.tiny import build_tokenizer
 
