@@ -4,9 +4,9 @@ only (labels -100 elsewhere), averaged over the batch's assistant tokens, and it
 
 Rows are chat conversations rendered by the tiny tokenizer's template (data/sft.py), several with
 more than one assistant turn (gaps in the loss mask). Layouts: one rank packed (THD) and padded,
-and on two gloo ranks DP=2, TP=2 (sequence parallel), EP=2 and CP=2, each with micro-batches of
-2 rows. Tolerances (fp32 engine vs float64): the loss to 1e-5 absolute and the gradient norm to
-1e-5 relative (observed 1e-7 and 8e-8 in every layout); packed vs padded: loss and gradient norm
+and on two gloo ranks DP=2, TP=2 (sequence parallel), EP=2, CP=2 and PP=2 (1F1B), each with
+micro-batches of 2 rows. Tolerances (fp32 engine vs float64): the loss to 1e-5 absolute and the gradient norm to
+1e-5 relative (observed 1e-7 and at most 8e-8 in every layout); packed vs padded: loss and gradient norm
 to 1e-6 relative and the weights after one Adam step to 1e-6 absolute (observed equal).
 """
 
@@ -62,19 +62,22 @@ def hf_reference(model_path) -> tuple[float, float]:
     return float(loss.detach()), float(norm)
 
 
-def _sft_step_on_rank(rank, model_path, tp=1, ep=1, cp=1, packed=True):
+def _sft_step_on_rank(rank, model_path, tp=1, ep=1, cp=1, pp=1, packed=True):
     from megarl.data.sft import engine_rows
     from megarl.engine.megatron.actor import ActorLossSpec, sft_loss
     from tests.engine.test_megatron_engine import _engine
 
-    engine = _engine(model_path, tp, ep, train=True, cp=cp, packed=packed)  # Adam, no clipping, 2 rows a micro-batch
+    engine = _engine(
+        model_path, tp, ep, train=True, pp=pp, cp=cp, packed=packed
+    )  # Adam, no clipping, 2 rows a micro-batch
     rows = engine_rows(conversations())
     coord = engine.mesh_coord()
     mine = rows.chunk(coord["dp_size"])[coord["dp_rank"]]  # what DP_COMPUTE hands this rank
     spec = ActorLossSpec(objective="sft")
     metrics = engine.train_mini_batch(mine, lambda lp, ent, mb: sft_loss(spec, lp, ent, mb))
     weights = {k: v.clone() for k, v in engine.export_weights()}
-    owner = coord["tp_rank"] == 0 and coord["cp_rank"] == 0  # the dp group's result, as DP_COMPUTE collects
+    # the dp group's result, as DP_COMPUTE collects it: tp 0, cp 0, the last pipeline stage
+    owner = coord["tp_rank"] == 0 and coord["cp_rank"] == 0 and coord["pp_rank"] == coord["pp_size"] - 1
     return {"metrics": metrics if owner else None, "weights": weights if rank == 0 else None}
 
 
@@ -87,7 +90,7 @@ def _step(model_path, world: int, **layout) -> dict:
     return {"loss": batch_loss(metrics), "grad_norm": metrics["actor/grad_norm"], "weights": results[0]["weights"]}
 
 
-_DEFAULTS = (("tp", 1), ("ep", 1), ("cp", 1), ("packed", True))
+_DEFAULTS = (("tp", 1), ("ep", 1), ("cp", 1), ("pp", 1), ("packed", True))
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +102,7 @@ def steps(tiny_model_path):
         "tp2": _step(tiny_model_path, 2, tp=2),
         "ep2": _step(tiny_model_path, 2, ep=2),
         "cp2": _step(tiny_model_path, 2, cp=2),
+        "pp2": _step(tiny_model_path, 2, pp=2),
     }
 
 
