@@ -117,11 +117,11 @@ class SFTLoop:
             while step < self.total_steps and not (self.stop.requested and step > self.start_step):
                 step += 1
                 self.finish_step(step, self.train_step(step))
-        if step < self.total_steps:
-            if self.last_checkpoint is None or not str(self.last_checkpoint).endswith(f"step_{step:06d}"):
-                run_state.save(self, step, step)
-            self.stopped = Stopped(self.stop.signal or "?", step, self.total_steps, str(self.last_checkpoint))
-            return
+            if step < self.total_steps:  # a signal: its checkpoint (unless just saved), still handled
+                if self.last_checkpoint is None or not str(self.last_checkpoint).endswith(f"step_{step:06d}"):
+                    run_state.save(self, step, step)
+                self.stopped = Stopped(self.stop.signal or "?", step, self.total_steps, str(self.last_checkpoint))
+                return
         if self.cfg.trainer.export_hf:
             run_state.export_hf(self)
 
