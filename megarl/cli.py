@@ -1,6 +1,7 @@
 """The `megarl` command.
 
     megarl train configs/quickstart.yaml actor.optim.lr=3e-4 trainer.total_steps=50 [--debug]
+    megarl sft configs/sft-quickstart.yaml sft.epochs=3 [--debug]  # supervised fine-tuning on chats
     megarl show-config configs/quickstart.yaml [overrides...]   # print the resolved config
     megarl plan configs/deepseek-v3-671b.yaml --devices 256xH100  # memory and step time, predicted
     megarl export outputs/quickstart [--step N] [--out DIR]     # a checkpoint as a HF folder
@@ -11,7 +12,8 @@ Bad configuration exits with status 2 and one line naming the key, before any pr
 show-config needs neither the model's weights (a directory with only its config.json will do, as
 configs/models/* for the scale configs) nor a GPU or SGLang; train checks both. A run that fails
 ends with one line saying what failed and what to do (exit status 1); its traceback goes to
-RUN_DIR/train.log, and also to the terminal with --debug. A layout that does not fit the devices'
+RUN_DIR/train.log, and also to the terminal with --debug. sft reads and checks every chat row
+before anything starts: a bad row exits 2 with one line naming the file, the row and the field. A layout that does not fit the devices'
 memory (megarl/perf/plan.py) is refused by plan and train alike: exit 2, one line naming the knob.
 """
 
@@ -26,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (
         ("train", "run RL training"),
+        ("sft", "run supervised fine-tuning on chat transcripts (the sft section)"),
         ("show-config", "print the validated, resolved config as YAML"),
         ("plan", "predict memory per device and step time; refuse a layout that cannot fit"),
     ):
@@ -44,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                 default=None,
                 help="mean response tokens for the time prediction (default: rollout.max_new_tokens)",
             )
-        if name == "train":
+        if name in ("train", "sft"):
             p.add_argument(
                 "--debug",
                 action="store_true",
@@ -307,9 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         return plot(args.runs, args.out, args.x)
     from megarl.config.loader import ConfigError, dump, load_config
     from megarl.config.validate import validate
-    from megarl.data.errors import DatasetError
 
     config_path, overrides = _split(args)
+    if args.command == "sft":
+        return sft(config_path, overrides, args.debug)
     try:
         cfg = load_config(config_path, overrides)
         cfg = validate(cfg, _preset_model_config(cfg))
@@ -325,13 +329,47 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"megarl: config error: {reason}", file=sys.stderr)
         return 2
-    from megarl.trainer.checkpoints import ResumeRefused
     from megarl.trainer.run import train
+
+    return _run(lambda: train(cfg), cfg, args.debug)
+
+
+def sft(config_path: str | None, overrides: list[str], debug: bool) -> int:
+    """`megarl sft`: the config checked (validate_sft), every chat row read, rendered and masked
+    with the model's tokenizer (exit 2 on the first bad one), then the run."""
+    from megarl.config.loader import ConfigError, load_config
+    from megarl.config.validate_sft import validate_sft
+    from megarl.data.errors import DatasetError
+
+    try:
+        cfg = load_config(config_path, overrides)
+        cfg = validate_sft(cfg, _preset_model_config(cfg))
+        reason = _missing_weights(cfg)
+        if reason:
+            raise ConfigError("model.path", reason)
+        from megarl.trainer.sft_run import prepare_sft_data, run_sft
+
+        data = prepare_sft_data(cfg)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"megarl: config error: {err}", file=sys.stderr)
+        return 2
+    except DatasetError as err:
+        print(f"megarl: data error: {err}", file=sys.stderr)
+        return 2
+    return _run(lambda: run_sft(cfg, data), cfg, debug)
+
+
+def _run(run, cfg, debug: bool) -> int:
+    """run() (train or sft): 0 when it ends (also stopped by a signal at a step boundary: it
+    saved, its last line says where), 2 when it is refused before starting, 1 with one line when
+    it fails, 130 on a second Ctrl-C."""
+    from megarl.data.errors import DatasetError
+    from megarl.trainer.checkpoints import ResumeRefused
     from megarl.trainer.run_lock import RunDirBusy
     from megarl.trainer.runtime import run_dir_of
 
     try:
-        train(cfg)
+        run()
     except DatasetError as err:
         print(f"megarl: data error: {err}", file=sys.stderr)
         return 2
@@ -342,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megarl: {err or 'interrupted'}; every process this run started has been stopped", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001  (any failure: one line here, the traceback in the log)
-        return _report_failure(err, run_dir_of(cfg), args.debug)
-    return 0  # also when a signal stopped it at a step boundary: saved, its last line says where
+        return _report_failure(err, run_dir_of(cfg), debug)
+    return 0
 
 
 def entry() -> None:

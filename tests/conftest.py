@@ -34,6 +34,7 @@ SLOW_MODULES = {
     "tests/engine/test_megatron_engine.py",
     "tests/engine/test_offload.py",
     "tests/engine/test_routing_replay.py",
+    "tests/engine/test_sft_loss.py",
     "tests/entry/test_checkpoint_convert.py",
     "tests/entry/test_cli.py",
     "tests/entry/test_launch.py",
@@ -47,6 +48,7 @@ SLOW_MODULES = {
     "tests/trainer/test_durability.py",
     "tests/trainer/test_preemption_runs.py",
     "tests/trainer/test_reference_curve.py",
+    "tests/trainer/test_sft.py",
     "tests/trainer/test_trainer_loop.py",
 }
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megarl.config.schema_sft import SFTConfig
+
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 # Activation recompute (Megatron's; numbers unchanged: tests/engine/test_engine_recompute.py). "none"
 # keeps every activation; "selective" recomputes core attention (no [s, s] scores kept, a few % more
@@ -212,15 +214,13 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    enabled: bool | None = None  # None: on exactly when actor.use_kl_loss or
-    # algorithm.use_kl_in_reward
+    enabled: bool | None = None  # None: on exactly when actor.use_kl_loss or algorithm.use_kl_in_reward
     offload: bool = False  # the reference's weights leave the device between calls
 
 
 @dataclass
 class CriticModelConfig:
-    path: str | None = None  # HF checkpoint the value model starts from; None = the
-    # actor's (model.path, or the preset built from scratch)
+    path: str | None = None  # HF checkpoint the value model starts from; None: the actor's (model.path or preset)
 
 
 @dataclass
@@ -298,9 +298,8 @@ class RolloutConfig:
     max_retries: int = 3  # HTTP retries per request (each counted in rollout/retries)
     max_engine_restarts: int = 3  # restarts of dead engines per run before the run fails
     startup_timeout_s: float = 300.0  # one engine's start, all its nodes
-    # null: one generate call per row (today's path); "tool": multi-turn tool calling (the model's
-    # <tool_call>s run, answers appended with mask 0); "single_turn": the agent-loop form of null.
-    # max_new_tokens then bounds a trajectory's whole response (model and tool tokens)
+    # null: one generate call per row; "tool": multi-turn tool calling (the model's <tool_call>s run, answers
+    # appended with mask 0); "single_turn": the agent-loop form of null. max_new_tokens then bounds a whole trajectory
     agent_loop: str | None = None
     agent: AgentConfig = field(default_factory=AgentConfig)
 
@@ -448,3 +447,4 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)  # `megarl sft` only (schema_sft.py)

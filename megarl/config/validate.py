@@ -15,6 +15,7 @@ One module per concern, each a set of check_* functions (and resolve_* for its a
   validate_algorithm discounting, the critic and reference it needs, DAPO's options
   validate_losses    the policy loss, the rollout-mismatch correction, KL
   validate_trainer   the loop mode (trainer.mode) and what it can run with
+  validate_sft       `megarl sft`'s own entry point: the sections an SFT run reads
 trainer.resume is checked where the checkpoint is read: megarl/trainer/checkpoints.py.
 """
 
@@ -29,7 +30,13 @@ from megarl.config.validate_cluster import check_device_type
 from megarl.config.validate_data import check_data, check_task
 from megarl.config.validate_losses import check_losses, resolve_ref
 from megarl.config.validate_model import check_model_paths, read_model_config
-from megarl.config.validate_parallel import check_batch_sizes, check_critic, check_parallel, data_parallel_size
+from megarl.config.validate_parallel import (
+    check_batch_sizes,
+    check_critic,
+    check_parallel,
+    data_parallel_size,
+    resolve_sequence_parallel,
+)
 from megarl.config.validate_pipeline import stage_layers
 from megarl.config.validate_ranges import check_ranges
 from megarl.config.validate_reward import check_reward_function, check_reward_model, resolve_reward
@@ -44,9 +51,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     """A copy with auto fields decided: sequence parallel on iff tp > 1; ref iff a KL needs it;
     actor.rollout_is.level and actor.old_log_prob (validate_trainer)."""
     out = copy.deepcopy(cfg)
-    for p in (out.actor.parallel, out.critic.parallel):
-        if p.sequence_parallel is None:
-            p.sequence_parallel = p.tp > 1
+    resolve_sequence_parallel(out)
     resolve_ref(out)
     out.actor.rollout_is.level = resolved_rollout_is(out)
     out.actor.old_log_prob = "rollout" if reuses_rollout_log_probs(out) else "recompute"

@@ -75,8 +75,8 @@ def check_files(key: str, files, custom: bool) -> None:
         _require(
             path.endswith(_DATA_SUFFIXES),
             key,
-            f"{key}={path!r} must end in {' or '.join(_DATA_SUFFIXES)} (or set data.custom_cls "
-            "to a class that reads it)",
+            f"{key}={path!r} must end in {' or '.join(_DATA_SUFFIXES)}"
+            + (" (or set data.custom_cls to a class that reads it)" if key.startswith("data.") else ""),
         )
         _require(Path(path).is_file(), key, f"{key}={path!r} does not exist")
 

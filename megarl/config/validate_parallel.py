@@ -50,6 +50,13 @@ def num_experts(model_config: dict | None) -> int:
     return 0
 
 
+def resolve_sequence_parallel(cfg: RunConfig) -> None:
+    """sequence_parallel null (auto): on exactly when tp > 1 (actor and critic)."""
+    for p in (cfg.actor.parallel, cfg.critic.parallel):
+        if p.sequence_parallel is None:
+            p.sequence_parallel = p.tp > 1
+
+
 def check_parallel(cfg: RunConfig, model_config: dict | None) -> None:
     check_layout("actor", cfg.actor.parallel, cfg.cluster.num_actor_ranks, model_config)
     check_nodes(cfg)

@@ -154,6 +154,24 @@ def make_arith_tool_rows(num: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def make_arith_tool_chats(num: int, seed: int = 0) -> list[dict]:
+    """`num` chat rows {"messages": [...]} of arith_tool's prompts solved with one python call:
+    the call, the tool's answer, the number (the transcripts of an SFT cold start for the agent
+    loop: configs/sft-quickstart.yaml, configs/data/sft-arith-tool-*.jsonl)."""
+    rows = []
+    for row in make_arith_tool_rows(num, seed):
+        x = row["extra_info"]
+        call = json.dumps({"name": "python", "arguments": {"code": f"print({x['a']}{x['op']}{x['b']})"}})
+        answer = row["reward_model"]["ground_truth"]
+        turns = [
+            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "tool", "content": f"{answer}\n"},
+            {"role": "assistant", "content": answer},
+        ]
+        rows.append({"messages": row["prompt"] + turns})
+    return rows
+
+
 TASKS: dict[str, Callable[..., list[dict]]] = {
     "digits": make_digits_rows,
     "arith": make_arith_rows,

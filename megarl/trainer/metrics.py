@@ -1,4 +1,4 @@
-"""Per-step metrics: tensorboard events, a one-line console progress, and a curve summary."""
+"""Per-step metrics (train and sft): tensorboard events, a one-line console progress, and a curve summary."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 CONSOLE_KEYS = [
+    ("sft/loss", "loss", "{:.4f}"),  # megarl sft
+    ("val/sft/loss", "val_loss", "{:.4f}"),
     ("reward/mean", "reward", "{:.3f}"),
     ("val/reward_mean", "val", "{:.3f}"),
     ("response/length_mean", "len", "{:.2f}"),
@@ -19,6 +21,7 @@ CONSOLE_KEYS = [
     ("rollout/logprob_diff_max", "lpdiff", "{:.1e}"),  # async modes: off-policy rows' mismatch too
     ("parity/diff_max", "parity", "{:.1e}"),  # async modes: the engines re-scoring under the last sync
     ("perf/mfu/update", "mfu", "{:.1%}"),
+    ("perf/tokens_per_s", "tok/s", "{:.0f}"),
     ("perf/step_s", "s/step", "{:.2f}"),
 ]
 

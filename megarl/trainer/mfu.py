@@ -20,10 +20,11 @@ class StepMfu:
         self.config, self.devices, self.peak, self.epochs = hf_config, devices, peak_flops, ppo_epochs
 
     @classmethod
-    def for_run(cls, model_path: str, actor_group, cfg) -> StepMfu:
+    def for_run(cls, model_path: str, actor_group, cfg, epochs: int | None = None) -> StepMfu:
+        """`epochs`: passes over a step's rows in the update (None: actor.ppo_epochs; SFT: 1)."""
         config = json.loads((Path(model_path) / "config.json").read_text())
         peak = actor_group.device_peak_flops("bf16" if cfg.actor.precision == "bf16" else "fp32")
-        return cls(config, len(actor_group.mesh), peak, cfg.actor.ppo_epochs)
+        return cls(config, len(actor_group.mesh), peak, cfg.actor.ppo_epochs if epochs is None else epochs)
 
     def metrics(self, lengths: list[int], timing: dict[str, float]) -> dict[str, float]:
         """perf/mfu/{update,log_prob,ref} and perf/tflops_per_device/... for the phases timed."""

@@ -39,6 +39,13 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
     """Run `cfg` (already validated) to completion, or until a signal stops it at a step boundary
     (trainer/preemption.py: the summary's "stopped" line then says where it saved); returns the
     reward-curve summary."""
+    return locked_run(cfg, stream, _train_locked)
+
+
+def locked_run(cfg: RunConfig, stream, body) -> dict:
+    """body(cfg, run_dir, stream, cluster, point, stop) in the locked run dir (train and
+    `megarl sft`): the resume point found (or refused) before Ray starts, Ray starting in the
+    background, SIGUSR1 noted from the start, everything printed also in RUN_DIR/train.log."""
     import signal
 
     from megarl.trainer import checkpoints, status
@@ -62,7 +69,7 @@ def train(cfg: RunConfig, stream=sys.stdout) -> dict:
         cluster = cluster_for(cfg)
         cluster.start(background=True)
         with contextlib.closing(cluster):  # closed already when start_runtime took it over
-            return _train_locked(cfg, run_dir, Tee(terminal, log), cluster, point, stop)
+            return body(cfg, run_dir, Tee(terminal, log), cluster, point, stop)
 
 
 def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LOOK_UP, stop=None) -> dict:
@@ -71,21 +78,11 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
     None)."""
     from megarl.trainer import checkpoints
     from megarl.trainer.loop import Trainer
-    from megarl.trainer.metrics import MetricsLogger
     from megarl.trainer.runtime import StartupClock, start_runtime
 
     if point is _LOOK_UP:
         point = checkpoints.resume_point(run_dir, cfg.trainer.resume)
-    (run_dir / "config.yaml").write_text(dump(cfg))
-    tb_dir = run_dir / "tensorboard" if cfg.trainer.tensorboard else None
-    logger = MetricsLogger(
-        tb_dir,
-        cfg.trainer.total_steps,
-        cfg.trainer.log_every,
-        stream,
-        jsonl_path=run_dir / "metrics.jsonl",
-        resume_step=point[1]["step"] if point else 0,
-    )
+    logger = run_logger(cfg, run_dir, stream, point, cfg.trainer.total_steps)
     try:
         with start_runtime(cfg, cluster) as runtime:
             critic = (
@@ -105,15 +102,38 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
     finally:
         logger.close()
     summary = logger.curve_summary("reward/mean", window=10)
-    summary["tensorboard_dir"] = str(tb_dir) if tb_dir else None
-    summary["stopped"] = trainer.stopped.line() if trainer.stopped else None
+    curve = (
+        f"reward curve: first {summary.get('window')} steps mean {summary.get('first_mean', 0):.3f} -> "
+        f"last {summary.get('window')} steps mean {summary.get('last_mean', 0):.3f} "
+        f"(x{summary.get('ratio', 0):.1f}, max {summary.get('max', 0):.3f}) over {summary.get('steps')} steps"
+    )
+    return finish_summary(cfg, run_dir, stream, summary, curve, trainer.stopped)
+
+
+def run_logger(cfg: RunConfig, run_dir: Path, stream, point, total_steps: int):
+    """The run's config.yaml written and its MetricsLogger (metrics.jsonl, tensorboard when
+    trainer.tensorboard), continuing after the resume point's step."""
+    from megarl.trainer.metrics import MetricsLogger
+
+    (run_dir / "config.yaml").write_text(dump(cfg))
+    return MetricsLogger(
+        run_dir / "tensorboard" if cfg.trainer.tensorboard else None,
+        total_steps,
+        cfg.trainer.log_every,
+        stream,
+        jsonl_path=run_dir / "metrics.jsonl",
+        resume_step=point[1]["step"] if point else 0,
+    )
+
+
+def finish_summary(cfg: RunConfig, run_dir: Path, stream, summary: dict, curve: str, stopped) -> dict:
+    """RUN_DIR/summary.json, and the run's last lines: `curve` (when a step ran) and where a
+    signal stopped it (`stopped`, preemption.Stopped)."""
+    summary["tensorboard_dir"] = str(run_dir / "tensorboard") if cfg.trainer.tensorboard else None
+    summary["stopped"] = stopped.line() if stopped else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if summary.get("steps"):
-        stream.write(
-            f"reward curve: first {summary['window']} steps mean {summary['first_mean']:.3f} -> "
-            f"last {summary['window']} steps mean {summary['last_mean']:.3f} "
-            f"(x{summary['ratio']:.1f}, max {summary['max']:.3f}) over {summary['steps']} steps\n"
-        )
+        stream.write(curve + "\n")
     if summary["stopped"]:
         stream.write(summary["stopped"] + "\n")
     return summary

@@ -38,6 +38,7 @@ class DurableLoop(Protocol):
     _carried: dict[str, float]
 
     def sync_weights(self) -> dict: ...
+    def _data_identity(self) -> dict: ...  # what a resumed run's data must equal (data_identity)
 
 
 def save(loop: DurableLoop, step: int, data_position: int) -> None:
@@ -52,7 +53,7 @@ def save(loop: DurableLoop, step: int, data_position: int) -> None:
             loop.rt.critic.save_checkpoint(str(partial / "critic"))
         state = {
             "weight_version": loop.weight_version,
-            "data": data_identity(loop),
+            "data": loop._data_identity(),
             "data_cursor": data_position,
             "kl_coef": loop.kl_ctrl.value if loop.kl_ctrl is not None else None,
             "driver_rng": driver_rng_state(),
@@ -66,10 +67,10 @@ def save(loop: DurableLoop, step: int, data_position: int) -> None:
 def restore(loop: DurableLoop, path, state: dict) -> None:
     """Continue after the checkpoint at `path`: policy (and critic) with their optimizers and
     RNG, the controller's RNG, the weight version; the engines get the checkpoint's weights."""
-    if state["data"] != data_identity(loop):
+    if state["data"] != loop._data_identity():
         raise ResumeRefused(
             f"{path} was saved by a run whose data was {state['data']}, this run's is "
-            f"{data_identity(loop)}: its batches would not continue where that run stopped. "
+            f"{loop._data_identity()}: its batches would not continue where that run stopped. "
             "Restore those data settings, or start a new run (trainer.experiment_name)"
         )
     start = time.perf_counter()
@@ -86,7 +87,7 @@ def restore(loop: DurableLoop, path, state: dict) -> None:
     loop.data_cursor = int(state.get("data_cursor", loop.start_step))
     if loop.kl_ctrl is not None and state.get("kl_coef") is not None:
         loop.kl_ctrl.value = float(state["kl_coef"])
-    loop.sync_weights()  # the engines still hold the initial model
+    loop.sync_weights()  # the engines still hold the initial model (an SFT run has none)
     loop.logger.note(
         f"resumed from {path} (step {loop.start_step}, weight version "
         f"{loop.weight_version}) in {time.perf_counter() - start:.1f} s"
@@ -104,7 +105,7 @@ def export_hf(loop: DurableLoop) -> None:
 
 
 def data_identity(loop: DurableLoop) -> dict:
-    """What a resumed run's data must equal for its batches to continue where the saved run's stopped."""
+    """What a resumed RL run's data must equal for its batches to continue where the saved run's stopped."""
     d = loop.cfg.data
     return {
         "prompts": len(loop.rt.train_data),

@@ -249,7 +249,7 @@ def cluster_for(cfg: RunConfig, plan=None):
 def start_runtime(cfg: RunConfig, cluster=None):
     """Yield a Runtime for `cfg`; on exit stop every process it started. `cluster`: a
     cluster_for(cfg) already starting in the background (train), else one is started here."""
-    from megarl.controller.placement import ResourcePool, device_resource, plan_placement
+    from megarl.controller.placement import plan_placement
 
     clock = StartupClock()
     run_dir = run_dir_of(cfg)
@@ -270,21 +270,12 @@ def start_runtime(cfg: RunConfig, cluster=None):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         train_data, val_data = build_datasets(cfg.data, tokenizer, run_dir / "data")
         clock.mark("data")
-        cluster.wait_started()
-        clock.mark("ray")  # the wait left for Ray after the model and data
-        here, ranks_file = get_node_ip(), run_dir / RANKS_FILE  # Ray's view of this node from here on
-        still_running = remove_recorded_leftovers(ranks_file, here)  # an earlier run here killed outright?
-        stack.callback(remove_recorded_leftovers, ranks_file, here)  # at exit, after the ranks' shutdown
-        resource = device_resource()
-        pools = {}
-        for name, spec in plan.pools.items():
-            pools[name] = ResourcePool(spec, resource)
-            stack.callback(pools[name].remove)
+        pools, resource, record = reserve_pools(plan, run_dir, cluster, stack, clock)
         fleet = build_fleet(cfg, plan, pools, model_path, run_dir)
         stack.callback(fleet.close)
         fleet.launch()  # engines start while the Megatron ranks initialise
-        actor, critic = _worker_groups(cfg, plan, pools, resource, model_path, stack, clock)
-        record_ranks(ranks_file, actor.processes + (critic.processes if critic else []), here, still_running)
+        actor, critic = worker_groups(cfg, plan, pools, resource, model_path, stack, clock)
+        record(actor.processes + (critic.processes if critic else []))
         from megarl.reward.model import reward_model_server
 
         reward_model_url = stack.enter_context(reward_model_server(cfg.reward.model, run_dir))
@@ -309,13 +300,36 @@ def start_runtime(cfg: RunConfig, cluster=None):
         )
 
 
-def _worker_groups(cfg: RunConfig, plan, pools: dict, resource: str, model_path: str, stack, clock):
+def reserve_pools(plan, run_dir: Path, cluster, stack, clock, names: tuple[str, ...] | None = None):
+    """Wait for Ray, clean up after an earlier run here that was killed outright, and reserve the
+    plan's pools (`names`: only those), each released by `stack`. Returns (pools, the device
+    resource, record): record(processes) notes the ranks' pids for the next run here."""
+    from megarl.controller.placement import ResourcePool, device_resource
+
+    cluster.wait_started()
+    clock.mark("ray")  # the wait left for Ray after the model and data
+    here, ranks_file = get_node_ip(), run_dir / RANKS_FILE  # Ray's view of this node from here on
+    still_running = remove_recorded_leftovers(ranks_file, here)  # an earlier run here killed outright?
+    stack.callback(remove_recorded_leftovers, ranks_file, here)  # at exit, after the ranks' shutdown
+    resource = device_resource()
+    pools = {}
+    for name, spec in plan.pools.items():
+        if names is None or name in names:
+            pools[name] = ResourcePool(spec, resource)
+            stack.callback(pools[name].remove)
+    return pools, resource, lambda processes: record_ranks(ranks_file, processes, here, still_running)
+
+
+def worker_groups(
+    cfg: RunConfig, plan, pools: dict, resource: str, model_path: str, stack, clock, loss: ActorLossSpec | None = None
+):
     """The actor's Megatron ranks (with the reference when ref.enabled) and, with critic.enabled,
-    the critic's on the same devices; each shut down by `stack`."""
+    the critic's on the same devices; each shut down by `stack`. `loss`: the actor's alone, with
+    neither reference nor critic (`megarl sft`); None: the RL run's (loss_spec(cfg))."""
     from megarl.controller.placement import CRITIC_DEVICE_SHARE, RANK_DEVICE_SHARE
     from megarl.controller.worker_group import RayWorkerGroup
 
-    with_ref = bool(cfg.ref.enabled)
+    with_ref = bool(cfg.ref.enabled) and loss is None
 
     def device_share(share: float) -> dict:
         return {"num_gpus_per_worker": share} if resource == "GPU" else {"resources_per_worker": {resource: share}}
@@ -329,7 +343,7 @@ def _worker_groups(cfg: RunConfig, plan, pools: dict, resource: str, model_path:
     actor = RayWorkerGroup(
         MegatronActor,
         cfg.cluster.num_actor_ranks,
-        init_args=(engine_spec(cfg, model_path), loss_spec(cfg), with_ref),
+        init_args=(engine_spec(cfg, model_path), loss or loss_spec(cfg), with_ref),
         init_kwargs={"offload": cfg.actor.offload, "ref_offload": cfg.ref.offload},
         num_cpus_per_worker=0,
         bundles=actor_bundles,
@@ -340,7 +354,7 @@ def _worker_groups(cfg: RunConfig, plan, pools: dict, resource: str, model_path:
     stack.callback(actor.shutdown)
     clock.mark("actor_ranks")
     critic = None
-    if cfg.critic.enabled:  # on the actor ranks' devices, a mesh of its own
+    if cfg.critic.enabled and loss is None:  # on the actor ranks' devices, a mesh of its own
         critic = RayWorkerGroup(
             MegatronCritic,
             cfg.cluster.num_actor_ranks,

@@ -31,6 +31,9 @@ from megarl.engine.megatron.offload_policy import OffloadPolicy
 
 @dataclass
 class ActorLossSpec:
+    # what update_actor minimises: "policy" (actor_loss: the RL policy loss below) or "sft" (sft_loss:
+    # the token-mean negative log-likelihood of the rows' response_mask tokens; `megarl sft`)
+    objective: str = "policy"
     policy_loss: str = "vanilla"  # a name registered in megarl/algo/losses.py
     policy: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
     rollout_is_level: str | None = None  # token | sequence | None (off): megarl/algo/corrections.py
@@ -89,6 +92,28 @@ def actor_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
         metrics["actor/kl_loss"] = float(masked_mean(kl.detach(), mask))
     metrics["actor/pg_loss"] = float(pg.detach()) / max(float(units), 1.0)
     return loss, units, metrics
+
+
+def sft_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
+    """(negative log-likelihood summed over the loss tokens, loss tokens, metrics) for one
+    micro-batch; see engine.LossFn. The loss tokens are response_mask's (data/sft.py: the assistant
+    turns); Megatron divides the summed gradient by the tokens of the whole mini-batch, so the
+    gradient is the token mean's over every micro-batch and data-parallel rank. The metrics are
+    sums (sft/nll_sum, sft/loss_tokens) the driver divides into the exact token mean."""
+    mask = mb["response_mask"].to(log_prob.dtype)
+    nll = -(log_prob * mask).sum()
+    return (
+        nll,
+        mask.sum(),
+        {
+            "sft/nll_sum": float(nll.detach()),
+            "sft/loss_tokens": float(mask.sum()),
+            "actor/entropy": float(masked_mean(entropy.detach(), mask)),
+        },
+    )
+
+
+OBJECTIVES = {"policy": actor_loss, "sft": sft_loss}
 
 
 def _first_mini_batch_checks(first: list[tuple], atol: float) -> dict:
@@ -174,7 +199,9 @@ class MegatronActor(Worker):
         seed: int = 0,
         parity_atol: float | None = None,
     ) -> dict:
-        """PPO-style update: `epochs` passes over this rank's rows in shuffled mini-batches.
+        """PPO-style update: `epochs` passes over this rank's rows in shuffled mini-batches, each
+        an optimizer step on the loss of loss_spec.objective (the policy loss, or SFT's: one
+        mini-batch of the whole batch is one SFT step).
 
         `mini_batch_size` counts rows of the global batch; each data-parallel rank takes its
         share. Returns metrics averaged over mini-batches (from the dp-owner ranks).
@@ -197,7 +224,7 @@ class MegatronActor(Worker):
         def loss(lp, ent, mb):
             if capture:
                 first.append((lp.detach(), ent.detach(), mb))
-            value, units, metrics = actor_loss(self.loss_spec, lp, ent, mb)
+            value, units, metrics = OBJECTIVES[self.loss_spec.objective](self.loss_spec, lp, ent, mb)
             if fault == "loss":
                 value, metrics["actor/pg_loss"] = value * float("nan"), float("nan")
             return value, units, metrics
