@@ -19,7 +19,7 @@
      floor under a weight sync that moves every byte once.
    ratio = megarl's seconds / the peer's (1.0: as fast; below 1: faster).
 
---smoke: 3 steps, 1 of warm-up, 2 rows of 4 new tokens: checks the script end to end.
+--smoke: 3 steps, 1 of warm-up, 2 prompts x 2 samples of 4 new tokens: checks the script end to end.
 """
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3, help="timed calls of each peer (the median is reported)")
     p.add_argument("--json", default=None)
-    p.add_argument("--smoke", action="store_true", help="3 steps, 1 warm-up, 2 prompts x 1 sample x 4 tokens")
+    p.add_argument("--smoke", action="store_true", help="3 steps, 1 warm-up, 2 prompts x 2 samples x 4 tokens")
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides (both sides see them)")
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup, args.repeats = 3, 1, 1
         args.overrides += [
             "data.train_batch_size=2",
-            "rollout.n=1",
+            "rollout.n=2",
             "rollout.max_new_tokens=4",
-            "actor.ppo_mini_batch_size=2",
+            "actor.ppo_mini_batch_size=4",
             "actor.micro_batch_size=1",
         ]
     return args
@@ -166,7 +166,8 @@ def weight_copy(model, repeats: int) -> tuple[float, float]:
         for k, v in state.items():
             targets[k].copy_(v)
 
-    return median_time(run, repeats), sum(v.numel() * v.element_size() for v in state.values()) / 2**20
+    unique = {v.data_ptr(): v for v in state.values()}  # tied embeddings: one tensor under two names
+    return median_time(run, repeats), sum(v.numel() * v.element_size() for v in unique.values()) / 2**20
 
 
 def main(argv=None) -> dict:

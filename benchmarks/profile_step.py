@@ -175,6 +175,7 @@ def run(args, output_dir: Path) -> dict:
         f"trainer.total_steps={args.steps}",
         "trainer.tensorboard=false",
         "trainer.val_every=0",
+        "trainer.val_before_train=false",
         "trainer.export_hf=false",
         *args.overrides,
     ]

@@ -49,6 +49,7 @@ COVERED = {
     "bench_mfu.py": "test_bench_mfu",
     "bench_plan.py": "test_bench_plan",
     "bench_rollout.py": "test_bench_rollout",
+    "bench_smollm2.py": "test_bench_smollm2",
     "bench_vs_trl.py": "test_bench_vs_trl",
     "gpu_probe.py": "test_gpu_probe",
     "gpu_replay.py": "test_gpu_replay",
@@ -272,6 +273,12 @@ def test_bench_async(pair, tiny_model_path):
     pair.drain()
     out = smoke("bench_async.py", "--model", str(tiny_model_path), timeout=600)
     assert_lines(out, "samples/s", "steady/s", "fully_async ")
+
+
+def test_bench_smollm2(pair):
+    pair.drain()
+    out = smoke("bench_smollm2.py", timeout=600)
+    assert_lines(out, "stage     megarl s", "gen ", "update ", "sync ", "HF generate", "copy_ of the state dict (513 MiB)")
 
 
 def test_bench_plan(pair, tiny_model_path):
