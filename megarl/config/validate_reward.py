@@ -167,4 +167,9 @@ def resolve_reward(cfg: RunConfig) -> None:
     if cfg.reward.overlap is None:
         cfg.reward.overlap = cfg.reward.model.kind != "none"
     if cfg.reward.model.normalize is None:
-        cfg.reward.model.normalize = "running" if cfg.reward.model.kind == "classifier" else "none"
+        cfg.reward.model.normalize = default_normalize(cfg.reward.model.kind)
+
+
+def default_normalize(kind: str) -> str:
+    """reward.model.normalize's auto (reward/normalize.py says why)."""
+    return "running" if kind == "classifier" else "none"

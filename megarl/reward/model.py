@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megarl.config.validate_reward import default_normalize
 from megarl.reward.normalize import ScoreNormalizer
 from megarl.reward.registry import RewardError
 from megarl.reward.remote import Failure
@@ -157,7 +158,7 @@ class RowScorer:
         self.add_rule = self.model is None or m.combine == "add"  # the rule's score is part of the reward
         self.use_rule = self.add_rule or m.log_ground_truth
         self.on_failure, self.fallback_score = m.on_failure, m.fallback_score
-        self.normalizer = ScoreNormalizer(m.normalize or "none")
+        self.normalizer = ScoreNormalizer(m.normalize or default_normalize(m.kind))
         self.overlap = r.overlap if r.overlap is not None else self.model is not None
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(m.concurrency, thread_name_prefix="reward") if self.overlap else None

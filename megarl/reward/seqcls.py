@@ -26,7 +26,7 @@ def load_classifier(path: str, dtype: torch.dtype = torch.float32, device: str |
     one-score head (validate_reward checks the config first; this guards direct callers)."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
     check_head(model, path)
     return model.to(device).eval()
 
