@@ -20,7 +20,7 @@ and is counted: reward/model_failures (reward/model_unparsable of them: the judg
 without a readable score), logged every step, the first one of a run also as a warning.
 
 Overlap (reward.overlap; auto: on with a model reward): RolloutManager.generate calls
-`OverlapScoring.on_rows` as each /generate request finishes, and its rows are scored in worker
+`OverlapScoring.on_rows` (overlap.py) as each /generate request finishes, and its rows are scored in worker
 threads while the other requests still generate; `collect` waits for the rest after generation.
 The granularity is one request: one per prompt behind a router, one per engine's share of the
 batch otherwise (a single engine: one request, so nothing to overlap). perf/reward_scoring_s is
@@ -35,7 +35,7 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,45 +44,13 @@ from megarl.config.validate_reward import default_normalize
 from megarl.reward.normalize import ScoreNormalizer
 from megarl.reward.registry import RewardError
 from megarl.reward.remote import Failure
+from megarl.reward.rows import RowColumns, Scored
 from megarl.reward.rule import _short, make_reward_function, score_rows
 
+if TYPE_CHECKING:
+    from megarl.reward.overlap import OverlapScoring
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RowColumns:
-    rows: list[int]  # the rows' numbers in the step's batch (named in errors)
-    data_sources: list[str]
-    prompts: list  # chat messages (a list of {role, content}) or text
-    responses: list[str]
-    ground_truths: list[str]
-    extra_infos: list[dict]
-    # the policy's token ids (the classifier reuses them when it shares the policy's tokenizer)
-    prompt_ids: list | None = None
-    response_ids: list | None = None
-
-
-@dataclass
-class Scored:
-    """Rows scored, before normalisation and combination: the rule's scores (None when not run),
-    the model's raw scores (None without a model; NaN where it failed) and its failures."""
-
-    rule: np.ndarray | None
-    model: np.ndarray | None
-    failed: np.ndarray | None
-
-    @staticmethod
-    def assemble(n: int, parts: list[tuple[list[int], Scored]]) -> Scored:
-        """One Scored of n rows from pieces of them (row indices, piece)."""
-        first = parts[0][1]
-        out = Scored(
-            *(None if a is None else np.zeros(n, dtype=a.dtype) for a in (first.rule, first.model, first.failed))
-        )
-        for idx, piece in parts:
-            for name in ("rule", "model", "failed"):
-                if getattr(out, name) is not None:
-                    getattr(out, name)[idx] = getattr(piece, name)
-        return out
 
 
 def prompt_text(prompt) -> str:
@@ -301,6 +269,8 @@ class RowScorer:
     # ---- overlap --------------------------------------------------------------------------------
     def start_overlap(self, prompts, n: int) -> OverlapScoring | None:
         """An OverlapScoring for one generate call of `prompts` (n samples each); None when off."""
+        from megarl.reward.overlap import OverlapScoring
+
         return OverlapScoring(self, prompts, n) if self.overlap else None
 
     # ---- metrics --------------------------------------------------------------------------------
@@ -346,66 +316,6 @@ def batch_token_ids(rows) -> tuple[list[list[int]], list[list[int]]]:
     prompts = [ids[:n].tolist() for ids, n in zip(rows["input_ids"], rows["prompt_lengths"].tolist())]
     responses = [ids[:n].tolist() for ids, n in zip(rows["responses"], ends)]
     return prompts, responses
-
-
-class OverlapScoring:
-    """One generate call's rows, scored as their requests finish (see the module doc)."""
-
-    def __init__(self, scorer: RowScorer, prompts, n: int):
-        self.scorer, self.n = scorer, n
-        self.columns = {k: list(prompts[k]) for k in ("data_source", "ground_truth", "extra_info")}
-        self.columns["raw_prompt"] = (
-            list(prompts["raw_prompt"]) if "raw_prompt" in prompts.non_tensors else [""] * len(prompts)
-        )
-        self.ids = getattr(scorer.model, "needs_token_ids", False)  # the policy's ids to the model
-        if self.ids:
-            self.columns["raw_prompt_ids"] = list(prompts["raw_prompt_ids"])
-        self.delivered = [False] * len(prompts)
-        self.jobs: list[tuple[list[int], list[str], concurrent.futures.Future]] = []
-
-    def on_rows(self, prompt_indices: list[int], outputs: list[list]) -> None:
-        """RolloutManager's callback: the n outputs of each of `prompt_indices` are final."""
-        c, n = self.columns, self.n
-        for i in prompt_indices:
-            if self.delivered[i]:
-                raise RuntimeError(f"prompt {i}'s rows were delivered twice to the overlap scorer")
-            self.delivered[i] = True
-        pick = lambda name: [c[name][i] for i in prompt_indices for _ in range(n)]  # noqa: E731
-        responses = [out.text for outs in outputs for out in outs]
-        ids = (pick("raw_prompt_ids"), [list(out.output_ids) for outs in outputs for out in outs]) if self.ids else ()
-        cols = RowColumns(
-            [i * n + j for i in prompt_indices for j in range(n)],
-            pick("data_source"),
-            pick("raw_prompt"),
-            responses,
-            pick("ground_truth"),
-            pick("extra_info"),
-            *ids,
-        )
-        self.jobs.append((cols.rows, responses, self.scorer._pool.submit(self.scorer.score_piece, cols)))
-
-    @property
-    def kwargs(self) -> dict:
-        return {"on_rows": self.on_rows}
-
-    def collect(self, rows) -> torch.Tensor:
-        """Every row's score (waiting for the jobs still running), normalised over the whole batch
-        (a training batch); checks each was scored once, on the response the batch holds."""
-        with self.scorer._lock:
-            self.scorer._generation_end = time.perf_counter()
-        missing = [i for i, done in enumerate(self.delivered) if not done]
-        if missing:
-            raise RuntimeError(f"prompts {missing[:8]} were never delivered to the overlap scorer")
-        scored = np.zeros(len(rows), dtype=bool)
-        texts, parts = rows["response_text"], []
-        for idx, responses, future in self.jobs:
-            parts.append((idx, future.result()))  # a RewardError naming the row is raised here
-            if [texts[i] for i in idx] != responses:
-                raise RuntimeError(f"rows {idx[:4]}...: the overlap scorer scored other responses than the batch holds")
-            scored[idx] = True
-        if not scored.all():
-            raise RuntimeError(f"rows {np.flatnonzero(~scored)[:8].tolist()} were not scored")
-        return torch.as_tensor(self.scorer.finish(Scored.assemble(len(rows), parts), train=True))
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
