@@ -20,8 +20,9 @@ and is counted: reward/model_failures (reward/model_unparsable of them: the judg
 without a readable score), logged every step, the first one of a run also as a warning.
 
 Overlap (reward.overlap; auto: on with a model reward): RolloutManager.generate calls
-`OverlapScoring.on_rows` (overlap.py) as each /generate request finishes, and its rows are scored in worker
-threads while the other requests still generate; `collect` waits for the rest after generation.
+`OverlapScoring.on_rows` (overlap.py) as each /generate request finishes, and its rows are scored
+in worker threads while the other requests still generate; `collect` waits for the rest after
+generation.
 The granularity is one request: one per prompt behind a router, one per engine's share of the
 batch otherwise (a single engine: one request, so nothing to overlap). perf/reward_scoring_s is
 the wall time during which any scoring ran, perf/reward_hidden_s the part of it before

@@ -1,11 +1,12 @@
 """Reward models megarl builds in code (reward.model.preset), as the tiny policy presets are built.
 
 `tiny-digits-rm`: tiny-qwen3 (the character tokenizer the quickstart's policy uses, so the
-classifier reuses the policy's token ids) with a one-score head, trained Bradley-Terry on 2048
-digits pairs (preference_pairs.digits_pairs: a correct answer preferred over a wrong one for the
-same prompt, responses of 2 tokens as configs/quickstart.yaml samples them), 10% held out. About
-a minute on two CPU cores; its held-out pair accuracy is in megarl_rm.json (tests/reward/
-test_train_rm.py asserts >= 0.9). The same model as
+classifier reuses the policy's token ids) with a one-score head, trained Bradley-Terry for 800 steps
+on 4096 digits pairs (preference_pairs.digits_pairs: correct answers over wrong ones for the same
+prompt, and ties between equally right or wrong responses; 2 response tokens as
+configs/quickstart.yaml samples them), 10% held out. Its held-out pair accuracy is in
+megarl_rm.json (tests/reward/test_train_rm.py asserts >= 0.9). Training takes a few CPU minutes.
+The same model as
 
     python -m megarl.reward.train_rm --task digits --out DIR
 
@@ -34,7 +35,7 @@ class RewardModelPreset:
     train: TrainSpec = field(default_factory=TrainSpec)
 
 
-PRESETS = {"tiny-digits-rm": RewardModelPreset("tiny-qwen3", "digits", 2048, 0.1, 2)}
+PRESETS = {"tiny-digits-rm": RewardModelPreset("tiny-qwen3", "digits", 4096, 0.1, 2)}
 assert tuple(PRESETS) == REWARD_MODEL_PRESETS, "config/validate_reward.py lists the presets validation accepts"
 
 

@@ -10,10 +10,11 @@ preferred over a wrong one for the same prompt, preference_pairs.digits_pairs) o
 (`--pairs`, preference_pairs.read_pairs). A held-out share of them is kept out of training.
 
 The loss is Bradley-Terry's: -log sigmoid(r(chosen) - r(rejected)), averaged over `--batch-size`
-pairs per step, for `--steps` AdamW steps (gradient norm clipped to 1). The folder written to
+pairs per step, for `--steps` AdamW steps (gradient norm clipped to 1); a tie (two responses equally
+good) counts half a win each way, which is least when they score the same. The folder written to
 `--out` is an ordinary Hugging Face checkpoint (XForSequenceClassification, num_labels=1, the
 tokenizer) plus megarl_rm.json: the recipe and the held-out pair accuracy, the fraction of held-out
-pairs whose chosen response scores higher. Point a run at it with reward.model.kind=classifier
+pairs with a winner whose chosen response scores higher. Point a run at it with reward.model.kind=classifier
 reward.model.path=DIR. Bad arguments: one line on stderr and exit status 2.
 """
 
@@ -38,7 +39,7 @@ RECIPE_FILE = "megarl_rm.json"
 
 @dataclass(frozen=True)
 class TrainSpec:
-    steps: int = 300
+    steps: int = 800
     batch_size: int = 64  # pairs per optimizer step
     lr: float = 2e-3
     weight_decay: float = 0.0
@@ -75,15 +76,22 @@ def init_classifier(init: str, seed: int = 0):
 
 
 def bradley_terry_loss(model, pairs: list[Pair], batch_size: int) -> torch.Tensor:
-    scores = sequence_scores(model, [c for c, _ in pairs] + [r for _, r in pairs], batch_size)
-    return -torch.nn.functional.logsigmoid(scores[: len(pairs)] - scores[len(pairs) :]).mean()
+    """-log sigmoid(r(chosen) - r(rejected)) for a win; a tie counts half a win each way, its least
+    at equal scores."""
+    scores = sequence_scores(model, [p[0] for p in pairs] + [p[1] for p in pairs], batch_size)
+    wins = torch.tensor([p[2] for p in pairs], dtype=scores.dtype, device=scores.device)
+    return torch.nn.functional.binary_cross_entropy_with_logits(scores[: len(pairs)] - scores[len(pairs) :], wins)
 
 
-def pair_accuracy(model, pairs: list[Pair], batch_size: int = 256) -> float:
-    """The fraction of pairs whose chosen sequence scores strictly higher."""
+def pair_accuracy(model, pairs: list[Pair], batch_size: int = 256) -> float | None:
+    """The fraction of the pairs with a winner whose chosen sequence scores strictly higher (None
+    without such pairs)."""
+    decided = [p for p in pairs if p[2] == 1.0]
+    if not decided:
+        return None
     with torch.inference_mode():
-        scores = sequence_scores(model, [c for c, _ in pairs] + [r for _, r in pairs], batch_size)
-    return float((scores[: len(pairs)] > scores[len(pairs) :]).float().mean())
+        scores = sequence_scores(model, [p[0] for p in decided] + [p[1] for p in decided], batch_size)
+    return float((scores[: len(decided)] > scores[len(decided) :]).float().mean())
 
 
 def train_bradley_terry(model, pairs: list[Pair], spec: TrainSpec) -> list[float]:
@@ -122,7 +130,8 @@ def train_and_save(model, tokenizer, train: list[Pair], held_out: list[Pair], sp
         "recipe": recipe,
         "train_pairs": len(train),
         "held_out_pairs": len(held_out),
-        "held_out_accuracy": pair_accuracy(model, held_out) if held_out else None,
+        "held_out_preferences": sum(p[2] == 1.0 for p in held_out),  # the accuracy's pairs (no ties)
+        "held_out_accuracy": pair_accuracy(model, held_out),
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
     }
     out = Path(out)
@@ -143,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--pairs", help='JSONL of {"prompt", "chosen", "rejected"}')
     p.add_argument("--out", required=True, help="the reward model's folder (replaced if it exists)")
     p.add_argument("--init", default="tiny-qwen3", help="a tiny preset or a Hugging Face folder (default tiny-qwen3)")
-    p.add_argument("--num-pairs", type=int, default=2048, help="--task: pairs to make (default 2048)")
+    p.add_argument("--num-pairs", type=int, default=4096, help="--task: pairs to make (default 4096)")
     p.add_argument(
         "--max-response-tokens", type=int, default=2, help="--task: response length (rollout.max_new_tokens)"
     )
@@ -188,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     recipe = {"init": args.init, "task": args.task, "pairs": args.pairs, "train": asdict(spec)}
     info = train_and_save(model, tokenizer, *split_pairs(pairs, args.held_out, spec.seed), spec, args.out, recipe)
-    accuracy = info["held_out_accuracy"]
-    held = f"held-out pair accuracy {accuracy:.3f} over {info['held_out_pairs']} pairs" if accuracy is not None else ""
+    accuracy, n = info["held_out_accuracy"], info["held_out_preferences"]
+    held = "no held-out preferences" if accuracy is None else f"held-out pair accuracy {accuracy:.3f} over {n} pairs"
     print(f"saved the reward model to {args.out}: {held}; final loss {info['final_loss']:.4f}")
     return 0
 

@@ -3,7 +3,7 @@ Megatron ranks, the embedded engine and the reward model's worker group on slive
 devices. The rewards the advantage estimator (and so the loss) received are recomputed without
 megarl: Hugging Face's float64 score of each row's tokens, normalised by the mean and std of every
 row trained on so far; float32 scoring and normalisation agree to 1e-3. The rule verifier's score is
-logged beside it."""
+logged beside it, and the statistics are in the run's checkpoint."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def run(tmp_path_factory):
                 "trainer.val_every=0",
                 "trainer.tensorboard=false",
                 "trainer.export_hf=false",
+                f"trainer.save_every={STEPS}",
                 "data.num_train=64",
                 "rollout.n=4",
                 "actor.ppo_mini_batch_size=32",
@@ -67,11 +68,12 @@ def run(tmp_path_factory):
         logger.close()
         workers = len(rt.reward_workers.group.actors)
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return rm, seen, steps, workers
+    state = json.loads((out / f"quickstart-rm/checkpoints/step_{STEPS:06d}/trainer_state.json").read_text())
+    return rm, seen, steps, workers, state
 
 
 def test_the_loss_saw_the_reward_models_normalised_scores_and_the_ground_truth_is_logged(run):
-    rm, seen, steps, workers = run
+    rm, seen, steps, workers, state = run
     assert len(seen) == len(steps) == STEPS and workers == 2  # one reward-model rank per actor device
     trained = []
     for (rows, rewards), metrics in zip(seen, steps):
@@ -87,3 +89,8 @@ def test_the_loss_saw_the_reward_models_normalised_scores_and_the_ground_truth_i
         rule = [digits_score(t, g, {}) for t, g in zip(rows["response_text"], rows["ground_truth"])]
         assert metrics["reward/ground_truth_mean"] == pytest.approx(float(np.mean(rule)), abs=1e-6)
         assert metrics["reward/model_failures"] == 0.0
+    # the checkpoint carries the running statistics a resumed run continues from
+    norm = state["reward_norm"]
+    assert norm["count"] == everything.size == STEPS * 64
+    assert norm["mean"] == pytest.approx(everything.mean(), abs=1e-4)
+    assert np.sqrt(norm["m2"] / norm["count"]) == pytest.approx(everything.std(), abs=1e-4)
