@@ -13,11 +13,10 @@ Three kinds of pairs: a correct answer over a wrong one (any response the verifi
 correct answer over the same response with its answer swapped for a wrong one (nothing but the
 answer differs: without these, a model that ranked held-out pairs 99.5% right still preferred "55"
 to the right "33" for some prompts); and ties (TIE_PAIRS of them), two responses the verifier
-scores the same, both wrong or both right. Bradley-Terry on wins alone leaves the order among wrong
-answers to chance, and GRPO, whose early groups rarely hold a correct answer, climbs whatever order
-that is: policies trained on such models settled on one answer for every prompt ("tt", "7"),
-which their model happened to rank above most wrong answers. Ties teach that no wrong answer is
-better than another, so the only way up is a correct one, as with the verifier itself.
+scores the same, both wrong or both right. Bradley-Terry on preferences alone leaves the order
+among wrong answers to chance, and GRPO, whose early groups rarely hold a correct answer, climbs
+that order: policies trained on such models settled on one answer for every prompt ("tt", "7").
+A tie counts half a win each way (train_rm.py), so equally good responses are scored alike.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ classifier reuses the policy's token ids) with a one-score head, trained Bradley
 on 4096 digits pairs (preference_pairs.digits_pairs: correct answers over wrong ones for the same
 prompt, and ties between equally right or wrong responses; 2 response tokens as
 configs/quickstart.yaml samples them), 10% held out. Its held-out pair accuracy is in
-megarl_rm.json (tests/reward/test_train_rm.py asserts >= 0.9). Training takes a few CPU minutes.
+megarl_rm.json (tests/reward/test_train_rm.py asserts >= 0.9). About a minute on two idle CPU cores.
 The same model as
 
     python -m megarl.reward.train_rm --task digits --out DIR

@@ -29,7 +29,7 @@ def digits_rm(tmp_path_factory):
     return build_reward_model("tiny-digits-rm", tmp_path_factory.mktemp("rm") / "reward_model")
 
 
-@pytest.mark.slow  # ~30 s on two cores (the preset is trained)
+@pytest.mark.slow  # about a minute on two cores: the preset is trained
 def test_the_digits_reward_model_ranks_held_out_pairs_correctly(digits_rm):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
