@@ -147,7 +147,9 @@ def _missing_weights(cfg) -> str | None:
     enough for show-config); training needs the checkpoint's weights."""
     from pathlib import Path
 
-    for key, path in (("model.path", cfg.model.path), ("critic.model.path", cfg.critic.model.path)):
+    reward_model = cfg.reward.model.path if cfg.reward.model.kind == "classifier" else None
+    paths = (("model.path", cfg.model.path), ("critic.model.path", cfg.critic.model.path))
+    for key, path in (*paths, ("reward.model.path", reward_model)):
         if path is None or any(next(Path(path).glob(p), None) for p in _WEIGHT_FILES):
             continue
         return (

@@ -39,6 +39,7 @@ SLOW_MODULES = {
     "tests/entry/test_cli.py",
     "tests/entry/test_launch.py",
     "tests/models/test_smollm2.py",
+    "tests/reward/test_classifier_reward.py",
     "tests/rollout/client/test_rollout_client.py",
     "tests/rollout/engine/test_rollout_tp.py",
     "tests/rollout/engine/test_weight_receive.py",
@@ -48,6 +49,7 @@ SLOW_MODULES = {
     "tests/trainer/test_durability.py",
     "tests/trainer/test_preemption_runs.py",
     "tests/trainer/test_reference_curve.py",
+    "tests/trainer/test_reward_model_loop.py",
     "tests/trainer/test_sft.py",
     "tests/trainer/test_trainer_loop.py",
 }

@@ -212,12 +212,28 @@ def _deep_merge(into: dict, update: dict) -> None:
             into[key] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key written twice in one mapping (PyYAML keeps the last silently,
+    so a stray `model:` line would replace a whole section without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError("config", f"config file {p} does not exist")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise ConfigError("config", f"config file {p} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+# the reward section (rules, model rewards): megarl/config/schema_reward.py
+from megarl.config.schema_reward import OverlongBufferConfig, RewardConfig, RewardModelConfig  # noqa: F401
 from megarl.config.schema_sft import SFTConfig
 
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
@@ -319,53 +321,6 @@ class BridgeConfig:
     parity_rows_off: float = 0.01
     parity_row_max: float = 0.05  # a non-finite log-prob always fails the check
     parity_probe_rows: int = 8  # async loops: rows every engine re-scores after a sync (trainer/parity.py)
-
-
-@dataclass
-class OverlongBufferConfig:
-    """DAPO's overlong shaping (megarl/reward/overlong.py): the last `len` tokens before
-    rollout.max_new_tokens cost up to penalty_factor of the score, linearly."""
-
-    enable: bool = False
-    len: int = 0
-    penalty_factor: float = 1.0
-
-
-@dataclass
-class RewardModelConfig:
-    """A model reward (megarl/reward/model.py): a remote scoring endpoint (remote.py) or a
-    generative judge behind an SGLang-API /generate (genrm.py)."""
-
-    kind: Literal["none", "remote", "genrm"] = "none"
-    url: str | None = None  # remote: the scoring endpoint (POST); genrm: the judge
-    # server; None with genrm: an embedded judge on `path`
-    path: str | None = None  # genrm: the judge's HF folder (its chat template wraps
-    # the judge prompt; the embedded judge loads it)
-    combine: Literal["replace", "add"] = "replace"  # score = model, or rule/custom + model
-    on_failure: Literal["raise", "fallback"] = "raise"  # fallback: fallback_score, counted
-    fallback_score: float = 0.0
-    batch_size: int = 64  # remote: rows per POST; genrm: prompts per /generate
-    concurrency: int = 4  # requests in flight (and overlap scoring threads)
-    timeout_s: float = 60.0  # per request
-    max_retries: int = 3  # per request: transport errors, timeouts, 5xx
-    # genrm: {prompt}, {response}, {ground_truth} are replaced; None = genrm.DEFAULT_TEMPLATE
-    prompt_template: str | None = None
-    score_pattern: str = r"\\boxed\{\s*([-+]?\d+(?:\.\d+)?)\s*\}"  # its last match's group 1
-    score_min: float = 0.0  # the judge's scale; scores map to [0, 1]; outside: failure
-    score_max: float = 10.0
-    max_new_tokens: int = 256  # genrm: judge answer length (greedy)
-
-
-@dataclass
-class RewardConfig:
-    custom_function: str | None = None  # "package.module:function"; None = rule by data_source
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    math_timeout_s: float = 5.0  # per answer for the math verifiers; over it: 0, counted
-    math_workers: int = 4  # math verifier processes (started on first use)
-    model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    # score each generation request's rows while the others still generate; None: on exactly
-    # when reward.model.kind is not none
-    overlap: bool | None = None
 
 
 @dataclass

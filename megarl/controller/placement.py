@@ -9,7 +9,9 @@ STRICT_PACK placement group per node with one bundle per device, so a slot (node
 the same device every time (verl's RayResourcePool does the same). A device is a GPU, or on a
 machine without CUDA the custom resource `megarl_device`, which a local cluster declares, so the
 same placement code runs on a laptop. Colocated: the engines use the actor pool's devices and
-their launchers sit in the same bundles as the actor ranks; disaggregated: a second pool.
+their launchers sit in the same bundles as the actor ranks; disaggregated: a second pool. A
+classifier reward model (reward.model.kind=classifier) has ranks on the actor pool's first devices
+(reward.model.placement=colocated) or a pool of its own, "reward".
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ LAUNCHER_DEVICE_SHARE = 0.01
 # A critic rank shares its actor rank's device (colocated groups take turns on it, each offloading
 # what it does not need); a sliver is enough for Ray to give it the same GPU.
 CRITIC_DEVICE_SHARE = 0.05
+# A colocated reward-model rank: a sliver too, leaving room for an actor rank, a critic rank and
+# an engine launcher in the same bundle (0.9 + 0.05 + 0.04 + 0.01 = 1).
+REWARD_MODEL_DEVICE_SHARE = 0.04
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class PlacementPlan:
     actor_slots: list[Slot]
     engines: list[list[EngineNode]]  # [engine][node_rank]
     colocated: bool
+    reward_slots: tuple[Slot, ...] = ()  # the classifier reward model's ranks (none without one)
 
     def describe(self) -> str:
         pools = ", ".join(
@@ -99,8 +105,24 @@ def plan_placement(cfg) -> PlacementPlan:
         for e in range(r.num_servers)
     ]
     return PlacementPlan(
-        pools, [actor.slot(i) for i in range(actor_pool_size)], engines, colocated=c.placement == "colocated"
+        pools,
+        [actor.slot(i) for i in range(actor_pool_size)],
+        engines,
+        colocated=c.placement == "colocated",
+        reward_slots=_reward_slots(cfg, pools, per_node),
     )
+
+
+def _reward_slots(cfg, pools: dict[str, PoolSpec], per_node: int) -> tuple[Slot, ...]:
+    """The classifier reward model's ranks: on the actor pool's first devices, or on a pool of
+    their own (added to `pools`)."""
+    m = cfg.reward.model
+    if m.kind != "classifier":
+        return ()
+    if m.placement == "colocated":
+        return tuple(pools["actor"].slot(i) for i in range(m.num_workers or pools["actor"].num_devices))
+    pools["reward"] = PoolSpec("reward", m.num_workers or 1, per_node)
+    return tuple(pools["reward"].slot(i) for i in range(pools["reward"].num_devices))
 
 
 def device_resource() -> str:

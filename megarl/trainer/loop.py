@@ -72,7 +72,7 @@ class Trainer:
         self.cfg = runtime.cfg
         self.logger = logger
         # rule / custom reward, reward.model, overlap with generation (megarl/reward/model.py)
-        self.scorer = RowScorer(self.cfg.reward, getattr(runtime, "reward_model_url", None))
+        self.scorer = RowScorer.of_runtime(runtime)
         self.reward_fn = self.scorer.reward_fn
         self.dp_size = runtime.actor.mesh[0].dp_size
         self.weight_version = 0  # the version the engines hold (after the last sync)
@@ -249,8 +249,8 @@ class Trainer:
             with self._watching_ranks():
                 return self.rt.rollout.generate(prompts, self.sampling(step, train=False), self._served_version())
 
-        t = self.cfg.trainer
-        metrics = run_validation(self.rt.val_data, generate, self._score, t.val_n, t.val_pass_threshold)
+        t, score = self.cfg.trainer, lambda rows: self._score(rows, train=False)  # noqa: E731
+        metrics = run_validation(self.rt.val_data, generate, score, t.val_n, t.val_pass_threshold)
         # validation's model-reward counters: val/reward/..., val/perf/...
         return {**metrics, **{f"val/{k}": v for k, v in self.scorer.take_metrics().items()}}
 
@@ -312,7 +312,7 @@ class Trainer:
 
         def score(out: Batch) -> torch.Tensor:
             with timer(timing, "reward"):
-                return self._score(out) + self._overlong_penalty(out)
+                return self._score(out, train=False) + self._overlong_penalty(out)
 
         return greedy_baselines(rows, generate, score)
 
@@ -371,8 +371,8 @@ class Trainer:
             return_routed_experts=train and self.cfg.actor.moe.routing_replay,
         )
 
-    def _score(self, rows: Batch) -> torch.Tensor:
-        return self.scorer.score_batch(rows)
+    def _score(self, rows: Batch, train: bool = True) -> torch.Tensor:  # train: normalisation stats
+        return self.scorer.score_batch(rows, train)
 
     @staticmethod
     def _token_lengths(rows: Batch) -> list[int]:

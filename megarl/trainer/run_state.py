@@ -1,7 +1,8 @@
 """A run's durable state: saving it to a checkpoint, continuing from one, exporting the policy.
 
 The checkpoint holds the actor (and critic) with their optimizers and RNG, the step, the weight
-version, the data position, the adaptive KL coefficient and the controller's RNG; a resumed run
+version, the data position, the adaptive KL coefficient, the model reward's normalisation
+statistics and the controller's RNG; a resumed run
 loads them, pushes the weights to the engines and continues with the next step's batch.
 """
 
@@ -34,6 +35,7 @@ class DurableLoop(Protocol):
     actor_version: int
     data_cursor: int
     kl_ctrl: Any  # the adaptive KL controller (algo/kl.py), None without KL in the reward
+    scorer: Any  # reward/model.RowScorer (None in an SFT run): its normalizer's statistics are saved
     last_checkpoint: Any
     _carried: dict[str, float]
 
@@ -56,6 +58,7 @@ def save(loop: DurableLoop, step: int, data_position: int) -> None:
             "data": loop._data_identity(),
             "data_cursor": data_position,
             "kl_coef": loop.kl_ctrl.value if loop.kl_ctrl is not None else None,
+            "reward_norm": loop.scorer.normalizer.state_dict() if loop.scorer is not None else None,
             "driver_rng": driver_rng_state(),
             "model_path": loop.rt.model_path,
         }
@@ -87,6 +90,8 @@ def restore(loop: DurableLoop, path, state: dict) -> None:
     loop.data_cursor = int(state.get("data_cursor", loop.start_step))
     if loop.kl_ctrl is not None and state.get("kl_coef") is not None:
         loop.kl_ctrl.value = float(state["kl_coef"])
+    if loop.scorer is not None and state.get("reward_norm") is not None:
+        loop.scorer.normalizer.load_state_dict(state["reward_norm"])
     loop.sync_weights()  # the engines still hold the initial model (an SFT run has none)
     loop.logger.note(
         f"resumed from {path} (step {loop.start_step}, weight version "

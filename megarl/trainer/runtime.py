@@ -19,6 +19,7 @@ from megarl.engine.megatron.actor import ActorLossSpec, MegatronActor
 from megarl.engine.megatron.critic import CriticLossSpec, MegatronCritic
 from megarl.engine.megatron.engine import EngineSpec
 from megarl.procs.net import get_node_ip
+from megarl.trainer.reward_workers import reward_model_path, start_reward_workers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -27,9 +28,16 @@ if TYPE_CHECKING:
     from megarl.controller.worker_group import RayWorkerGroup
     from megarl.data.dataset import RLDataset
     from megarl.data.mix import MixedDataset
+    from megarl.reward.classifier import ClassifierWorkers
     from megarl.rollout.client.manager import RolloutManager
     from megarl.rollout.fleet.fleet import RolloutFleet
 
+# every worker rank's environment: ranks share the node's cores
+RANK_ENV = {
+    "MEGARL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
+}
 RANKS_FILE = "ranks.json"  # this run's local rank pids (shm_leftovers: a later run here cleans up after them)
 
 
@@ -49,6 +57,7 @@ class Runtime:
     placement: PlacementPlan
     critic: RayWorkerGroup | None = None  # of MegatronCritic (critic.enabled)
     reward_model_url: str | None = None  # the embedded judge server (reward.model genrm without url)
+    reward_workers: ClassifierWorkers | None = None  # the classifier reward model's ranks
     startup: dict[str, float] | None = None  # seconds per start-up phase (StartupClock), in order
 
     @property
@@ -266,6 +275,7 @@ def start_runtime(cfg: RunConfig, cluster=None):
         from megarl.data.build import build_datasets
 
         model_path = resolve_model_path(cfg, run_dir)
+        reward_path = reward_model_path(cfg, run_dir)  # a classifier's (a preset is built now)
         clock.mark("model")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         train_data, val_data = build_datasets(cfg.data, tokenizer, run_dir / "data")
@@ -275,7 +285,9 @@ def start_runtime(cfg: RunConfig, cluster=None):
         stack.callback(fleet.close)
         fleet.launch()  # engines start while the Megatron ranks initialise
         actor, critic = worker_groups(cfg, plan, pools, resource, model_path, stack, clock)
-        record(actor.processes + (critic.processes if critic else []))
+        reward_workers = start_reward_workers(cfg, plan, pools, resource, reward_path, RANK_ENV, stack)
+        ranks = [g.processes for g in (actor, critic, reward_workers and reward_workers.group) if g]
+        record([p for group in ranks for p in group])
         from megarl.reward.model import reward_model_server
 
         reward_model_url = stack.enter_context(reward_model_server(cfg.reward.model, run_dir))
@@ -296,6 +308,7 @@ def start_runtime(cfg: RunConfig, cluster=None):
             placement=plan,
             critic=critic,
             reward_model_url=reward_model_url,
+            reward_workers=reward_workers,
             startup=clock.phases,
         )
 
@@ -334,11 +347,6 @@ def worker_groups(
     def device_share(share: float) -> dict:
         return {"num_gpus_per_worker": share} if resource == "GPU" else {"resources_per_worker": {resource: share}}
 
-    rank_env = {
-        "MEGARL_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
-    }
     actor_bundles = [pools["actor"].bundle_of(s) for s in plan.actor_slots]
     actor = RayWorkerGroup(
         MegatronActor,
@@ -347,7 +355,7 @@ def worker_groups(
         init_kwargs={"offload": cfg.actor.offload, "ref_offload": cfg.ref.offload},
         num_cpus_per_worker=0,
         bundles=actor_bundles,
-        env_vars=rank_env,
+        env_vars=RANK_ENV,
         name_prefix="actor",
         **device_share(RANK_DEVICE_SHARE),
     )
@@ -362,7 +370,7 @@ def worker_groups(
             init_kwargs={"offload": cfg.critic.offload},
             num_cpus_per_worker=0,
             bundles=actor_bundles,
-            env_vars=rank_env,
+            env_vars=RANK_ENV,
             name_prefix="critic",
             **device_share(CRITIC_DEVICE_SHARE),
         )

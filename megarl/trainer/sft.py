@@ -99,7 +99,7 @@ class SFTLoop:
         self.last_checkpoint = resume[0] if resume else None
         # run_state's view of the loop: a step is one update, so the weights' version is the step
         self.weight_version = self.actor_version = self.data_cursor = 0
-        self.kl_ctrl = None
+        self.kl_ctrl = self.scorer = None
         self._carried: dict[str, float] = {}  # a checkpoint save's time, logged with the next step
         self.mfu: StepMfu | None = None
         self.stop = stop if stop is not None else GracefulStop(t.stop_grace_s)

@@ -32,6 +32,16 @@ def test_quickstart_yaml_is_valid():
     assert cfg.cluster.num_actor_ranks == 2
 
 
+def test_a_key_written_twice_in_a_config_file_is_refused(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: over 5 seeds\nrollout:\n  n: 4\nmodel:\n  preset: tiny-qwen3\n")
+    with pytest.raises(ConfigError, match=r"'model' appears twice.*line 4"):
+        load_config(path)
+    path.write_text("rollout:\n  n: 4\n  top_k: 2\n  n: 8\n")  # nested mappings too
+    with pytest.raises(ConfigError, match="'n' appears twice"):
+        load_config(path)
+
+
 def test_overrides_are_typed(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"actor": {"optim": {"lr": 0.1}}, "rollout": {"n": 4}}))

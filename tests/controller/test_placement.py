@@ -55,3 +55,14 @@ def test_multi_node_engines_take_consecutive_devices_one_node_each():
     layout = [[(n.node_rank, [(s.node, s.bundle) for s in n.slots]) for n in e] for e in p.engines]
     # engine 0: node rank 0 on device 0, node rank 1 on device 1; engine 1 on the second node
     assert layout == [[(0, [(0, 0)]), (1, [(0, 1)])], [(0, [(1, 0)]), (1, [(1, 1)])]]
+
+
+def test_a_classifier_reward_model_takes_actor_devices_or_a_pool_of_its_own():
+    rm = ("reward.model.kind=classifier", "reward.model.preset=tiny-digits-rm")
+    assert plan().reward_slots == ()  # no classifier: no ranks
+    colocated = plan(*rm)
+    assert list(colocated.pools) == ["actor"] and colocated.reward_slots == tuple(colocated.actor_slots)
+    assert plan(*rm, "reward.model.num_workers=1").reward_slots == (Slot("actor", 0, 0, 0),)
+    own = plan(*rm, "reward.model.placement=disaggregated", "reward.model.num_workers=3", "cluster.devices_per_node=2")
+    assert own.pools["reward"] == PoolSpec("reward", 3, 2)
+    assert own.reward_slots == (Slot("reward", 0, 0, 0), Slot("reward", 1, 0, 1), Slot("reward", 2, 1, 0))

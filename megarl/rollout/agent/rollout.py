@@ -92,8 +92,8 @@ class AgentRollout:
                 errors[i] = exc
                 return
             outputs[i] = list(outs)
-            if on_rows is not None:  # the overlap scorer reads .text
-                on_rows([i], [[SimpleNamespace(text=o.text) for o in outs]])
+            if on_rows is not None:  # the overlap scorer reads .text (a classifier: .output_ids too)
+                on_rows([i], [[SimpleNamespace(text=o.text, output_ids=o.response_ids) for o in outs]])
 
         await asyncio.gather(*[one_prompt(k, i) for k, i in enumerate(pending)])
         return {i: errors[i] for i in sorted(errors)}
