@@ -24,6 +24,7 @@ import numpy as np
 PANELS = [
     ("reward", ("reward/mean",)),
     ("validation reward", ("val/reward_mean",)),
+    ("tool-call success rate", ("rollout/tool_call_success_rate",)),  # agent runs (rollout.agent_loop)
     ("KL", ("actor/kl", "actor/ppo_kl")),
     ("entropy", ("actor/entropy", "rollout/entropy")),
     ("response length (tokens)", ("response/length_mean",)),

@@ -98,6 +98,14 @@ def test_a_metric_no_run_logged_has_no_panel(tmp_path):
     assert all(ax.get_lines() for ax in fig.axes)  # no empty panel left in the grid
 
 
+def test_an_agent_run_gets_a_tool_call_success_panel(tmp_path):
+    rows = records([0.1, 0.2], [1.0, 1.0])
+    for r, rate in zip(rows, (0.4, 0.9)):
+        r["rollout/tool_call_success_rate"] = rate
+    fig = plot_runs([load_run(write_run(tmp_path / "r", rows))])
+    assert panel(fig, "tool-call success rate").get_lines()[0].get_ydata().tolist() == [0.4, 0.9]
+
+
 def test_the_kl_panel_names_the_kl_it_draws(tmp_path):
     rows = records([0.1, 0.2], [1.0, 1.0])
     for r, kl in zip(rows, (0.01, 0.03)):
