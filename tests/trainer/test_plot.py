@@ -40,13 +40,15 @@ def panel(fig, title):
 
 def test_one_run_writes_a_png_whose_lines_are_the_logged_metrics(tmp_path):
     from matplotlib.image import imread
+    from PIL import Image
 
     run = write_run(tmp_path / "alpha", records([0.1, 0.4, 0.7], [2.0, 4.0, 8.0], val_at=(2, 3)))
     out = tmp_path / "curves.png"
     assert main(["plot", str(run), "-o", str(out)]) == 0
     data = out.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
-    assert imread(out).shape[2] == 4  # a decodable RGBA image
+    with Image.open(out) as image:
+        assert image.mode == "P" and imread(out).shape[:2] == image.size[::-1]  # a decodable palette PNG
 
     fig = plot_runs([load_run(run)])
     reward = panel(fig, "reward").get_lines()[0]
