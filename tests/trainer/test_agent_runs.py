@@ -72,6 +72,8 @@ def runs(tmp_path_factory):
                 "trainer.deterministic=true",
                 "data.num_train=16",
                 "data.num_val=0",
+                "trainer.val_every=0",
+                "trainer.val_before_train=false",
                 "data.train_batch_size=2",
                 "rollout.n=4",
                 "actor.ppo_mini_batch_size=8",
