@@ -52,8 +52,8 @@ def check_sft(cfg: RunConfig, model_config: dict | None) -> None:
         f"sft.task={s.task!r} generates the train rows, but sft.train_files={s.train_files!r} names them too; "
         "set one and leave the other null",
     )
-    for key, value in (("sft.num_train", s.num_train), ("sft.num_val", s.num_val)):
-        _require(value >= (key == "sft.num_train"), key, f"{key}={value} must be >= {int(key == 'sft.num_train')}")
+    _require(s.num_train >= 1, "sft.num_train", f"sft.num_train={s.num_train} must be >= 1")
+    _require(s.num_val >= 0, "sft.num_val", f"sft.num_val={s.num_val} must be >= 0")
     check_files("sft.train_files", s.train_files, custom=False)
     check_files("sft.val_files", s.val_files, custom=False)
     _require(bool(s.messages_key.strip()), "sft.messages_key", "sft.messages_key must not be empty")
