@@ -44,6 +44,7 @@ SLOW_MODULES = {
     "tests/rollout/engine/test_rollout_tp.py",
     "tests/rollout/engine/test_weight_receive.py",
     "tests/rollout/fleet/test_rollout_fleet.py",
+    "tests/trainer/test_agent_runs.py",
     "tests/trainer/test_async_loops.py",
     "tests/trainer/test_crash.py",
     "tests/trainer/test_durability.py",

@@ -17,9 +17,14 @@ from typing import Literal
 @dataclass
 class SFTConfig:
     # .parquet or .jsonl, one or a list; each row holds a list of messages {"role": system | user
-    # | assistant | tool, "content": str} under messages_key. Required by `megarl sft`
+    # | assistant | tool, "content": str} under messages_key. Required unless `task` is set
     train_files: str | list[str] | None = None
     val_files: str | list[str] | None = None  # the same format: val/sft/loss every trainer.val_every steps
+    # a procedural chat task generated in the driver instead of train_files (megarl.data.tasks.CHAT_TASKS):
+    # num_train conversations with `seed`, and num_val with seed + 1 when val_files is null
+    task: Literal["arith_tool"] | None = None
+    num_train: int = 1024
+    num_val: int = 0
     messages_key: str = "messages"
     # tokens of one conversation after the chat template; a longer one is refused ("error") or cut
     # to max_length ("truncate": counted, and a row left without an assistant token is dropped, counted)

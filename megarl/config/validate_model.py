@@ -38,7 +38,8 @@ def check_model_paths(cfg: RunConfig) -> None:
             (Path(cfg.model.path) / "config.json").is_file(),
             "model.path",
             f"model.path={cfg.model.path!r} is not a Hugging Face checkpoint directory "
-            "(no config.json); set it to null to build model.preset",
+            "(no config.json); point it at one (a run writes its export RUN_DIR/hf when it ends: run the "
+            "SFT this config starts from first), or set it to null to build model.preset",
         )
     critic_path = cfg.critic.model.path
     if critic_path is not None:

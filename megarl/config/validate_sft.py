@@ -40,11 +40,20 @@ def validate_sft(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
 def check_sft(cfg: RunConfig, model_config: dict | None) -> None:
     s = cfg.sft
     _require(
-        s.train_files is not None,
+        s.train_files is not None or s.task is not None,
         "sft.train_files",
         "sft.train_files is null, but megarl sft trains on .parquet or .jsonl files of chat rows (a "
-        "'messages' list of {role, content} per row); e.g. sft.train_files=configs/data/sft-arith-tool-train.jsonl",
+        "'messages' list of {role, content} per row); e.g. sft.train_files=configs/data/sft-arith-tool-train.jsonl, "
+        "or generates them: sft.task=arith_tool",
     )
+    _require(
+        s.train_files is None or s.task is None,
+        "sft.task",
+        f"sft.task={s.task!r} generates the train rows, but sft.train_files={s.train_files!r} names them too; "
+        "set one and leave the other null",
+    )
+    _require(s.num_train >= 1, "sft.num_train", f"sft.num_train={s.num_train} must be >= 1")
+    _require(s.num_val >= 0, "sft.num_val", f"sft.num_val={s.num_val} must be >= 0")
     check_files("sft.train_files", s.train_files, custom=False)
     check_files("sft.val_files", s.val_files, custom=False)
     _require(bool(s.messages_key.strip()), "sft.messages_key", "sft.messages_key must not be empty")
@@ -66,10 +75,10 @@ def check_sft(cfg: RunConfig, model_config: dict | None) -> None:
         "(cluster.num_actor_ranks / (tp*pp*cp)) so every rank gets equal rows",
     )
     _require(
-        cfg.trainer.val_every == 0 or s.val_files is not None,
+        cfg.trainer.val_every == 0 or s.val_files is not None or (s.task is not None and s.num_val > 0),
         "trainer.val_every",
-        f"trainer.val_every={cfg.trainer.val_every} but sft.val_files is null: there is nothing to "
-        "validate on; set sft.val_files or trainer.val_every=0",
+        f"trainer.val_every={cfg.trainer.val_every} but sft.val_files is null (and no sft.task with "
+        "sft.num_val > 0): there is nothing to validate on; set sft.val_files or trainer.val_every=0",
     )
     _require(
         not cfg.actor.moe.routing_replay,

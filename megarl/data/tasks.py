@@ -17,9 +17,10 @@ arith. The question space is finite (441 sums), so a fifth of it is held out: va
 (split "val") are the held-out sums, each at most once while there are enough (89), and training rows
 never are. SmolLM2-135M-Instruct answers 39% of the held-out ones greedily.
 
-`arith_tool`: "What is 347 * 29?" with a system message showing a python tool call, for the agent
-loop (rollout.agent_loop: tool, configs/agent-python-tool.yaml); scored as arith, plus 0.1 for a
-wrong integer (data_source "megarl/arith_tool").
+`arith_tool`: "What is 347 * 29?", for the agent loop (rollout.agent_loop: tool,
+configs/agent-arith-tool.yaml); scored as arith, plus 0.1 for a wrong integer (data_source
+"megarl/arith_tool"). Its transcripts solved with one python call (make_arith_tool_chats, the chat
+task of the same name: sft.task) are the agent's SFT cold start.
 
 `rg:<name>`: any reasoning-gym dataset (rg:basic_arithmetic, rg:chain_sum, rg:countdown, ...),
 generated with its default configuration; its rows and its scorer (data_source
@@ -121,31 +122,28 @@ def make_add20_rows(num: int, seed: int = 0, split: str = "train") -> list[dict]
 
 
 ARITH_TOOL_DATA_SOURCE = "megarl/arith_tool"
-ARITH_TOOL_SYSTEM = (
-    'Call python like this: <tool_call>{"name": "python", "arguments": {"code": '
-    '"print(12*34)"}}</tool_call> It answers <tool_response>408\n</tool_response>. '
-    "Then give the number."
-)
 
 
 def make_arith_tool_rows(num: int, seed: int = 0) -> list[dict]:
-    """`num` rows of "What is 347 * 29?" (3-digit by 2-digit products and sums) for a model that
-    may call the python tool (rollout.agent_loop: tool): a system message shows one call, written
-    in tiny-qwen3-moe-tools' vocabulary. Scored by megarl/arith_tool: arith's rule on the model's
-    last turn, with 0.1 for a wrong integer (reward/rule.py)."""
+    """`num` rows of "What is 347 * 29?" (3-digit by 2-digit products) for a model that calls the
+    python tool (rollout.agent_loop: tool) after an SFT cold start on make_arith_tool_chats.
+    Products only: a small model cannot compute them, so the reward comes from a correct call and
+    copying its answer; with sums mixed in, whose leading digits are the first operand's, a tiny
+    model learns to copy those from the question instead of reading the tool's answer, and learns
+    to read it several times later. The prompt is the question alone, for the same reason: a
+    system message with an example call puts digits next to the question's that compete with them.
+    Scored by megarl/arith_tool: arith's rule on the model's last turn, with 0.1 for a wrong
+    integer (reward/rule.py)."""
     if num < 0:
         raise ValueError(f"make_arith_tool_rows needs num >= 0, got {num}")
     rng = random.Random(seed)
     rows = []
     for index in range(num):
-        a, b, op = rng.randint(100, 999), rng.randint(10, 99), rng.choice("*+")
-        answer = a * b if op == "*" else a + b
+        a, b, op = rng.randint(100, 999), rng.randint(10, 99), "*"
+        answer = a * b
         rows.append(
             {
-                "prompt": [
-                    {"role": "system", "content": ARITH_TOOL_SYSTEM},
-                    {"role": "user", "content": f"What is {a} {op} {b}?"},
-                ],
+                "prompt": [{"role": "user", "content": f"What is {a} {op} {b}?"}],
                 "data_source": ARITH_TOOL_DATA_SOURCE,
                 "reward_model": {"ground_truth": str(answer), "style": "rule"},
                 "extra_info": {"index": index, "a": a, "b": b, "op": op, "tool": "python"},
@@ -154,17 +152,23 @@ def make_arith_tool_rows(num: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def arith_tool_call(row: dict) -> str:
+    """The python call that solves an arith_tool row: the question's expression, verbatim."""
+    x = row["extra_info"]
+    code = f"print({x['a']} {x['op']} {x['b']})"
+    return f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': code}})}</tool_call>"
+
+
 def make_arith_tool_chats(num: int, seed: int = 0) -> list[dict]:
-    """`num` chat rows {"messages": [...]} of arith_tool's prompts solved with one python call:
-    the call, the tool's answer, the number (the transcripts of an SFT cold start for the agent
-    loop: configs/sft-quickstart.yaml, configs/data/sft-arith-tool-*.jsonl)."""
+    """`num` chat rows {"messages": [...]} of arith_tool's prompts (the same questions for the same
+    seed) solved with one python call: the question, the call, the tool's answer as the sandbox
+    prints it (the exact result and a newline), the number. The transcripts of the agent's SFT
+    cold start (sft.task: arith_tool; configs/data/sft-arith-tool-*.jsonl)."""
     rows = []
     for row in make_arith_tool_rows(num, seed):
-        x = row["extra_info"]
-        call = json.dumps({"name": "python", "arguments": {"code": f"print({x['a']}{x['op']}{x['b']})"}})
         answer = row["reward_model"]["ground_truth"]
         turns = [
-            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "assistant", "content": arith_tool_call(row)},
             {"role": "tool", "content": f"{answer}\n"},
             {"role": "assistant", "content": answer},
         ]
@@ -178,6 +182,7 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "arith_tool": make_arith_tool_rows,
     "add20": make_add20_rows,
 }
+CHAT_TASKS: dict[str, Callable[..., list[dict]]] = {"arith_tool": make_arith_tool_chats}  # sft.task
 SPLIT_TASKS = {"add20"}  # finite question spaces: their validation questions are held out of training
 
 
@@ -192,6 +197,13 @@ def generate_task(name: str, num: int, seed: int = 0, split: str = "train") -> l
             f"unknown procedural task {name!r}; known tasks: {sorted(TASKS)} and rg:<reasoning-gym dataset>"
         )
     return TASKS[name](num, seed, split=split) if name in SPLIT_TASKS else TASKS[name](num, seed)
+
+
+def generate_chats(name: str, num: int, seed: int = 0) -> list[dict]:
+    """Chat rows {"messages": [...]} of the procedural SFT task `name` (a key of CHAT_TASKS)."""
+    if name not in CHAT_TASKS:
+        raise ValueError(f"unknown chat task {name!r}; known: {sorted(CHAT_TASKS)}")
+    return CHAT_TASKS[name](num, seed)
 
 
 def write_rows(rows: list[dict], path: str | Path) -> Path:

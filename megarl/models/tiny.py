@@ -65,10 +65,13 @@ TINY_QWEN3_MOE = dict(
 # and 512 positions (a few-shot prompt plus tool turns): ids 0..50 are tiny-qwen3-moe's.
 TOOLS_PRESET = "tiny-qwen3-moe-tools"
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# An assistant turn ends with <eos>, as Qwen's ends with <|im_end|>: the token SFT teaches the model
+# to end its answer with, and the engine stops at.
 TOOLS_CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'tool' %}"
     "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|user|>{% endif %}"
     "<tool_response>{{ m['content'] }}</tool_response>"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<eos>"
     "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
@@ -90,7 +93,7 @@ def build_tokenizer(tools: bool = False):
     """Character-level tokenizer with a chat template; ids 0..len(vocab)-1 (51 < vocab_size).
     tools: also the tool markers (plain added tokens, kept in decoded text as Qwen's are) and
     the rest of printable ASCII (105 ids), with a template that renders role "tool" as
-    <|user|><tool_response>...</tool_response> (TOOLS_PRESET)."""
+    <|user|><tool_response>...</tool_response> and ends assistant turns with <eos> (TOOLS_PRESET)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

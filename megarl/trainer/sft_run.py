@@ -42,8 +42,13 @@ def prepare_sft_data(cfg: RunConfig) -> SFTData:
         tokenizer, f"model.path={cfg.model.path}" if cfg.model.path else f"model.preset={cfg.model.preset}"
     )
     args = (tokenizer, s.max_length, s.overlong, s.messages_key)
-    train = SFTDataset.from_files(as_paths(s.train_files), *args)
+    if s.task is None:
+        train = SFTDataset.from_files(as_paths(s.train_files), *args)
+    else:
+        train = _task_dataset(s, tokenizer, s.num_train, s.seed)
     val = SFTDataset.from_files(as_paths(s.val_files), *args) if s.val_files is not None else None
+    if val is None and s.task is not None and s.num_val > 0:
+        val = _task_dataset(s, tokenizer, s.num_val, s.seed + 1)
     if len(train) < s.batch_size:
         raise DatasetError(
             f"{train.source} has {len(train)} conversations to train on, fewer than one batch of "
@@ -52,6 +57,14 @@ def prepare_sft_data(cfg: RunConfig) -> SFTData:
     per_epoch = len(train) // s.batch_size  # the last partial batch of an epoch is left out
     total = s.total_steps if s.total_steps is not None else (s.epochs or 1) * per_epoch
     return SFTData(train, val, per_epoch, total)
+
+
+def _task_dataset(s, tokenizer, num: int, seed: int):
+    from megarl.data.sft import SFTDataset
+    from megarl.data.tasks import generate_chats
+
+    rows = generate_chats(s.task, num, seed)
+    return SFTDataset(rows, tokenizer, s.max_length, s.overlong, "messages", source=f"sft.task={s.task} (seed {seed})")
 
 
 @contextlib.contextmanager

@@ -51,14 +51,14 @@ def masked_runs(tok, ids, mask) -> list[str]:
 
 def test_the_mask_covers_exactly_the_assistant_tokens_hand_checked(tools_tok):
     """tiny-qwen3-moe-tools renders
-        <|system|>be kind.<|user|>hi<|assistant|>yo<|user|><tool_response>4\\n</tool_response><|assistant|>ok
-    one token per character or marker: tokens 13-14 ("yo") and 21-22 ("ok") are the assistant's;
-    this template writes no end-of-turn token, so nothing after them is trained."""
+        <|system|>be kind.<|user|>hi<|assistant|>yo<eos><|user|><tool_response>4\\n</tool_response><|assistant|>ok<eos>
+    one token per character or marker: tokens 13-15 ("yo<eos>") and 22-24 ("ok<eos>") are the
+    assistant's, each turn's content and the end-of-turn token the template writes after it."""
     ids, mask = tokenize_chat(tools_tok, CHAT)
     tokens = [tools_tok.convert_ids_to_tokens(i) for i in ids]
-    assert tokens[:3] == ["<|system|>", "b", "e"] and tokens[12:16] == ["<|assistant|>", "y", "o", "<|user|>"]
-    assert tokens[16:23] == ["<tool_response>", "4", "\n", "</tool_response>", "<|assistant|>", "o", "k"]
-    assert [i for i, m in enumerate(mask) if m] == [13, 14, 21, 22]
+    assert tokens[:3] == ["<|system|>", "b", "e"] and tokens[12:17] == ["<|assistant|>", "y", "o", "<eos>", "<|user|>"]
+    assert tokens[17:25] == ["<tool_response>", "4", "\n", "</tool_response>", "<|assistant|>", "o", "k", "<eos>"]
+    assert [i for i, m in enumerate(mask) if m] == [13, 14, 15, 22, 23, 24]
     assert ids == list(tools_tok.apply_chat_template(CHAT, tokenize=True))  # the template's own tokens
 
 
@@ -92,10 +92,10 @@ def test_engine_rows_start_the_response_at_the_first_trained_token(tools_tok):
     ids, mask = first
     assert rows["responses"][0].tolist() == ids[13:]
     assert rows["response_mask"][0].tolist() == [float(m) for m in mask[13:]]
-    assert rows["input_ids"][1, :6].tolist() == second[0] and rows["response_mask"][1].sum() == 2
+    assert rows["input_ids"][1, :7].tolist() == second[0] and rows["response_mask"][1].sum() == 3
     from megarl.engine.megatron.packing import row_lengths
 
-    assert row_lengths(rows["input_ids"], rows["prompt_lengths"], rows["response_mask"]).tolist() == [23, 6]
+    assert row_lengths(rows["input_ids"], rows["prompt_lengths"], rows["response_mask"]).tolist() == [25, 7]
 
 
 @pytest.mark.parametrize(
@@ -146,7 +146,7 @@ def test_a_rows_tools_reach_the_template_and_stay_out_of_the_loss(tools_tok):
     data = SFTDataset([{"messages": CHAT[1:3], "tools": tools}], tok, 64)
     ids, mask = data[0]
     assert tok.decode(ids).startswith("<|system|>tools: python<|user|>hi")
-    assert masked_runs(tok, ids, mask) == ["yo"]
+    assert masked_runs(tok, ids, mask) == ["yo<eos>"]
     with pytest.raises(DatasetError, match="x row 0: field 'tools' must be a list of function schemas"):
         SFTDataset([{"messages": CHAT[1:3], "tools": "python"}], tok, 64, source="x")
 
@@ -164,10 +164,10 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tools_tok):
 def test_max_length_refuses_or_cuts_and_counts(tools_tok):
     long_chat = [{"role": "user", "content": "a" * 30}, {"role": "assistant", "content": "b" * 10}]
     rows = [{"messages": CHAT}, {"messages": long_chat}, {"messages": long_chat[:1] + [CHAT[2]]}]
-    with pytest.raises(DatasetError, match=r"row 1: the conversation is 42 tokens .* sft.max_length=30"):
+    with pytest.raises(DatasetError, match=r"row 1: the conversation is 43 tokens .* sft.max_length=30"):
         SFTDataset(rows, tools_tok, 30)
     cut = SFTDataset(rows, tools_tok, 30, overlong="truncate")
-    # row 1 (42 tokens) keeps no "b" within 30 (dropped); row 2 (34) keeps none of its "yo" either
+    # row 1 (43 tokens) keeps no "b" within 30 (dropped); row 2 (35) keeps none of its "yo" either
     assert (cut.counts.truncated, cut.counts.dropped, len(cut)) == (2, 2, 1)
     cut = SFTDataset(rows, tools_tok, 35, overlong="truncate")  # row 1 keeps 3 "b"s, row 2 fits
     assert (cut.counts.truncated, cut.counts.dropped, len(cut)) == (1, 0, 3)
@@ -179,12 +179,12 @@ def test_batches_follow_the_epoch_order_and_eval_batches_pad_with_untrained_rows
     data = SFTDataset(rows, tools_tok, 64)
     batches = SFTBatches(data, 4, shuffle=True, seed=3)
     assert batches.steps_per_epoch == 2
-    seen = [int(m.sum()) - 1 for step in range(2) for m in batches.batch_at(step)["response_mask"]]
+    seen = [int(m.sum()) - 2 for step in range(2) for m in batches.batch_at(step)["response_mask"]]  # x..x<eos>
     assert sorted(seen) == sorted(set(seen)) and len(seen) == 8  # distinct rows of one epoch
     assert torch.equal(batches.batch_at(5)["input_ids"], SFTBatches(data, 4, True, 3).batch_at(5)["input_ids"])
     evals = eval_batches(data, 4, multiple=3)
     assert [len(b) for b in evals] == [6, 6, 3] and evals[-1].meta == {}
-    assert sum(float(b["response_mask"].sum()) for b in evals) == sum(k + 1 for k in range(10))
+    assert sum(float(b["response_mask"].sum()) for b in evals) == sum(k + 2 for k in range(10))
 
 
 def test_the_shipped_example_data_is_arith_tool_transcripts_with_valid_calls():
@@ -195,9 +195,10 @@ def test_the_shipped_example_data_is_arith_tool_transcripts_with_valid_calls():
         path = ROOT / "configs" / "data" / f"sft-arith-tool-{name}.jsonl"
         assert [json.loads(x) for x in path.read_text().splitlines()] == make_arith_tool_chats(num, seed)
     row = make_arith_tool_chats(1)[0]["messages"]
-    [call] = parse_tool_calls(row[2]["content"])
+    [call] = parse_tool_calls(row[1]["content"])
     assert call.name == "python" and call.error is None
-    assert eval(call.arguments["code"][6:-1]) == int(row[4]["content"]) == int(row[3]["content"])  # noqa: S307
+    assert call.arguments["code"] == f"print({row[0]['content'].removeprefix('What is ').removesuffix('?')})"
+    assert eval(call.arguments["code"][6:-1]) == int(row[3]["content"]) == int(row[2]["content"])  # noqa: S307
 
 
 def test_check_chat_row_passes_other_message_keys_and_drops_nulls():

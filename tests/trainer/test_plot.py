@@ -40,13 +40,15 @@ def panel(fig, title):
 
 def test_one_run_writes_a_png_whose_lines_are_the_logged_metrics(tmp_path):
     from matplotlib.image import imread
+    from PIL import Image
 
     run = write_run(tmp_path / "alpha", records([0.1, 0.4, 0.7], [2.0, 4.0, 8.0], val_at=(2, 3)))
     out = tmp_path / "curves.png"
     assert main(["plot", str(run), "-o", str(out)]) == 0
     data = out.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
-    assert imread(out).shape[2] == 4  # a decodable RGBA image
+    with Image.open(out) as image:
+        assert image.mode == "P" and imread(out).shape[:2] == image.size[::-1]  # a decodable palette PNG
 
     fig = plot_runs([load_run(run)])
     reward = panel(fig, "reward").get_lines()[0]
@@ -96,6 +98,14 @@ def test_a_metric_no_run_logged_has_no_panel(tmp_path):
     titles = sorted(ax.get_title() for ax in fig.axes)
     assert titles == ["response length (tokens)", "reward", "step time (s)", "throughput (samples/s)"]
     assert all(ax.get_lines() for ax in fig.axes)  # no empty panel left in the grid
+
+
+def test_an_agent_run_gets_a_tool_call_success_panel(tmp_path):
+    rows = records([0.1, 0.2], [1.0, 1.0])
+    for r, rate in zip(rows, (0.4, 0.9)):
+        r["rollout/tool_call_success_rate"] = rate
+    fig = plot_runs([load_run(write_run(tmp_path / "r", rows))])
+    assert panel(fig, "tool-call success rate").get_lines()[0].get_ydata().tolist() == [0.4, 0.9]
 
 
 def test_the_kl_panel_names_the_kl_it_draws(tmp_path):

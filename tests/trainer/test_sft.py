@@ -151,7 +151,7 @@ def _refused(args: list[str], tmp_path: Path) -> str:
 
 def test_a_row_without_an_assistant_turn_is_refused_naming_file_row_and_field(tmp_path):
     rows = [json.loads(x) for x in (ROOT / "configs/data/sft-arith-tool-train.jsonl").read_text().splitlines()]
-    rows[5]["messages"] = rows[5]["messages"][:2]  # system and user only
+    rows[5]["messages"] = rows[5]["messages"][:1]  # the question only
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     line = _refused([f"sft.train_files={path}"], tmp_path)

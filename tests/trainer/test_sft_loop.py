@@ -60,3 +60,49 @@ def test_resume_onto_other_sft_data_is_refused_before_loading_anything(tmp_path)
     state = {"step": 1, "weight_version": 1, "data": {**loop._data_identity(), "tokens": train.tokens() + 1}}
     with pytest.raises(ResumeRefused, match="'tokens'"):
         run_state.restore(loop, tmp_path, state)  # what fit does first with a resume point
+
+
+def _sft_config(*overrides):
+    from pathlib import Path
+
+    from megarl.config.loader import load_config
+    from megarl.config.validate_sft import validate_sft
+    from megarl.models.tiny import PRESETS
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs/agent-arith-tool-sft.yaml", list(overrides))
+    return validate_sft(cfg, PRESETS[cfg.model.preset])
+
+
+def test_sft_task_generates_the_transcripts_in_the_driver():
+    """sft.task=arith_tool: num_train conversations with sft.seed and num_val with seed + 1, the
+    rows make_arith_tool_chats gives, rendered and masked as a file's rows would be."""
+    from megarl.data.sft import tokenize_chat
+    from megarl.data.tasks import make_arith_tool_chats
+    from megarl.models.tiny import build_tokenizer
+    from megarl.trainer.sft_run import prepare_sft_data
+
+    data = prepare_sft_data(_sft_config("sft.num_train=40", "sft.num_val=6", "sft.seed=3", "sft.total_steps=null"))
+    tok = build_tokenizer(tools=True)
+    assert (len(data.train), len(data.val), data.steps_per_epoch, data.total_steps) == (40, 6, 2, 2)
+    assert data.train.examples == [tokenize_chat(tok, r["messages"]) for r in make_arith_tool_chats(40, 3)]
+    assert data.val.examples == [tokenize_chat(tok, r["messages"]) for r in make_arith_tool_chats(6, 4)]
+    assert data.train.source == "sft.task=arith_tool (seed 3)"
+
+
+@pytest.mark.parametrize(
+    "overrides,key,message",
+    [
+        (["sft.train_files=configs/data/sft-arith-tool-train.jsonl"], "sft.task", "names them too; set one"),
+        (["sft.task=null"], "sft.train_files", "or generates them: sft.task=arith_tool"),
+        (["sft.num_val=0"], "trainer.val_every", "nothing to validate on"),
+        (["sft.num_train=0"], "sft.num_train", "sft.num_train=0 must be >= 1"),
+        (["sft.task=digits"], "sft.task", "'arith_tool'"),
+    ],
+)
+def test_sft_task_refusals_name_the_key(overrides, key, message):
+    from megarl.config.loader import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _sft_config(*overrides)
+    assert err.value.key == key and message in str(err.value), str(err.value)

@@ -134,7 +134,7 @@ def test_tool_call_runs_in_the_sandbox_and_the_record_is_exact(scripted):
     server.seen.clear()
     out = run_one(server.url, "what is 23*58?")
     prompt, turn1, turn2 = prompt_ids("what is 23*58?"), encode(CALL), chars("<|user|>") + encode("1334") + [EOS]
-    glue = encode("<|user|><tool_response>1334\n</tool_response><|assistant|>")  # the sandbox printed 1334
+    glue = encode("<eos><|user|><tool_response>1334\n</tool_response><|assistant|>")  # the sandbox printed 1334
     assert out.prompt_ids == prompt and out.num_turns == 2 and out.finish_reason == "stop"
     assert out.response_ids == turn1 + glue + turn2  # no re-tokenisation: exactly the pieces, in order
     assert out.response_mask == [1] * len(turn1) + [0] * len(glue) + [1] * len(turn2)
@@ -165,7 +165,7 @@ def test_max_turns_and_the_response_budget_end_a_trajectory(scripted):
     out = run_one(scripted[0].url, "always call", max_turns=2)
     assert out.num_turns == 2 and out.finish_reason == "max_turns" and out.extras["tool_calls"] == 1
     assert out.response_mask[-1] == 1  # the unexecuted call is the last thing recorded
-    budget = len(encode(CALL)) + 5  # the first tool answer (9 tokens) is cut after 5
+    budget = len(encode(CALL)) + 5  # the first tool answer (10 tokens) is cut after 5
     out = run_one(scripted[0].url, "always call", max_tokens=budget)
     assert out.finish_reason == "length" and len(out.response_ids) == budget and out.num_turns == 1
     assert out.response_mask == [1] * len(encode(CALL)) + [0] * 5
@@ -350,12 +350,25 @@ def test_the_example_task_fits_its_config_and_scores_the_last_turn():
     from megarl.data.tasks import make_arith_tool_rows
     from megarl.reward.rule import arith_tool_score
 
-    cfg = load_config("configs/agent-python-tool.yaml")
+    cfg = load_config("configs/agent-arith-tool.yaml")
     assert cfg.rollout.agent_loop == "tool" and cfg.model.preset == TOOLS_PRESET
     for row in make_arith_tool_rows(32, seed=1):
         ids = tokenize_prompt(TOK, row["prompt"])
         assert len(ids) <= cfg.data.max_prompt_length and TOK.pad_token_id not in ids  # no unknown character
-        assert TOK.convert_tokens_to_ids("<tool_call>") in ids  # the example call's markers are single tokens
-        truth = row["reward_model"]["ground_truth"]
+        x, truth = row["extra_info"], row["reward_model"]["ground_truth"]
+        assert x["op"] == "*" and int(truth) == x["a"] * x["b"] and 100 <= x["a"] <= 999 and 10 <= x["b"] <= 99
         assert arith_tool_score(f"so {truth}", truth, {}) == 1.0
         assert arith_tool_score("12", truth, {}) == 0.1 and arith_tool_score("none", truth, {}) == 0.0
+
+
+def test_the_sft_transcripts_hold_what_the_sandboxed_tool_answers():
+    """The cold start's transcripts (sft.task arith_tool): each call, run by the python tool in its
+    sandbox, answers exactly the tool message that follows it, and the number is that answer."""
+    from megarl.data.tasks import make_arith_tool_chats
+
+    toolbox = ToolBox.from_config(agent_cfg())
+    for chat in make_arith_tool_chats(6, seed=5):
+        user, call, tool, answer = chat["messages"]
+        [parsed] = parse_tool_calls(call["content"])
+        result = asyncio.run(toolbox.execute(parsed))
+        assert result.ok and result.text == tool["content"] and tool["content"] == answer["content"] + "\n"
