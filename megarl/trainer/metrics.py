@@ -12,7 +12,9 @@ CONSOLE_KEYS = [
     ("sft/loss", "loss", "{:.4f}"),  # megarl sft
     ("val/sft/loss", "val_loss", "{:.4f}"),
     ("reward/mean", "reward", "{:.3f}"),
+    ("reward/ground_truth_mean", "truth", "{:.3f}"),  # a model reward's run: the rule verifier beside it
     ("val/reward_mean", "val", "{:.3f}"),
+    ("val/reward/ground_truth_mean", "val_truth", "{:.3f}"),
     ("response/length_mean", "len", "{:.2f}"),
     ("actor/kl", "kl", "{:.4f}"),
     ("actor/ppo_kl", "ppo_kl", "{:.4f}"),

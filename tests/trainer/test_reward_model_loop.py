@@ -54,7 +54,8 @@ def run(tmp_path_factory):
     )
     seen = []
     with start_runtime(cfg) as rt:
-        logger = MetricsLogger(None, STEPS, stream=io.StringIO(), jsonl_path=out / "metrics.jsonl")
+        console = io.StringIO()
+        logger = MetricsLogger(None, STEPS, stream=console, jsonl_path=out / "metrics.jsonl")
         trainer = Trainer(rt, logger)
         estimator_rewards = trainer._rewards
 
@@ -69,11 +70,11 @@ def run(tmp_path_factory):
         workers = len(rt.reward_workers.group.actors)
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     state = json.loads((out / f"quickstart-rm/checkpoints/step_{STEPS:06d}/trainer_state.json").read_text())
-    return rm, seen, steps, workers, state
+    return rm, seen, steps, workers, state, console.getvalue()
 
 
 def test_the_loss_saw_the_reward_models_normalised_scores_and_the_ground_truth_is_logged(run):
-    rm, seen, steps, workers, state = run
+    rm, seen, steps, workers, state, console = run
     assert len(seen) == len(steps) == STEPS and workers == 2  # one reward-model rank per actor device
     trained = []
     for (rows, rewards), metrics in zip(seen, steps):
@@ -89,6 +90,9 @@ def test_the_loss_saw_the_reward_models_normalised_scores_and_the_ground_truth_i
         rule = [digits_score(t, g, {}) for t, g in zip(rows["response_text"], rows["ground_truth"])]
         assert metrics["reward/ground_truth_mean"] == pytest.approx(float(np.mean(rule)), abs=1e-6)
         assert metrics["reward/model_failures"] == 0.0
+        # the step line shows the verifier's score beside the model's
+        assert f"step {metrics['step']}/{STEPS} | reward " in console
+        assert f"truth {metrics['reward/ground_truth_mean']:.3f} | len" in console.split(f"step {metrics['step']}/")[1]
     # the checkpoint carries the running statistics a resumed run continues from
     norm = state["reward_norm"]
     assert norm["count"] == everything.size == STEPS * 64
