@@ -82,6 +82,7 @@ def test_the_wheel_declares_the_dependencies_and_carries_the_configs(wheel):
     assert not any(n.startswith(("configs/", "tests/")) for n in names)  # nothing outside the packages
 
 
+@pytest.mark.slow  # installs the wheel and starts megarl three times: ~8 s on an idle 2-core machine, more when shared
 def test_an_installed_wheel_finds_configs_by_name_from_anywhere(wheel, tmp_path, expected_quickstart):
     site = tmp_path / "site"
     out = subprocess.run(
