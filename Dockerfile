@@ -68,8 +68,8 @@ RUN pip install "ray[default]==${RAY_VERSION}" "sglang-router==${SGLANG_ROUTER_V
 # (procedural tasks with their own scorers, data.task=rg:<name>).
 RUN pip install "math-verify==${MATH_VERIFY_VERSION}" "reasoning_gym==${REASONING_GYM_VERSION}"
 
-# megarl itself last: the layer that changes most often. install_requires is empty on purpose
-# (setup.py): every dependency is pinned above.
+# megarl itself last: the layer that changes most often. --no-deps: every dependency is pinned
+# above, and pyproject.toml's ranges must not let pip replace the image's torch.
 WORKDIR /opt/megarl
 COPY . /opt/megarl
 RUN pip install --no-deps -e /opt/megarl

@@ -1,6 +1,7 @@
 """The `megarl` command.
 
     megarl train configs/quickstart.yaml actor.optim.lr=3e-4 trainer.total_steps=50 [--debug]
+    megarl train quickstart          # a shipped config by name, from any directory (megarl/configs)
     megarl sft configs/sft-quickstart.yaml sft.epochs=3 [--debug]  # supervised fine-tuning on chats
     megarl show-config configs/quickstart.yaml [overrides...]   # print the resolved config
     megarl plan configs/deepseek-v3-671b.yaml --devices 256xH100  # memory and step time, predicted
@@ -33,7 +34,11 @@ def _parser() -> argparse.ArgumentParser:
         ("plan", "predict memory per device and step time; refuse a layout that cannot fit"),
     ):
         p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/quickstart.yaml)")
+        p.add_argument(
+            "config",
+            nargs="?",
+            help="YAML config file, or a shipped config's name (configs/quickstart.yaml, quickstart)",
+        )
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=3e-4")
         p.add_argument("--config", dest="config_flag", help="YAML config file (alternative)")
         if name == "plan":

@@ -1,6 +1,7 @@
 """YAML file + dotted command-line overrides -> a type-checked RunConfig.
 
     cfg = load_config("configs/quickstart.yaml", ["actor.optim.lr=3e-4", "rollout.n=8"])
+    cfg = load_config("quickstart")  # a shipped config by name, from any directory (config/shipped.py)
 
 Override values are parsed as YAML scalars (`true`, `null`, `8`, `[1, 2]`). Every value is
 checked against its dataclass field type (Optional, Literal, nested sections); a wrong type
@@ -19,6 +20,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from megarl.config import shipped
 from megarl.config.schema import RunConfig
 
 
@@ -241,9 +243,27 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
+def read_config_file(path: str | Path) -> dict:
+    """A YAML file, or a shipped config by its bare name (`quickstart`), whose `configs/...` paths
+    then resolve from any working directory (megarl/config/shipped.py)."""
+    p = Path(path)
+    if shipped.is_config_name(str(path)):
+        found = shipped.find_shipped(str(path))
+        if found is None:
+            names = ", ".join(shipped.shipped_names())
+            raise ConfigError(
+                "config",
+                f"{path!r} is neither a file nor a shipped config; give a path to a YAML file or one of the "
+                f"shipped names: {names}",
+            )
+        p = found
+    data = read_yaml(p)
+    return shipped.anchor_shipped_paths(data) if shipped.is_shipped(p) else data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> RunConfig:
-    """Schema defaults <- YAML file (if any) <- dotted overrides, type-checked."""
-    data = read_yaml(path) if path is not None else {}
+    """Schema defaults <- YAML file or shipped config (if any) <- dotted overrides, type-checked."""
+    data = read_config_file(path) if path is not None else {}
     for text in overrides:
         apply_override(data, *parse_override(text))
     return from_dict(RunConfig, data)
