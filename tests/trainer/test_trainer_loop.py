@@ -73,7 +73,7 @@ def three_steps(tmp_path_factory):
                 "trainer.total_steps=3",
                 "trainer.val_every=3",
                 "trainer.val_before_train=true",
-                "trainer.tensorboard=true",
+                "trainer.loggers=[console,jsonl,tensorboard,mlflow]",
                 "data.num_train=64",
                 "data.num_val=16",
                 "actor.parallel.ep=1",
@@ -203,7 +203,7 @@ def disaggregated(tmp_path_factory):
                 "rollout.n=4",
                 "actor.ppo_mini_batch_size=32",
                 "actor.micro_batch_size=16",
-                "trainer.tensorboard=false",
+                "trainer.loggers=[console,jsonl]",
                 "algorithm.adv_estimator=remax",
             ],
         )
@@ -249,7 +249,7 @@ def test_distributed_transport_through_the_loop_stays_in_parity(tmp_path):
                 "rollout.n=4",
                 "actor.ppo_mini_batch_size=32",
                 "actor.micro_batch_size=16",
-                "trainer.tensorboard=false",
+                "trainer.loggers=[console,jsonl]",
                 "bridge.transport=distributed",
                 "bridge.bucket_size_mb=0.05",
             ],
@@ -287,7 +287,7 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
                 "rollout.num_servers=2",
                 "rollout.max_new_tokens=24",
                 "rollout.request_timeout_s=120",
-                "trainer.tensorboard=false",
+                "trainer.loggers=[console,jsonl]",
             ],
         )
     )
