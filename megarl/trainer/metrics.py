@@ -150,10 +150,11 @@ class MetricsLogger:
             "max": max(vals),
         }
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """failed: the run ends by an exception (trackers that record a run's outcome say so)."""
         try:
             for tracker in self.trackers:
-                tracker.close()
+                tracker.close(failed)
         finally:
             if self.jsonl is not None:
                 self.jsonl.close()

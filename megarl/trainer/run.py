@@ -99,8 +99,10 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
             )
             trainer = Trainer(runtime, logger, resume=point, stop=stop)
             trainer.fit()
-    finally:
-        logger.close()
+    except BaseException:
+        logger.close(failed=True)  # the trackers mark their run failed
+        raise
+    logger.close()
     summary = logger.curve_summary("reward/mean", window=10)
     curve = (
         f"reward curve: first {summary.get('window')} steps mean {summary.get('first_mean', 0):.3f} -> "

@@ -34,7 +34,7 @@ class TensorboardWriter:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.flush()
         self.writer.close()
 
@@ -63,8 +63,8 @@ class WandbWriter:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 def mlflow_name(key: str) -> str:
@@ -120,8 +120,8 @@ class MlflowWriter:
         for i in range(0, len(batch), 1000):  # MLflow's limit of metrics per batch
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 def make_trackers(cfg: RunConfig, run_dir: Path, resume_step: int) -> list:

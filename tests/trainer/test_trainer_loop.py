@@ -171,6 +171,32 @@ def test_console_progress_tensorboard_and_summary(three_steps):
     assert summary["steps"] == 3
 
 
+def test_the_mlflow_run_holds_every_metric_of_metrics_jsonl(three_steps):
+    """trainer.loggers lists mlflow: its run (in RUN_DIR/mlruns) has each metric of every step,
+    step 0's validation included, at the trainer's step and with metrics.jsonl's value."""
+    from mlflow.tracking import MlflowClient
+
+    from megarl.trainer.trackers import mlflow_name
+
+    _, _, run_dir, _ = three_steps
+    expected = {}
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        for key, value in record.items():
+            if key != "step":
+                expected.setdefault(key, []).append((record["step"], value))
+    state = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert state["tracking_uri"] == (run_dir / "mlruns").resolve().as_uri()
+    client = MlflowClient(tracking_uri=state["tracking_uri"])
+    logged = {
+        key: [(m.step, m.value) for m in client.get_metric_history(state["run_id"], mlflow_name(key))]
+        for key in expected
+    }
+    assert logged == expected
+    assert "val/megarl/digits/pass@1" in expected and "reward/mean" in expected
+    run = client.get_run(state["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["actor.parallel.tp"] == "2"
+
+
 def test_a_terminal_shows_each_phase_and_the_log_gets_only_the_lines(three_steps):
     _, _, run_dir, console = three_steps
     phases = ["generate 64/64 rows", "reward", "engines release memory", "old log-probs", "reference log-probs"]
