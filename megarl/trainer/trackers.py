@@ -1,12 +1,12 @@
 """The trackers of trainer.loggers beyond the console and metrics.jsonl: tensorboard, Weights &
-Biases, MLflow. Each writer takes a step's metrics under the names metrics.jsonl uses, at the
-trainer step, and imports its library only when the run lists it (validation has checked that it
+Biases, MLflow. Each writer takes a step's metrics under the names metrics.jsonl uses (MLflow:
+the characters it refuses replaced, mlflow_name), at the trainer step, and imports its library only when the run lists it (validation has checked that it
 is installed: megarl/config/validate_trackers.py).
 
 A resumed run continues the same tracker run: the ids are kept in RUN_DIR/trackers.json. What a
 killed run logged after its last checkpoint: tensorboard hides it (purge_step); wandb and MLflow
-cannot delete logged points, so those steps keep the killed run's values (wandb refuses a step below
-one it has seen) or hold both runs' values (MLflow); metrics.jsonl holds only the resumed run's.
+cannot delete logged points, so those steps keep the killed run's values (online wandb refuses a step
+below one it has seen) or hold both runs' values (MLflow); metrics.jsonl holds only the resumed run's.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 import os
 import re
 import time
+import uuid
 from pathlib import Path
 
 from megarl.config.loader import dump, to_dict
@@ -134,9 +135,7 @@ def make_trackers(cfg: RunConfig, run_dir: Path, resume_step: int) -> list:
     if "tensorboard" in loggers:
         writers.append(TensorboardWriter(run_dir / "tensorboard", resume_step))
     if "wandb" in loggers:
-        from wandb.sdk.lib.runid import generate_id
-
-        state["wandb"] = {"id": old.get("wandb", {}).get("id") or generate_id()}
+        state["wandb"] = {"id": old.get("wandb", {}).get("id") or uuid.uuid4().hex[:12]}
         writers.append(WandbWriter(cfg, run_dir, state["wandb"]["id"]))
     if "mlflow" in loggers:
         uri = cfg.trainer.mlflow.tracking_uri or (run_dir / "mlruns").resolve().as_uri()
