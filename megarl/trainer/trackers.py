@@ -65,7 +65,12 @@ class WandbWriter:
         self.run.log(metrics, step=step)
 
     def close(self, failed: bool = False) -> None:
+        import wandb
+
         self.run.finish(exit_code=1 if failed else 0)
+        # finish() can return before wandb's service has written the run's last records
+        # (RUN_DIR/wandb/*/run-<id>.wandb, what `wandb sync` uploads); teardown waits for it
+        wandb.teardown()
 
 
 def mlflow_name(key: str) -> str:
