@@ -170,16 +170,21 @@ def test_wandb_offline_holds_metrics_jsonl_and_the_config(tmp_path, monkeypatch)
     [("wandb", "pip install wandb==0.31.0"), ("mlflow", "pip install mlflow-skinny==3.17.2")],
 )
 def test_a_tracker_not_installed_is_refused_with_its_install_line(name, install, monkeypatch, capsys):
+    """By `train`'s validation (show-config runs the same and starts nothing, whatever happens) and
+    by `sft`'s."""
     from megarl.cli import main
+    from megarl.config.validate_sft import validate_sft
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None if mod == name else real(mod, *a))
-    code = main(["train", str(ROOT / "configs/quickstart.yaml"), f"trainer.loggers=[console,jsonl,{name}]"])
-    assert code == 2
-    err = capsys.readouterr().err.strip()
-    assert err == f"megarl: config error: trainer.loggers: {name} is not installed; {install}"
-    assert main(["sft", str(ROOT / "configs/sft-quickstart.yaml"), f"trainer.loggers=[console,jsonl,{name}]"]) == 2
-    assert capsys.readouterr().err.strip() == err
+    code = main(["show-config", str(ROOT / "configs/quickstart.yaml"), f"trainer.loggers=[console,jsonl,{name}]"])
+    assert (code, capsys.readouterr().err) == (
+        2,
+        f"megarl: config error: trainer.loggers: {name} is not installed; {install}\n",
+    )
+    sft = load_config(ROOT / "configs/sft-quickstart.yaml", [f"trainer.loggers=[console,jsonl,{name}]"])
+    with pytest.raises(ConfigError, match=f"^trainer.loggers: {name} is not installed; {install}$"):
+        validate_sft(sft)
 
 
 def test_the_old_tensorboard_key_names_its_replacement(tmp_path, capsys):
@@ -191,12 +196,12 @@ def test_the_old_tensorboard_key_names_its_replacement(tmp_path, capsys):
     (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
     for argv in (
         ["show-config", str(tmp_path / "old.yaml")],
-        ["train", str(ROOT / "configs/quickstart.yaml"), "trainer.tensorboard=false"],
+        ["show-config", str(ROOT / "configs/quickstart.yaml"), "trainer.tensorboard=false"],
     ):
         assert main(argv) == 2
-        err = capsys.readouterr().err.strip()
+        err = capsys.readouterr().err
         assert err.startswith("megarl: config error: trainer.tensorboard was replaced by trainer.loggers; ")
-        assert "trainer.loggers=[console,jsonl,tensorboard]" in err and "\n" not in err
+        assert "trainer.loggers=[console,jsonl,tensorboard]" in err and err.count("\n") == 1
 
 
 def test_loggers_without_jsonl_or_twice_are_refused(tmp_path):
