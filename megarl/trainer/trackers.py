@@ -133,22 +133,26 @@ class MlflowWriter:
 def make_trackers(cfg: RunConfig, run_dir: Path, resume_step: int) -> list:
     """The writers of cfg.trainer.loggers other than console and jsonl (MetricsLogger's own); a
     run continuing after `resume_step` > 0 reopens the tracker runs RUN_DIR/trackers.json names."""
-    loggers = cfg.trainer.loggers
     state_path = run_dir / STATE_FILE
     old = json.loads(state_path.read_text()) if resume_step and state_path.is_file() else {}
     state, writers = {}, []
-    if "tensorboard" in loggers:
-        writers.append(TensorboardWriter(run_dir / "tensorboard", resume_step))
-    if "wandb" in loggers:
-        state["wandb"] = {"id": old.get("wandb", {}).get("id") or uuid.uuid4().hex[:12]}
-        writers.append(WandbWriter(cfg, run_dir, state["wandb"]["id"]))
-    if "mlflow" in loggers:
-        uri = cfg.trainer.mlflow.tracking_uri or (run_dir / "mlruns").resolve().as_uri()
-        before = old.get("mlflow", {})
-        run_id = before.get("run_id") if before.get("tracking_uri") == uri else None
-        writer = MlflowWriter(cfg, uri, run_id, resume_step)
-        state["mlflow"] = {"run_id": writer.run_id, "tracking_uri": uri}
-        writers.append(writer)
+    try:
+        for name in cfg.trainer.loggers:
+            if name == "tensorboard":
+                writers.append(TensorboardWriter(run_dir / "tensorboard", resume_step))
+            elif name == "wandb":
+                state["wandb"] = {"id": old.get("wandb", {}).get("id") or uuid.uuid4().hex[:12]}
+                writers.append(WandbWriter(cfg, run_dir, state["wandb"]["id"]))
+            elif name == "mlflow":
+                uri = cfg.trainer.mlflow.tracking_uri or (run_dir / "mlruns").resolve().as_uri()
+                before = old.get("mlflow", {})  # its run id means nothing in another store
+                run_id = before.get("run_id") if before.get("tracking_uri") == uri else None
+                writers.append(MlflowWriter(cfg, uri, run_id, resume_step))
+                state["mlflow"] = {"run_id": writers[-1].run_id, "tracking_uri": uri}
+    except BaseException:
+        for writer in writers:  # the run does not start: those already open end as failed
+            writer.close(failed=True)
+        raise
     if state:
         state_path.write_text(json.dumps(state, indent=2) + "\n")
     return writers
