@@ -144,7 +144,7 @@ def run_mode(label: str, args, workdir: Path) -> dict:
                 f"trainer.output_dir={workdir / label}",
                 f"trainer.total_steps={args.steps}",
                 "trainer.val_every=0",
-                "trainer.tensorboard=false",
+                "trainer.loggers=[console,jsonl]",
                 "trainer.export_hf=false",
                 f"trainer.mode={mode}",
                 "cluster.num_actor_ranks=1",

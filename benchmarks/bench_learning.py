@@ -92,7 +92,7 @@ def run_mode(mode: str, args, out: Path) -> tuple[Path, float]:
         f"trainer.mode={mode}",
         f"trainer.total_steps={args.steps}",
         f"trainer.output_dir={out / mode}",
-        "trainer.tensorboard=false",
+        "trainer.loggers=[console,jsonl]",
         *args.overrides,
     ]
     start = time.monotonic()

@@ -236,7 +236,7 @@ def _run_quickstart(out: Path, steps: int, overrides: list[str]) -> list[dict]:
         "trainer.val_every=0",
         "trainer.export_hf=false",
         f"trainer.output_dir={out}",
-        "trainer.tensorboard=false",
+        "trainer.loggers=[console,jsonl]",
         *overrides,
     ]
     log = out / "train.log"

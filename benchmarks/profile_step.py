@@ -173,7 +173,7 @@ def run(args, output_dir: Path) -> dict:
         f"trainer.output_dir={output_dir}",
         f"trainer.experiment_name={exp}",
         f"trainer.total_steps={args.steps}",
-        "trainer.tensorboard=false",
+        "trainer.loggers=[console,jsonl]",
         "trainer.val_every=0",
         "trainer.val_before_train=false",
         "trainer.export_hf=false",

@@ -25,7 +25,7 @@ SMALL_RUN = [
     "rollout.n=4",
     "actor.ppo_mini_batch_size=64",
     "trainer.val_every=0",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[console,jsonl]",
 ]
 
 

@@ -63,9 +63,18 @@ def _describe(tp: Any) -> str:
 
 # keys that were renamed: an old config is told the new name
 _RENAMED = {"algorithm.name": "algorithm.adv_estimator"}
+# keys that were replaced by another form: an old config is told what to write instead
+_REPLACED = {
+    "trainer.tensorboard": (
+        "trainer.tensorboard was replaced by trainer.loggers; for tensorboard events list it there, "
+        "e.g. trainer.loggers=[console,jsonl,tensorboard] (or drop the key: the default is [console,jsonl])"
+    ),
+}
 
 
 def _unknown_key(key: str, known_here: list[str]) -> ConfigError:
+    if key in _REPLACED:
+        return ConfigError(key, _REPLACED[key])
     leaf = key.rsplit(".", 1)[-1]
     section = key.rsplit(".", 1)[0] + "." if "." in key else ""
     close = [section + k for k in difflib.get_close_matches(leaf, known_here, n=3, cutoff=0.6)]

@@ -13,6 +13,7 @@ from typing import Literal
 # the reward section (rules, model rewards): megarl/config/schema_reward.py
 from megarl.config.schema_reward import OverlongBufferConfig, RewardConfig, RewardModelConfig  # noqa: F401
 from megarl.config.schema_sft import SFTConfig
+from megarl.config.schema_trackers import LoggerName, MlflowConfig, WandbConfig
 
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
 # Activation recompute (Megatron's; numbers unchanged: tests/engine/test_engine_recompute.py). "none"
@@ -340,7 +341,11 @@ class TrainerConfig:
     output_dir: str = "outputs"
     experiment_name: str = "megarl"
     log_every: int = 1
-    tensorboard: bool = False
+    # where per-step metrics go: console, jsonl, tensorboard, wandb, mlflow (schema_trackers.py);
+    # jsonl is required (resume, compare-runs and plot read RUN_DIR/metrics.jsonl)
+    loggers: list[LoggerName] = field(default_factory=lambda: ["console", "jsonl"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     val_every: int = 0  # steps between validations; 0 = never
     val_before_train: bool = False  # also validate the initial weights (logged as step 0; not on resume)
     # samples per val prompt (k of the val/<data_source>/pass@k and mean@k metrics); > 1 needs

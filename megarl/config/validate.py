@@ -15,6 +15,7 @@ One module per concern, each a set of check_* functions (and resolve_* for its a
   validate_algorithm discounting, the critic and reference it needs, DAPO's options
   validate_losses    the policy loss, the rollout-mismatch correction, KL
   validate_trainer   the loop mode (trainer.mode) and what it can run with
+  validate_trackers  trainer.loggers: jsonl kept, every tracker named installed
   validate_sft       `megarl sft`'s own entry point: the sections an SFT run reads
 trainer.resume is checked where the checkpoint is read: megarl/trainer/checkpoints.py.
 """
@@ -41,6 +42,7 @@ from megarl.config.validate_pipeline import stage_layers
 from megarl.config.validate_ranges import check_ranges
 from megarl.config.validate_reward import check_reward_function, check_reward_model, resolve_reward
 from megarl.config.validate_rollout import check_rollout, resolve_rollout
+from megarl.config.validate_trackers import check_loggers
 from megarl.config.validate_trainer import check_loop_mode, resolved_rollout_is, reuses_rollout_log_probs
 
 # importable from here as before: the package, the CLI and the engine use them
@@ -83,4 +85,5 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_reward_model(cfg)
     check_losses(cfg)
     check_loop_mode(cfg)
+    check_loggers(cfg)
     return resolve(cfg)

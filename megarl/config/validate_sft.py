@@ -13,6 +13,7 @@ from megarl.config.validate_data import check_files
 from megarl.config.validate_model import check_model_paths, read_model_config
 from megarl.config.validate_parallel import check_layout, check_nodes, data_parallel_size, resolve_sequence_parallel
 from megarl.config.validate_ranges import check_ranges
+from megarl.config.validate_trackers import check_loggers
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -32,6 +33,7 @@ def validate_sft(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_nodes(cfg)
     check_device_type(cfg)
     check_sft(cfg, model_config)
+    check_loggers(cfg)
     out = copy.deepcopy(cfg)
     resolve_sequence_parallel(out)
     return out

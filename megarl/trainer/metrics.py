@@ -1,4 +1,5 @@
-"""Per-step metrics (train and sft): tensorboard events, a one-line console progress, and a curve summary."""
+"""Per-step metrics (train and sft): metrics.jsonl, a one-line console progress, the trackers of
+trainer.loggers (trackers.py), and a curve summary."""
 
 from __future__ import annotations
 
@@ -57,17 +58,21 @@ def compare_runs(a: Path, b: Path) -> tuple[int, list[str]]:
 class MetricsLogger:
     def __init__(
         self,
-        log_dir: str | Path | None,
+        trackers: list | None,
         total_steps: int,
         log_every: int = 1,
         stream=sys.stdout,
         jsonl_path: str | Path | None = None,
         resume_step: int = 0,
+        console: bool = True,
     ):
-        """resume_step > 0: a run continuing after step `resume_step` of a checkpoint: the records
-        of steps up to it are kept (metrics.jsonl, tensorboard, the curve summary), those a killed
-        run wrote after it are dropped, as if it had never got there."""
-        self.writer = None
+        """trackers: writers with log(step, metrics) and close() (trackers.make_trackers), each
+        given every step's metrics. console=False: no step lines on `stream` (notes still go there).
+        resume_step > 0: a run continuing after step `resume_step` of a checkpoint: the records
+        of steps up to it are kept (metrics.jsonl, the curve summary), those a killed run wrote
+        after it are dropped, as if it had never got there (each tracker does what it can:
+        trackers.py)."""
+        self.trackers = list(trackers or [])
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.jsonl = None
         if jsonl_path is not None:
@@ -80,14 +85,10 @@ class MetricsLogger:
             self.jsonl = open(jsonl_path, "w")
             self.jsonl.writelines(json.dumps(r) + "\n" for r in kept)
             self.jsonl.flush()
-        if log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: tensorboard hides the events of steps >= it written by the killed run
-            self.writer = SummaryWriter(str(log_dir), purge_step=resume_step + 1 if resume_step else None)
         self.total_steps = total_steps
         self.log_every = max(1, log_every)
         self.stream = stream
+        self.console = console
         self.start = time.perf_counter()
 
     @staticmethod
@@ -105,15 +106,15 @@ class MetricsLogger:
         return records
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics = {key: float(value) for key, value in metrics.items()}
         for key, value in metrics.items():
-            value = float(value)
             self.history.setdefault(key, []).append((step, value))
-            if self.writer is not None:
-                self.writer.add_scalar(key, value, step)
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
-        if step % self.log_every == 0 or step == self.total_steps:
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
+        if self.console and (step % self.log_every == 0 or step == self.total_steps):
             self.stream.write(self.format_line(step, metrics) + "\n")
             self.stream.flush()
 
@@ -149,9 +150,11 @@ class MetricsLogger:
             "max": max(vals),
         }
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
+    def close(self, failed: bool = False) -> None:
+        """failed: the run ends by an exception (trackers that record a run's outcome say so)."""
+        try:
+            for tracker in self.trackers:
+                tracker.close(failed)
+        finally:
+            if self.jsonl is not None:
+                self.jsonl.close()

@@ -99,8 +99,10 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
             )
             trainer = Trainer(runtime, logger, resume=point, stop=stop)
             trainer.fit()
-    finally:
-        logger.close()
+    except BaseException:
+        logger.close(failed=True)  # the trackers mark their run failed
+        raise
+    logger.close()
     summary = logger.curve_summary("reward/mean", window=10)
     curve = (
         f"reward curve: first {summary.get('window')} steps mean {summary.get('first_mean', 0):.3f} -> "
@@ -111,25 +113,28 @@ def _train_locked(cfg: RunConfig, run_dir: Path, stream, cluster=None, point=_LO
 
 
 def run_logger(cfg: RunConfig, run_dir: Path, stream, point, total_steps: int):
-    """The run's config.yaml written and its MetricsLogger (metrics.jsonl, tensorboard when
-    trainer.tensorboard), continuing after the resume point's step."""
+    """The run's config.yaml written and its MetricsLogger (metrics.jsonl, the console and the
+    trackers of trainer.loggers), continuing after the resume point's step."""
     from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.trackers import make_trackers
 
     (run_dir / "config.yaml").write_text(dump(cfg))
+    resume_step = point[1]["step"] if point else 0
     return MetricsLogger(
-        run_dir / "tensorboard" if cfg.trainer.tensorboard else None,
+        make_trackers(cfg, run_dir, resume_step),
         total_steps,
         cfg.trainer.log_every,
         stream,
         jsonl_path=run_dir / "metrics.jsonl",
-        resume_step=point[1]["step"] if point else 0,
+        resume_step=resume_step,
+        console="console" in cfg.trainer.loggers,
     )
 
 
 def finish_summary(cfg: RunConfig, run_dir: Path, stream, summary: dict, curve: str, stopped) -> dict:
     """RUN_DIR/summary.json, and the run's last lines: `curve` (when a step ran) and where a
     signal stopped it (`stopped`, preemption.Stopped)."""
-    summary["tensorboard_dir"] = str(run_dir / "tensorboard") if cfg.trainer.tensorboard else None
+    summary["tensorboard_dir"] = str(run_dir / "tensorboard") if "tensorboard" in cfg.trainer.loggers else None
     summary["stopped"] = stopped.line() if stopped else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if summary.get("steps"):

@@ -118,8 +118,10 @@ def _sft_locked(data: SFTData, cfg: RunConfig, run_dir: Path, stream, cluster, p
             )
             loop = SFTLoop(runtime, logger, data, resume=point, stop=stop)
             loop.fit()
-    finally:
-        logger.close()
+    except BaseException:
+        logger.close(failed=True)  # the trackers mark their run failed
+        raise
+    logger.close()
     summary = logger.curve_summary("sft/loss", window=min(10, max(1, math.ceil(data.total_steps / 4))))
     summary["data"] = data.describe()
     curve = (

@@ -47,7 +47,7 @@ SMALL = [
     "actor.ppo_mini_batch_size=16",
     "actor.micro_batch_size=8",
     "trainer.val_every=0",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[console,jsonl]",
 ]
 
 

@@ -49,7 +49,7 @@ def async_runs(tmp_path_factory):
                 "rollout.n=4",
                 "actor.ppo_mini_batch_size=32",
                 "actor.micro_batch_size=16",
-                "trainer.tensorboard=false",
+                "trainer.loggers=[console,jsonl]",
                 "trainer.export_hf=false",
                 "trainer.save_every=2",
                 "trainer.mode=one_step_off",

@@ -121,7 +121,7 @@ def test_a_rank_dying_during_generation_stops_the_run_without_waiting_for_it(tmp
             "rollout.max_new_tokens=240",
             "rollout.max_batch_size=8",
             "trainer.val_every=0",
-            "trainer.tensorboard=false",
+            "trainer.loggers=[console,jsonl]",
         ],
         run_id,
     )

@@ -32,7 +32,7 @@ RUN = [
     "rollout.n=4",
     "actor.ppo_mini_batch_size=64",
     "trainer.val_every=0",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[console,jsonl]",
     "trainer.deterministic=true",
 ]
 

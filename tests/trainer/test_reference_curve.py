@@ -31,7 +31,7 @@ def test_quickstart_reproduces_the_reference_curve(tmp_path, capsys):
                 f"trainer.output_dir={tmp_path}",
                 f"trainer.total_steps={STEPS}",
                 "trainer.val_every=0",
-                "trainer.tensorboard=false",
+                "trainer.loggers=[console,jsonl]",
                 f"trainer.save_every={STEPS}",
             ],
         )

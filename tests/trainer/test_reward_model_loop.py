@@ -40,7 +40,7 @@ def run(tmp_path_factory):
                 f"trainer.output_dir={out}",
                 f"trainer.total_steps={STEPS}",
                 "trainer.val_every=0",
-                "trainer.tensorboard=false",
+                "trainer.loggers=[console,jsonl]",
                 "trainer.export_hf=false",
                 f"trainer.save_every={STEPS}",
                 "data.num_train=64",

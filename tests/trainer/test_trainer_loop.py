@@ -73,7 +73,7 @@ def three_steps(tmp_path_factory):
                 "trainer.total_steps=3",
                 "trainer.val_every=3",
                 "trainer.val_before_train=true",
-                "trainer.tensorboard=true",
+                "trainer.loggers=[console,jsonl,tensorboard,wandb,mlflow]",
                 "data.num_train=64",
                 "data.num_val=16",
                 "actor.parallel.ep=1",
@@ -171,6 +171,40 @@ def test_console_progress_tensorboard_and_summary(three_steps):
     assert summary["steps"] == 3
 
 
+def test_the_wandb_and_mlflow_runs_hold_every_metric_of_metrics_jsonl(three_steps):
+    """trainer.loggers lists wandb (offline, RUN_DIR/wandb) and mlflow (RUN_DIR/mlruns): each run
+    has each metric of every step, step 0's validation included, at the trainer's step and with
+    metrics.jsonl's value, and the run's config."""
+    from mlflow.tracking import MlflowClient
+
+    from megarl.trainer.trackers import mlflow_name
+    from tests.trainer import _wandb_log
+
+    _, _, run_dir, _ = three_steps
+    expected = {}
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        for key, value in record.items():
+            if key != "step":
+                expected.setdefault(key, []).append((record["step"], value))
+    assert "val/megarl/digits/pass@1" in expected and "reward/mean" in expected
+    state = json.loads((run_dir / "trackers.json").read_text())
+    assert state["mlflow"]["tracking_uri"] == (run_dir / "mlruns").resolve().as_uri()
+    client = MlflowClient(tracking_uri=state["mlflow"]["tracking_uri"])
+    run_id = state["mlflow"]["run_id"]
+    logged = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, mlflow_name(key))] for key in expected}
+    assert logged == expected
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["actor.parallel.tp"] == "2"
+
+    (path,) = run_dir.glob(f"wandb/offline-run-*/run-{state['wandb']['id']}.wandb")
+    logged = {}
+    for step, metrics in _wandb_log.history(path):
+        for key, value in metrics.items():
+            logged.setdefault(key, []).append((step, value))
+    assert logged == expected
+    assert _wandb_log.config(path)["actor"]["parallel"]["tp"] == 2
+
+
 def test_a_terminal_shows_each_phase_and_the_log_gets_only_the_lines(three_steps):
     _, _, run_dir, console = three_steps
     phases = ["generate 64/64 rows", "reward", "engines release memory", "old log-probs", "reference log-probs"]
@@ -203,7 +237,7 @@ def disaggregated(tmp_path_factory):
                 "rollout.n=4",
                 "actor.ppo_mini_batch_size=32",
                 "actor.micro_batch_size=16",
-                "trainer.tensorboard=false",
+                "trainer.loggers=[console,jsonl]",
                 "algorithm.adv_estimator=remax",
             ],
         )
@@ -249,7 +283,7 @@ def test_distributed_transport_through_the_loop_stays_in_parity(tmp_path):
                 "rollout.n=4",
                 "actor.ppo_mini_batch_size=32",
                 "actor.micro_batch_size=16",
-                "trainer.tensorboard=false",
+                "trainer.loggers=[console,jsonl]",
                 "bridge.transport=distributed",
                 "bridge.bucket_size_mb=0.05",
             ],
@@ -287,7 +321,7 @@ def test_engines_killed_mid_step_and_before_the_sync_the_run_goes_on_in_parity(t
                 "rollout.num_servers=2",
                 "rollout.max_new_tokens=24",
                 "rollout.request_timeout_s=120",
-                "trainer.tensorboard=false",
+                "trainer.loggers=[console,jsonl]",
             ],
         )
     )
