@@ -6,11 +6,11 @@ import importlib.util
 
 from megarl.config.loader import ConfigError
 
-# logger -> (the module its writer imports, the pip line that installs the version requirements.lock pins)
+# logger -> (the module its writer imports, the install line: the package's extra, or the pin requirements.lock holds)
 TRACKER_PACKAGES = {
     "tensorboard": ("tensorboard", "pip install tensorboard==2.21.0"),
-    "wandb": ("wandb", "pip install wandb==0.31.0"),
-    "mlflow": ("mlflow", "pip install mlflow-skinny==3.17.2"),
+    "wandb": ("wandb", "pip install 'megarl[wandb]' (or pip install wandb==0.31.0)"),
+    "mlflow": ("mlflow", "pip install 'megarl[mlflow]' (or pip install mlflow-skinny==3.17.2)"),
 }
 
 
