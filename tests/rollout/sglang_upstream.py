@@ -1,0 +1,153 @@
+"""SGLang's own code, for the contract tests (test_sglang_contract*.py): the pinned release's
+request classes, SamplingParams, ServerArgs and MultiprocessingSerializer.
+
+sglang is installed --no-deps (scripts/install_sglang.sh), so only modules whose import chain stays
+pure Python are imported for real: sampling_params, server_args, utils (MultiprocessingSerializer)
+and weight_sync.tensor_bucket. io_struct is not importable without a GPU build: it imports
+schedule_batch, which pulls the model executor, CUDA kernels (tvm_ffi, sgl_kernel) and every model
+config (transformers 5). Its request classes are therefore built from io_struct.py's own source in
+the installed package: the class statements are executed unchanged, with postponed annotations so
+that the types they name (multimodal items, kernels' enums) need not exist.
+"""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import dataclasses
+import importlib.metadata
+import importlib.util
+import sys
+import typing
+from functools import cache
+
+import pytest
+
+PINNED = "0.5.23"
+INSTALL = "bash scripts/install_sglang.sh"
+# io_struct's request classes that megarl's embedded server answers (see docs/rollout.md)
+REQUEST_CLASSES = (
+    "GenerateReqInput",
+    "FlushCacheReqInput",
+    "AbortReq",
+    "PauseGenerationReqInput",
+    "ContinueGenerationReqInput",
+    "UpdateWeightFromDiskReqInput",
+    "UpdateWeightsFromDistributedReqInput",
+    "UpdateWeightsFromTensorReqInput",
+    "InitWeightsUpdateGroupReqInput",
+    "DestroyWeightsUpdateGroupReqInput",
+    "UpdateWeightVersionReqInput",
+    "GetWeightsByNameReqInput",
+    "ReleaseMemoryOccupationReqInput",
+    "ResumeMemoryOccupationReqInput",
+)
+
+
+@cache
+def sglang_version() -> str:
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"sglang is not installed; the contract tests need it: {INSTALL}", pytrace=False)
+    if version != PINNED:
+        pytest.fail(f"sglang {version} is installed, the contract tests pin {PINNED}: {INSTALL}", pytrace=False)
+    return version
+
+
+@cache
+def _import_sglang():
+    sglang_version()
+    # sglang/__init__.py monkey-patches transformers for its 5.x releases (sglang.srt.utils.
+    # hf_transformers_patches.apply_all); megarl runs transformers 4.57, where those patches fail,
+    # and they would change transformers for every other test in the process. Loading that module
+    # first, marked as applied, keeps transformers as it is; nothing the contract tests import
+    # relies on the patches.
+    name = "sglang.srt.utils.hf_transformers_patches"
+    if name not in sys.modules:
+        path = importlib.metadata.distribution("sglang").locate_file("sglang/srt/utils/hf_transformers_patches.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module._applied = True
+        sys.modules[name] = module
+    import sglang
+
+    return sglang
+
+
+def sampling_params_class():
+    _import_sglang()
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return SamplingParams
+
+
+def server_args_module():
+    _import_sglang()
+    import sglang.srt.server_args as server_args
+
+    return server_args
+
+
+def serializer():
+    _import_sglang()
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    return MultiprocessingSerializer
+
+
+def flattened_tensor_bucket():
+    _import_sglang()
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    return FlattenedTensorBucket
+
+
+@cache
+def io_struct() -> dict[str, type]:
+    """REQUEST_CLASSES (and their base) built from the installed io_struct.py's class statements."""
+    _import_sglang()
+    import msgspec
+
+    path = importlib.metadata.distribution("sglang").locate_file("sglang/srt/managers/io_struct.py")
+    tree = ast.parse(open(path).read(), str(path))
+    wanted = {"BaseReq", *REQUEST_CLASSES}
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in wanted]
+    missing = wanted - {c.name for c in classes}
+    assert not missing, f"sglang {PINNED}'s io_struct.py has no {sorted(missing)}"
+    namespace = {
+        **vars(typing),
+        "dataclass": dataclasses.dataclass,
+        "field": dataclasses.field,
+        "msgspec": msgspec,
+        "__name__": "sglang_io_struct_source",
+    }
+    code = compile(ast.Module(body=classes, type_ignores=[]), str(path), "exec", __future__.annotations.compiler_flag)
+    sys.modules.setdefault("sglang_io_struct_source", type(sys)("sglang_io_struct_source"))
+    exec(code, namespace)
+    return {name: namespace[name] for name in REQUEST_CLASSES}
+
+
+def fields_and_defaults(cls) -> dict[str, object]:
+    """{field: default} of a dataclass or msgspec.Struct; a required field maps to REQUIRED."""
+    import msgspec
+
+    if dataclasses.is_dataclass(cls):
+        out = {}
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+            else:
+                out[f.name] = REQUIRED
+        return out
+    # __struct_fields__ / __struct_defaults__ rather than msgspec.structs.fields, which would
+    # evaluate the annotations (io_struct's types are not importable here; see the module's doc)
+    names, defaults = cls.__struct_fields__, cls.__struct_defaults__
+    padded = (REQUIRED,) * (len(names) - len(defaults)) + tuple(defaults)
+    padded = tuple(REQUIRED if d is msgspec.NODEFAULT else d for d in padded)
+    return {n: d.factory() if isinstance(d, msgspec._core.Factory) else d for n, d in zip(names, padded)}
+
+REQUIRED = object()
