@@ -11,8 +11,8 @@ that the types they name (multimodal items, kernels' enums) need not exist.
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import dataclasses
 import importlib.metadata
@@ -149,5 +149,6 @@ def fields_and_defaults(cls) -> dict[str, object]:
     padded = (REQUIRED,) * (len(names) - len(defaults)) + tuple(defaults)
     padded = tuple(REQUIRED if d is msgspec.NODEFAULT else d for d in padded)
     return {n: d.factory() if isinstance(d, msgspec._core.Factory) else d for n, d in zip(names, padded)}
+
 
 REQUIRED = object()

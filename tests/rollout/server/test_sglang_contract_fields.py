@@ -103,7 +103,11 @@ HONOURED_VALUES = {
     "token_ids_logprob": {"return_logprob": True, "token_ids_logprob": [3, 5]},
     "return_text_in_logprobs": {"return_logprob": True, "return_text_in_logprobs": True},
     "stream": {"stream": True},
-    "return_flat_raw_top_logprobs": {"return_logprob": True, "top_logprobs_num": 2, "return_flat_raw_top_logprobs": True},
+    "return_flat_raw_top_logprobs": {
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "return_flat_raw_top_logprobs": True,
+    },
     "return_flat_raw_top_logprobs_b64": {
         "return_logprob": True,
         "top_logprobs_num": 2,
