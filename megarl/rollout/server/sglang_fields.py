@@ -141,12 +141,6 @@ NOT_IN_PINNED: dict[str, str] = {
     "kv_router_hint": "older 0.5 releases (before 0.5.23)",
 }
 
-# meta_info fields of a /generate answer that SGLang does not send (generate_output.py says them)
-MEGARL_META_INFO: dict[str, str] = {
-    "weight_versions": "[[weight_version, n_tokens], ...]: which weights produced each output token, "
-    "run-length encoded in output order (a request spanning a weight update has several)",
-}
-
 _GRAMMAR = "constrained decoding (grammars, JSON schemas, regexes) is not implemented by this engine"
 _INTERNAL = "set by SGLang's tokenizer manager from 'stop' / 'stop_regex', recomputed here the same way"
 
