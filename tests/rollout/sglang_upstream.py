@@ -152,3 +152,20 @@ def fields_and_defaults(cls) -> dict[str, object]:
 
 
 REQUIRED = object()
+
+
+def api_types():
+    """SGLang's generated JSON contract of its HTTP API (sglang.api.v1), which its server applies
+    to /generate bodies and which describes its answers."""
+    _import_sglang()
+    from sglang.api.v1 import api_types
+
+    return api_types
+
+
+def generate_contract_error():
+    """SGLang's /generate gate: the contract violation in a parsed body, or None."""
+    _import_sglang()
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+    return generate_contract_error
