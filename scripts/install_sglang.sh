@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# SGLang's own code for the contract tests (tests/rollout/**/test_sglang_contract*.py): its request
-# classes, SamplingParams, ServerArgs' parser and MultiprocessingSerializer, checked against
-# megarl's embedded server and launch command lines. Installed --no-deps: sglang's declared
-# requirements would replace torch and transformers and pull CUDA kernels; the contract tests need
-# only these pure-Python (or small, self-contained) modules on its import path. Idempotent: pip
-# leaves installed pins alone. Another install may share the virtual environment, so pip runs
-# under a lock.
+# SGLang's own code for the contract tests (`pytest tests -k sglang_contract`): its request classes,
+# SamplingParams, sglang.api.v1 JSON contract, ServerArgs' parser and MultiprocessingSerializer,
+# checked against megarl's embedded server, client, bridge payloads and launch command lines.
+#
+# Installed --no-deps into a folder of its own, <venv>/sglang-contract, that only the contract
+# tests put on sys.path (tests/rollout/sglang_upstream.py), never into site-packages:
+# - sglang's declared requirements would replace torch and transformers and pull CUDA kernels;
+# - an importable sglang changes other packages: sglang-router's launcher imports
+#   sglang.srt.tracing when sglang is importable, and sglang's import patches transformers for its
+#   5.x releases, which fails on the transformers megarl runs, so the router would not start.
+# Only these pure-Python (or small, self-contained) modules are needed on its import path.
+# Idempotent: a stamp of the pins skips a second install; a changed pin reinstalls the folder.
 #   usage: bash scripts/install_sglang.sh [python]     (default .venv/bin/python)
-# A newer SGLang: change SGLANG_VERSION (and the Dockerfile's SGLANG_IMAGE), then
-# `pytest tests -k sglang_contract` names every field or flag that moved.
+# A newer SGLang: change SGLANG_VERSION (and the Dockerfile's SGLANG_IMAGE), run this, then
+# `pytest tests -k sglang_contract` names every field, route or flag that moved.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VPY=${1:-.venv/bin/python}
 SGLANG_VERSION=0.5.23
-# A pre-downloaded wheel is used when present (offline machines); otherwise PyPI.
+target=$("$VPY" -c "import sys; print(sys.prefix)")/sglang-contract
+# a pre-downloaded wheel is used when present (offline machines); otherwise the package index
 wheel=$(ls /work/wheels/sglang-${SGLANG_VERSION}-*.whl 2>/dev/null | head -n1 || true)
 pins=(
   "${wheel:-sglang==${SGLANG_VERSION}}"
@@ -23,10 +29,18 @@ pins=(
   matplotlib-inline==0.2.2 pexpect==4.9.0 ptyprocess==0.7.0 prompt-toolkit==3.0.53 wcwidth==0.9.4
   stack-data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure-eval==0.2.4
 )
-lock=${MEGARL_PIP_LOCK:-/work/pip.lock}
-if [ -d "$(dirname "$lock")" ] && command -v flock >/dev/null; then
-  flock "$lock" "$VPY" -m pip install -q --disable-pip-version-check --no-deps "${pins[@]}"
-else
-  "$VPY" -m pip install -q --disable-pip-version-check --no-deps "${pins[@]}"
+stamp="$target/.pins"
+want="sglang==${SGLANG_VERSION} ${pins[*]:1}"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
 fi
-"$VPY" -c "import importlib.metadata as m; v = m.version('sglang'); assert v == '${SGLANG_VERSION}', v"
+rm -rf "$target"
+# other installs may share the virtual environment's pip cache and folders: one at a time
+lock=${MEGARL_PIP_LOCK:-/work/pip.lock}
+run=("$VPY" -m pip install -q --disable-pip-version-check --no-deps --target "$target" "${pins[@]}")
+if [ -d "$(dirname "$lock")" ] && command -v flock >/dev/null; then
+  flock "$lock" "${run[@]}"
+else
+  "${run[@]}"
+fi
+echo "$want" > "$stamp"

@@ -1,7 +1,7 @@
 """SGLang's own code, for the contract tests (test_sglang_contract*.py): the pinned release's
 request classes, SamplingParams, ServerArgs and MultiprocessingSerializer.
 
-sglang is installed --no-deps (scripts/install_sglang.sh), so only modules whose import chain stays
+sglang is installed --no-deps into a folder of its own (scripts/install_sglang.sh), so only modules whose import chain stays
 pure Python are imported for real: sampling_params, server_args, utils (MultiprocessingSerializer)
 and weight_sync.tensor_bucket. io_struct is not importable without a GPU build: it imports
 schedule_batch, which pulls the model executor, CUDA kernels (tvm_ffi, sgl_kernel) and every model
@@ -20,6 +20,7 @@ import importlib.util
 import sys
 import typing
 from functools import cache
+from pathlib import Path
 
 import pytest
 
@@ -44,25 +45,35 @@ REQUEST_CLASSES = (
 )
 
 
+# where scripts/install_sglang.sh puts sglang: a folder of the virtual environment that only these
+# tests put on sys.path (an importable sglang would change sglang-router and transformers for
+# everything else; the script says how)
+TARGET = Path(sys.prefix) / "sglang-contract"
+
+
 @cache
 def sglang_version() -> str:
+    if not (TARGET / ".pins").is_file():
+        pytest.fail(f"sglang is not installed in {TARGET}; the contract tests need it: {INSTALL}", pytrace=False)
+    if str(TARGET) not in sys.path:
+        sys.path.append(str(TARGET))  # after site-packages: the environment's own packages win
     try:
         version = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
-        pytest.fail(f"sglang is not installed; the contract tests need it: {INSTALL}", pytrace=False)
+        pytest.fail(f"sglang is not installed in {TARGET}; the contract tests need it: {INSTALL}", pytrace=False)
     if version != PINNED:
         pytest.fail(f"sglang {version} is installed, the contract tests pin {PINNED}: {INSTALL}", pytrace=False)
+    _keep_transformers_unpatched()
     return version
 
 
-@cache
-def _import_sglang():
-    sglang_version()
+def _keep_transformers_unpatched() -> None:
     # sglang/__init__.py monkey-patches transformers for its 5.x releases (sglang.srt.utils.
-    # hf_transformers_patches.apply_all); megarl runs transformers 4.57, where those patches fail,
-    # and they would change transformers for every other test in the process. Loading that module
-    # first, marked as applied, keeps transformers as it is; nothing the contract tests import
-    # relies on the patches.
+    # hf_transformers_patches.apply_all); megarl runs transformers 4.57, where those patches fail
+    # part-way, and they would change transformers for every other test in the process. Loading
+    # that module first, marked as applied, keeps transformers as it is; nothing the contract tests
+    # import relies on the patches. Done as soon as sglang is on sys.path, so that any later
+    # `import sglang` in this process (e.g. sglang_launch's availability probe) finds it so.
     name = "sglang.srt.utils.hf_transformers_patches"
     if name not in sys.modules:
         path = importlib.metadata.distribution("sglang").locate_file("sglang/srt/utils/hf_transformers_patches.py")
@@ -71,6 +82,11 @@ def _import_sglang():
         spec.loader.exec_module(module)
         module._applied = True
         sys.modules[name] = module
+
+
+@cache
+def _import_sglang():
+    sglang_version()
     import sglang
 
     return sglang
@@ -169,3 +185,11 @@ def generate_contract_error():
     from sglang.srt.entrypoints.api_contract import generate_contract_error
 
     return generate_contract_error
+
+
+def struct_asdict(obj) -> dict:
+    """{field: value} of a msgspec.Struct (SGLang's request classes and SamplingParams)."""
+    sglang_version()
+    import msgspec
+
+    return msgspec.structs.asdict(obj)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import msgspec
 import pytest
 import torch
 
@@ -71,7 +70,7 @@ def _sglang_body(**kwargs) -> dict:
     """A /generate body as SGLang's Python clients build it: dataclasses.asdict of a GenerateReqInput
     whose sampling_params are a SamplingParams' fields (after its own __post_init__)."""
     sampling = upstream.sampling_params_class()(**kwargs.pop("sampling", SHORT))
-    request = upstream.io_struct()["GenerateReqInput"](sampling_params=msgspec.structs.asdict(sampling), **kwargs)
+    request = upstream.io_struct()["GenerateReqInput"](sampling_params=upstream.struct_asdict(sampling), **kwargs)
     return dataclasses.asdict(request)
 
 

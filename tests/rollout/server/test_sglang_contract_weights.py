@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 
-import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -92,7 +91,7 @@ def checkpoint(tiny_model_path) -> dict:
 def _tensor_body(payloads: list, **fields) -> dict:
     """A body from SGLang's UpdateWeightsFromTensorReqInput, as its HTTP clients post it."""
     request = upstream.io_struct()["UpdateWeightsFromTensorReqInput"](serialized_named_tensors=[b""], **fields)
-    return {**msgspec.structs.asdict(request), "serialized_named_tensors": payloads}
+    return {**upstream.struct_asdict(request), "serialized_named_tensors": payloads}
 
 
 def _logprobs(client) -> list:

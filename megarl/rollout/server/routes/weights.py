@@ -124,7 +124,11 @@ async def init_weights_update_group(request: Request):
     )
     if args[-1] not in (None, "gloo", "nccl"):
         return control(False, f"backend={args[-1]!r} must be 'gloo' (CPU) or 'nccl' (CUDA)")
-    return await _run("init_weights_update_group", engine_of(request).init_weights_update_group, *args)
+    engine = engine_of(request)
+    if args[-1] == "nccl" and engine.device.type != "cuda":
+        # refused before joining: the sender would otherwise wait in the rendezvous until it times out
+        return control(False, "backend='nccl' needs CUDA and this engine runs on CPU; send backend='gloo'")
+    return await _run("init_weights_update_group", engine.init_weights_update_group, *args)
 
 
 @router.post("/destroy_weights_update_group")
