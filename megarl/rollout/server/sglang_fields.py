@@ -1,8 +1,15 @@
 """Every field of SGLang's /generate body (GenerateReqInput) and of its sampling_params
 (SamplingParams), and what the embedded server does with each.
 
-Read from SGLang 0.5's io_struct.py and sampling_params.py (a field that only older or newer
-0.5 releases have is listed too, so clients of either work). Each field is one of:
+Pinned to SGLang 0.5.23: the tables hold exactly the fields of its GenerateReqInput
+(srt/managers/io_struct.py) and SamplingParams (srt/sampling/sampling_params.py) plus those of
+its HTTP JSON contract (sglang.api.v1's SamplingParams adds `choice`), at its defaults; a field
+that only another release has is kept only if NOT_IN_PINNED names it and who sends it. The
+contract tests (`pytest tests -k sglang_contract`, with sglang installed by
+scripts/install_sglang.sh) compare the tables with the installed release and post every field,
+at its default and at another value, to this server; a field added, removed or re-defaulted
+upstream fails a test that names it. For a newer release: bump the pin in
+scripts/install_sglang.sh, run it and the tests, and update these tables. Each field is one of:
 
 - HONOURED: the engine does what SGLang does with it.
 - NO_OP: accepted with any value; it changes nothing here (metrics, routing hints, priorities,
@@ -177,6 +184,7 @@ SAMPLING_FIELDS: dict[str, Field] = {
     "beam_width": _off("beam search is not implemented by this engine"),
     "watermark": _off("watermarking is not implemented by this engine"),
     "ebnf_full_assistant": _off(_GRAMMAR, False),
+    "choice": _off(_GRAMMAR, []),  # only in the HTTP JSON contract (sglang.api.v1), not the dataclass
     "custom_params": _noop("only custom logit processors read it, and those are refused"),
     "stop_strs": _noop(_INTERNAL),
     "stop_regex_strs": _noop(_INTERNAL),
