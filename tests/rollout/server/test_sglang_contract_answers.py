@@ -103,6 +103,8 @@ def test_model_and_server_info_decode_with_sglangs_contract(client):
     model = types.GetModelInfoResponse.from_json_value(client.get("/get_model_info").json())
     assert model.is_generation is True
     types.GetServerInfoResponse.from_json_value(client.get("/get_server_info").json())
+    for probe in ("/health", "/health_generate", "/get_load", "/get_weight_version"):  # what routers poll
+        assert client.get(probe).status_code == 200, probe
 
 
 # ---- what megarl's client sends ------------------------------------------------------------------

@@ -182,18 +182,6 @@ def test_update_group_lifecycle_with_sglangs_request_bodies(client, tiny_model_p
     assert client.get("/get_weight_version").json()["weight_version"] == "dist-1"
 
 
-def test_health_info_and_load_endpoints_answer(client):
-    for path in (
-        "/health",
-        "/health_generate",
-        "/get_model_info",
-        "/get_server_info",
-        "/get_load",
-        "/get_weight_version",
-    ):
-        assert client.get(path).status_code == 200, path
-
-
 # ---- every route of SGLang's HTTP server --------------------------------------------------------
 # Routes of SGLang 0.5.23's http_server.py that the embedded server does not serve, by reason
 # (docs/rollout.md's endpoint table says the same).

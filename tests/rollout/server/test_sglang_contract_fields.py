@@ -34,6 +34,15 @@ def upstream_sampling() -> dict:
     return _with_wire_fields(own, upstream.api_types().SamplingParams)
 
 
+def _names(get) -> list[str]:
+    """Field names to parametrize over; without sglang one placeholder, whose test then fails with
+    the install line (collection itself must not fail: that would stop the whole suite)."""
+    try:
+        return sorted(get())
+    except pytest.fail.Exception:
+        return ["(sglang is not installed)"]
+
+
 def _post(client, body: dict):
     return client.post("/generate", json=body)
 
@@ -137,8 +146,9 @@ def _other_value(default):
     return 7 if default is None else "other"
 
 
-@pytest.mark.parametrize("name", sorted(upstream_generate()))
+@pytest.mark.parametrize("name", _names(upstream_generate))
 def test_every_generate_req_input_field_at_another_value_is_honoured_ignored_or_refused_by_name(client, name):
+    upstream_generate()
     rule = GENERATE_FIELDS.get(name)
     assert rule is not None, f"GenerateReqInput.{name} is not in megarl's GENERATE_FIELDS"
     body = {"input_ids": PROMPT, "sampling_params": SHORT}
@@ -175,8 +185,9 @@ SAMPLING_VALUES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(upstream_sampling()))
+@pytest.mark.parametrize("name", _names(upstream_sampling))
 def test_every_sampling_params_field_at_another_value_is_honoured_ignored_or_refused_by_name(client, name):
+    upstream_sampling()
     rule = SAMPLING_FIELDS.get(name)
     assert rule is not None, f"SamplingParams.{name} is not in megarl's SAMPLING_FIELDS"
     value = SAMPLING_VALUES.get(name, _other_value(rule.default))
