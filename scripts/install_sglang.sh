@@ -19,10 +19,12 @@ cd "$(dirname "$0")/.."
 VPY=${1:-.venv/bin/python}
 SGLANG_VERSION=0.5.23
 target=$("$VPY" -c "import sys; print(sys.prefix)")/sglang-contract
-# a pre-downloaded wheel is used when present (offline machines); otherwise the package index
-wheel=$(ls /work/wheels/sglang-${SGLANG_VERSION}-*.whl 2>/dev/null | head -n1 || true)
+# pre-downloaded wheels (the sglang wheel is ~40 MB) are taken from MEGARL_WHEEL_DIR when it exists
+wheel_dir=${MEGARL_WHEEL_DIR:-/work/wheels}
+links=()
+[ -d "$wheel_dir" ] && links=(--find-links "$wheel_dir")
 pins=(
-  "${wheel:-sglang==${SGLANG_VERSION}}"
+  "sglang==${SGLANG_VERSION}"
   pybase64==1.5.1 msgspec==0.23.0 pyzmq==27.3.0
   # sglang/utils.py imports IPython.display at module level; IPython's own import chain:
   ipython==9.18.1 ipython-pygments-lexers==1.1.1 traitlets==5.16.1 jedi==0.20.1 parso==0.8.7
@@ -30,14 +32,14 @@ pins=(
   stack-data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure-eval==0.2.4
 )
 stamp="$target/.pins"
-want="sglang==${SGLANG_VERSION} ${pins[*]:1}"
+want="${pins[*]}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 rm -rf "$target"
 # other installs may share the virtual environment's pip cache and folders: one at a time
 lock=${MEGARL_PIP_LOCK:-/work/pip.lock}
-run=("$VPY" -m pip install -q --disable-pip-version-check --no-deps --target "$target" "${pins[@]}")
+run=("$VPY" -m pip install -q --disable-pip-version-check --no-deps "${links[@]}" --target "$target" "${pins[@]}")
 if [ -d "$(dirname "$lock")" ] && command -v flock >/dev/null; then
   flock "$lock" "${run[@]}"
 else
