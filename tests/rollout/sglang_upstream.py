@@ -17,6 +17,8 @@ import ast
 import dataclasses
 import importlib.metadata
 import importlib.util
+import logging
+import os
 import sys
 import typing
 from functools import cache
@@ -87,8 +89,13 @@ def _keep_transformers_unpatched() -> None:
 @cache
 def _import_sglang():
     sglang_version()
+    # `import sglang` points third-party JIT caches (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, ...)
+    # at its own directory through os.environ; the rest of the session keeps its environment.
+    before = dict(os.environ)
     import sglang
 
+    os.environ.clear()
+    os.environ.update(before)
     return sglang
 
 
@@ -104,6 +111,24 @@ def server_args_module():
     import sglang.srt.server_args as server_args
 
     return server_args
+
+
+def parse_server_args(argv: list[str]):
+    """SGLang's own `sglang.launch_server` argument handling (prepare_server_args: add_cli_args,
+    the --config YAML merge, argparse, ServerArgs.from_cli_args). It reconfigures the root logger
+    (logging.basicConfig(force=True)); the session's logging is put back."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        return server_args_module().prepare_server_args(argv)
+    finally:
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                root.removeHandler(handler)
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
 
 
 def serializer():

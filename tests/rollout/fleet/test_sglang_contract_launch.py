@@ -45,11 +45,10 @@ def _commands(cfg, tmp_path, api_key):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_launch_command_of_a_shipped_config_parses_with_sglangs_parser(name, placement, tmp_path):
     cfg = _config(name, placement)
-    prepare = upstream.server_args_module().prepare_server_args
     seen = 0
     for node, argv in _commands(cfg, tmp_path, api_key="contract-key"):
         assert argv[1:3] == ["-m", "sglang.launch_server"]
-        args = prepare(argv[3:])
+        args = upstream.parse_server_args(argv[3:])
         got = {k: getattr(args, k) for k in ("model_path", "tp_size", "ep_size", "dp_size", "nnodes", "node_rank")}
         assert got == {
             "model_path": "/ckpt/model",
@@ -77,6 +76,5 @@ def test_every_launch_command_of_a_shipped_config_parses_with_sglangs_parser(nam
 
 def test_an_unknown_flag_is_refused_by_sglangs_parser():
     """The parser is strict, so the checks above could fail: a misspelt flag exits."""
-    prepare = upstream.server_args_module().prepare_server_args
     with pytest.raises(SystemExit):
-        prepare(["--model-path", "/m", "--tp-sise", "2"])
+        upstream.parse_server_args(["--model-path", "/m", "--tp-sise", "2"])
