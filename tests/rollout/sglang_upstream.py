@@ -1,9 +1,11 @@
 """SGLang's own code, for the contract tests (test_sglang_contract*.py): the pinned release's
-request classes, SamplingParams, ServerArgs and MultiprocessingSerializer.
+request classes, SamplingParams, HTTP JSON contract (sglang.api.v1), server-argument parser and
+MultiprocessingSerializer.
 
-sglang is installed --no-deps into a folder of its own (scripts/install_sglang.sh), so only modules whose import chain stays
-pure Python are imported for real: sampling_params, server_args, utils (MultiprocessingSerializer)
-and weight_sync.tensor_bucket. io_struct is not importable without a GPU build: it imports
+sglang is installed --no-deps into a folder of its own (scripts/install_sglang.sh), so only
+modules whose import chain stays pure Python are imported for real: sampling_params, server_args,
+utils (MultiprocessingSerializer), weight_sync.tensor_bucket, api.v1.api_types and
+entrypoints.api_contract. io_struct is not importable without a GPU build: it imports
 schedule_batch, which pulls the model executor, CUDA kernels (tvm_ffi, sgl_kernel) and every model
 config (transformers 5). Its request classes are therefore built from io_struct.py's own source in
 the installed package: the class statements are executed unchanged, with postponed annotations so
@@ -41,7 +43,6 @@ REQUEST_CLASSES = (
     "InitWeightsUpdateGroupReqInput",
     "DestroyWeightsUpdateGroupReqInput",
     "UpdateWeightVersionReqInput",
-    "GetWeightsByNameReqInput",
     "ReleaseMemoryOccupationReqInput",
     "ResumeMemoryOccupationReqInput",
 )
@@ -165,6 +166,7 @@ def io_struct() -> dict[str, type]:
         "__name__": "sglang_io_struct_source",
     }
     code = compile(ast.Module(body=classes, type_ignores=[]), str(path), "exec", __future__.annotations.compiler_flag)
+    # @dataclass looks the class's module up in sys.modules while it reads string annotations
     sys.modules.setdefault("sglang_io_struct_source", type(sys)("sglang_io_struct_source"))
     exec(code, namespace)
     return {name: namespace[name] for name in REQUEST_CLASSES}
