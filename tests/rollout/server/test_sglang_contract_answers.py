@@ -147,11 +147,11 @@ class SGLangGate:
 def gated(engine):
     gate = SGLangGate(create_app(engine))
     with ThreadedServer(gate) as server, RolloutClient(server.url, max_retries=0) as client:
-        yield gate, client
+        yield gate, client, server.url
 
 
 def test_every_generate_body_megarls_client_sends_passes_sglangs_gate(gated):
-    gate, client = gated
+    gate, client, _ = gated
     before = len(gate.bodies)
     params = {"max_new_tokens": 4, "temperature": 1.0, "n": 2, "top_k": 5, "stop": ["zz"], "sampling_seed": 1}
     outs = client.generate([PROMPT, PROMPT[:4]], params, return_logprob=True, rids=["x", "y"])
@@ -163,7 +163,7 @@ def test_every_generate_body_megarls_client_sends_passes_sglangs_gate(gated):
 
 
 def test_a_partial_rollout_resume_passes_sglangs_gate(gated):
-    gate, client = gated
+    gate, client, _ = gated
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "min_new_tokens": 2}
     (whole,) = client.generate([PROMPT], params, return_logprob=True)
     (first,) = client.generate([PROMPT], {**params, "max_new_tokens": 2}, return_logprob=True)
@@ -173,3 +173,27 @@ def test_a_partial_rollout_resume_passes_sglangs_gate(gated):
     resumed = gate.bodies[-1]["sampling_params"]
     resumed = resumed[0] if isinstance(resumed, list) else resumed
     assert resumed["max_new_tokens"] == 4 and gate.bodies[-1]["input_ids"][0][len(PROMPT) :] == first.output_ids
+
+
+def test_sglangs_own_frontend_client_runs_a_program_against_the_embedded_server(gated):
+    """sglang.lang's RuntimeEndpoint (what SGLang programs use): gen, select (scored from
+    input_token_logprobs) and a batch, through SGLang's gate."""
+    gate, _, url = gated
+    sgl = upstream._import_sglang()
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+    @sgl.function
+    def program(s):
+        s += "hello world"
+        s += sgl.gen("answer", max_tokens=3, temperature=0, return_logprob=True)
+        s += " pick: " + sgl.select("colour", choices=["red", "green", "blue"])
+
+    before = len(gate.bodies)
+    state = program.run(backend=RuntimeEndpoint(url))
+    meta = state.get_meta_info("answer")
+    assert meta["completion_tokens"] == 3 and meta["finish_reason"] == {"type": "length", "length": 3}
+    scores = state.get_meta_info("colour")["normalized_prompt_logprobs"]
+    assert state["colour"] == ["red", "green", "blue"][scores.index(max(scores))]
+    batch = program.run_batch([{}, {}], backend=RuntimeEndpoint(url))
+    assert [s["answer"] for s in batch] == [state["answer"]] * 2  # greedy: the same answer
+    assert len(gate.bodies) - before >= 3
