@@ -116,7 +116,8 @@ def _round_trip(client, checkpoint, payload_of, load_format=None):
         restored = serializer.serialize(payload_of([("model.norm.weight", norm.clone())]), output_str=True)
     _update(client, _tensor_body([perturbed], load_format=load_format, weight_version="contract-1"))
     moved = _logprobs(client)
-    _update(client, _tensor_body([restored], load_format=load_format, flush_cache=False, abort_all_requests=True))
+    restore = dict(flush_cache=False, abort_all_requests=True, selector="target", torch_empty_cache=True)
+    _update(client, _tensor_body([restored], load_format=load_format, **restore))
     assert moved != before and _logprobs(client) == pytest.approx(before, abs=1e-6)
 
 
@@ -140,3 +141,12 @@ def test_sglangs_default_cpu_sharing_is_refused_with_the_reason(client, checkpoi
         pytest.fail("this test expects torch's Linux default sharing strategy, file_descriptor")
     response = client.post("/update_weights_from_tensor", json=_tensor_body([payload]))
     assert response.status_code == 400 and "file_descriptor sharing strategy" in response.json()["message"]
+
+
+def test_a_draft_model_selector_is_refused_naming_it(client, checkpoint):
+    with _file_system_sharing():
+        payload = upstream.serializer().serialize(
+            [("model.norm.weight", checkpoint["model.norm.weight"])], output_str=True
+        )
+    response = client.post("/update_weights_from_tensor", json=_tensor_body([payload], selector="draft"))
+    assert response.status_code == 400 and "selector='draft'" in response.json()["message"]

@@ -44,6 +44,15 @@ async def _run(what: str, call: Callable, *args, **extra) -> JSONResponse:
         return control(False, f"{what} failed: {exc}", **extra)
 
 
+def _selector_problem(body: dict) -> str | None:
+    """SGLang's `selector` picks the target model, its speculative draft model, or both; this
+    engine has no draft model, so only the target can be meant."""
+    selector = body.get("selector")
+    if selector in (None, "all", "target"):
+        return None
+    return f"selector={selector!r}: this engine has no speculative draft model; use 'all' or 'target'"
+
+
 def _abort_requests_if_asked(
     engine: GenerationEngine, body: dict, default: bool = False, message: str = "aborted for a weight update"
 ) -> None:
@@ -68,6 +77,8 @@ async def update_weight_version(request: Request):
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(request: Request):
     engine, body = engine_of(request), await read_body(request)
+    if problem := _selector_problem(body):
+        return control(False, problem)
     payloads = body.get("serialized_named_tensors")
     payloads = [payloads] if isinstance(payloads, str) else payloads
     if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
