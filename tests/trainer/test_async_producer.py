@@ -233,10 +233,16 @@ class _AbortingClient:
         params = params if isinstance(params, dict) else params[0]
         self.requests.append((list(ids[0]), dict(params)))
         if ids[0][-1] != 5:  # a fresh prompt: interrupted after token 5
-            meta = {"weight_version": "default", **({"weight_versions": [["default", 1]]} if self.record else {})}
+            meta = {
+                "weight_version": "default",
+                **({"weight_versions": [{"version": "default", "start": 0, "end": 1}]} if self.record else {}),
+            }
             out = GenerateOutput([5], "a", [-1.0], {"type": "abort"}, meta)
         else:  # the continuation, under version 1
-            meta = {"weight_version": "1", **({"weight_versions": [["1", 1]]} if self.record else {})}
+            meta = {
+                "weight_version": "1",
+                **({"weight_versions": [{"version": "1", "start": 0, "end": 1}]} if self.record else {}),
+            }
             out = GenerateOutput([6], "b", [-2.0], {"type": "stop"}, meta)
         return [out for _ in range(params["n"])]
 

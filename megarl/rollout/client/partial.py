@@ -2,8 +2,8 @@
 interrupted it) and merge the two answers into one.
 
 An interrupted request answers with finish_reason abort and the tokens it generated so far, each
-with its log-prob and the weights that produced it (meta_info weight_versions, megarl's extension;
-generate_output.py). To finish it after the weights changed, send the prompt + that partial
+with its log-prob and the weights that produced it (meta_info weight_versions, SGLang's spans;
+megarl/wire/weight_versions.py). To finish it after the weights changed, send the prompt + that partial
 output as a new prompt with max_new_tokens (and min_new_tokens) reduced by what was generated and
 otherwise the same sampling parameters (`resume_request`), then concatenate (`merge_partial`):
 output_ids, output log-probs and weight_versions of the merged answer are those of the first
@@ -28,6 +28,7 @@ import dataclasses
 
 from megarl.rollout.client.client import GenerateOutput
 from megarl.wire import routing
+from megarl.wire.weight_versions import runs_from_spans, spans_from_runs
 
 _COUNTED = ("max_new_tokens", "min_new_tokens")  # reduced by the tokens already generated
 
@@ -87,7 +88,7 @@ def merge_partial(first: GenerateOutput, resumed: GenerateOutput) -> GenerateOut
         meta["routed_experts"] = routing.concat(meta_a["routed_experts"], meta_b["routed_experts"])
     runs_a, runs_b = token_version_runs(first), token_version_runs(resumed)
     if runs_a is not None and runs_b is not None:
-        meta["weight_versions"] = merge_runs(runs_a, runs_b)
+        meta["weight_versions"] = spans_from_runs(merge_runs(runs_a, runs_b), meta.get("weight_version"))
     else:
         meta.pop("weight_versions", None)
     if "e2e_latency" in meta_a and "e2e_latency" in meta_b:
@@ -105,13 +106,13 @@ def merge_partial(first: GenerateOutput, resumed: GenerateOutput) -> GenerateOut
 
 def token_version_runs(output: GenerateOutput) -> list | None:
     """The weight version of each output token as runs [[version, count], ...]: the engine's own
-    record (meta_info weight_versions, megarl's embedded engine), or, from an engine that reports
-    only the version an answer ended under (SGLang: weight_version), that version for all of its
+    record (meta_info weight_versions: megarl's embedded engine, SGLang from 0.5.23), or, from an
+    engine that reports only the version an answer ended under (weight_version), that version for all of its
     tokens: each segment of a resumed answer was generated whole by one version (the pause
     between segments is where the weights changed). None when neither is known."""
-    runs = output.meta_info.get("weight_versions")
-    if runs is not None:
-        return [list(run) for run in runs]
+    spans = output.meta_info.get("weight_versions")
+    if spans is not None:
+        return runs_from_spans(spans)
     version = output.meta_info.get("weight_version")
     if version is None:
         return None

@@ -38,6 +38,7 @@ class SGLangServerProcess(RolloutServerProcess):
             tp_size=n.tp,
             ep_size=n.ep,
             dp_size=n.dp,
+            enable_dp_attention=n.dp > 1,  # rollout.dp is attention data parallelism inside the engine
             nnodes=n.nnodes,
             node_rank=n.node_rank,
             dist_init_addr=self.dist_init_addr,

@@ -8,11 +8,10 @@ or logit_bias) become null, as SGLang's orjson writes them.
 
 meta_info carries SGLang's fields (id, finish_reason, prompt_tokens, completion_tokens,
 cached_tokens, weight_version: the engine's version when the answer was made, num_retractions,
-e2e_latency) and one megarl extension, `weight_versions`: [[version, n_tokens], ...], the
-run-length encoding, in output order, of the weight_version each output token was produced with
-(a request that ran across a weight update, an in-place pause or a retraction spans several; the
-counts add up to completion_tokens). Clients of a real SGLang server must not expect it
-(sglang_fields.MEGARL_META_INFO; megarl/rollout/client/partial.py merges it across resumed requests).
+e2e_latency) and `weight_versions`, SGLang's spans `[{"version", "start", "end"}, ...]` of the
+output tokens each weight version produced (megarl/wire/weight_versions.py; a request that ran
+across a weight update, an in-place pause or a retraction has several; they cover
+completion_tokens; megarl/rollout/client/partial.py merges them across resumed requests).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import numpy as np
 from megarl.rollout.engine.protocol import GenerationRequest, GenerationResult
 from megarl.rollout.server.generate_input import GenerateCall
 from megarl.wire import routing
+from megarl.wire.weight_versions import spans_from_runs
 
 TokenText = Callable[[int], str]
 
@@ -42,7 +42,7 @@ def output_item(result: GenerationResult, req: GenerationRequest, call: Generate
         "num_retractions": result.num_retractions,
     }
     if result.weight_versions is not None:
-        meta["weight_versions"] = result.weight_versions
+        meta["weight_versions"] = spans_from_runs(result.weight_versions, result.weight_version)
     if result.finish_reason is not None:
         meta["e2e_latency"] = result.e2e_latency
     text_of = token_text if call.token_text else None

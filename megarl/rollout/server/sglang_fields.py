@@ -1,8 +1,15 @@
 """Every field of SGLang's /generate body (GenerateReqInput) and of its sampling_params
 (SamplingParams), and what the embedded server does with each.
 
-Read from SGLang 0.5's io_struct.py and sampling_params.py (a field that only older or newer
-0.5 releases have is listed too, so clients of either work). Each field is one of:
+Pinned to SGLang 0.5.23: the tables hold exactly the fields of its GenerateReqInput
+(srt/managers/io_struct.py) and SamplingParams (srt/sampling/sampling_params.py) plus those of
+its HTTP JSON contract (sglang.api.v1's SamplingParams adds `choice`), at its defaults; a field
+that only another release has is kept only if NOT_IN_PINNED names it and who sends it. The
+contract tests (`pytest tests -k sglang_contract`, with sglang installed by
+scripts/install_sglang.sh) compare the tables with the installed release and post every field,
+at its default and at another value, to this server; a field added, removed or re-defaulted
+upstream fails a test that names it. For a newer release: bump the pin in
+scripts/install_sglang.sh, run it and the tests, and update these tables. Each field is one of:
 
 - HONOURED: the engine does what SGLang does with it.
 - NO_OP: accepted with any value; it changes nothing here (metrics, routing hints, priorities,
@@ -66,6 +73,10 @@ GENERATE_FIELDS: dict[str, Field] = {
     "return_entropy": Field(HONOURED, False),
     "return_prompt_token_ids": Field(HONOURED, False),
     "return_sampling_mask": _off("per-token sampling-support masks are not produced by this engine"),
+    "sampling_logprobs_mode": _off("behaviour log-probs over the sampling support are not produced by this engine"),
+    "return_flat_raw_output_top_logprobs": _off(
+        "flat output top log-probs are not produced; ask for top_logprobs_num's nested lists", False
+    ),
     "return_hidden_states": _off("hidden states are not returned by this engine", False),
     # MoE routing records, SGLang's wire format (megarl/wire/routing.py says it): base64 int32
     # [prompt + output - 1 - routed_experts_start_len, num_hidden_layers, top_k] in meta_info
@@ -83,6 +94,7 @@ GENERATE_FIELDS: dict[str, Field] = {
     "use_audio_in_video": _noop(_NO_MM, False),
     "video_config": _noop(_NO_MM),
     "images_config": _noop(_NO_MM),
+    "mm_processor_kwargs": _noop(_NO_MM),
     "max_dynamic_patch": _noop(_NO_MM),
     "min_dynamic_patch": _noop(_NO_MM),
     "image_max_dynamic_patch": _noop(_NO_MM),
@@ -91,6 +103,8 @@ GENERATE_FIELDS: dict[str, Field] = {
     "num_items_assigned": _noop(_NO_MM),
     "encoder_urls": _noop(_NO_MM),
     "positional_embed_overrides": _off("embedding overrides are not accepted; send token ids"),
+    "token_indices_to_pool": _off("pooling is for embedding requests, which this server does not serve"),
+    "watermark": _off("watermarking is not implemented by this engine"),
     "multi_item_delimiter_indices": _off("multi-item scoring is not implemented by this engine"),
     "session_params": _off("continual-prompting sessions are not kept by this engine"),
     "lora_path": _off("LoRA adapters are not loaded by this engine"),
@@ -120,15 +134,18 @@ GENERATE_FIELDS: dict[str, Field] = {
     "bootstrap_pair_key": _noop(_PD),
     "decode_tp_size": _noop(_PD),
     "extra_key": _noop("a prefix-cache key; this engine keeps no cache between batches"),
+    "kv_hints": _noop("KV-cache transfer hints; this engine keeps no cache between batches"),
     "cache_salt": _noop("a prefix-cache namespace; this engine keeps no cache between batches"),
     "background": _noop("the OpenAI responses API's flag; /generate answers in the foreground", False),
     "model": _noop("sglang-router adds it; this server serves exactly one model"),
 }
 
-# meta_info fields of a /generate answer that SGLang does not send (generate_output.py says them)
-MEGARL_META_INFO: dict[str, str] = {
-    "weight_versions": "[[weight_version, n_tokens], ...]: which weights produced each output token, "
-    "run-length encoded in output order (a request spanning a weight update has several)",
+# Fields of GENERATE_FIELDS that the pinned release's GenerateReqInput does not have, and who sends
+# them; the contract tests accept a field missing upstream only if it is named here.
+NOT_IN_PINNED: dict[str, str] = {
+    "model": "sglang-router 0.3.2 adds it to every /generate body it forwards",
+    "dp_balance_id": "older 0.5 releases (before 0.5.23)",
+    "kv_router_hint": "older 0.5 releases (before 0.5.23)",
 }
 
 _GRAMMAR = "constrained decoding (grammars, JSON schemas, regexes) is not implemented by this engine"
@@ -164,7 +181,10 @@ SAMPLING_FIELDS: dict[str, Field] = {
     "regex": _off(_GRAMMAR),
     "ebnf": _off(_GRAMMAR),
     "structural_tag": _off(_GRAMMAR),
-    "beam_width": _off("beam search is not implemented by this engine", 1),
+    "beam_width": _off("beam search is not implemented by this engine"),
+    "watermark": _off("watermarking is not implemented by this engine"),
+    "ebnf_full_assistant": _off(_GRAMMAR, False),
+    "choice": _off(_GRAMMAR, []),  # only in the HTTP JSON contract (sglang.api.v1), not the dataclass
     "custom_params": _noop("only custom logit processors read it, and those are refused"),
     "stop_strs": _noop(_INTERNAL),
     "stop_regex_strs": _noop(_INTERNAL),

@@ -294,13 +294,16 @@ def test_partial_rollout_resumed_after_a_weight_update_keeps_each_tokens_logprob
     (partial,) = client.generate([prompt], params, return_logprob=True, return_routed_experts=True)
     monkeypatch.setattr(engine, "submit", submit)
     assert is_partial(partial) and len(partial.output_ids) == k
-    assert partial.meta_info["weight_versions"] == [["default", k]]
+    assert partial.meta_info["weight_versions"] == [{"version": "default", "start": 0, "end": k}]
     client.update_weights_from_tensor(serialize_named_tensors(new_weights), weight_version="v2")
     client.continue_generation()
     merged = asyncio.run(resume_partial(client, prompt, params, partial, return_routed_experts=True))
     assert merged.finish_reason == {"type": "length", "length": total - k}
     assert merged.output_ids[:k] == partial.output_ids and len(merged.output_ids) == total
-    assert merged.meta_info["weight_versions"] == [["default", k], ["v2", total - k]]
+    assert merged.meta_info["weight_versions"] == [
+        {"version": "default", "start": 0, "end": k},
+        {"version": "v2", "start": k, "end": total},
+    ]
     assert merged.meta_info["completion_tokens"] == total and merged.meta_info["prompt_tokens"] == len(prompt)
     triples = merged.meta_info["output_token_logprobs"]
     assert [t for _, t, _ in triples] == merged.output_ids and [lp for lp, _, _ in triples] == merged.output_logprobs
@@ -359,7 +362,7 @@ def test_a_streamed_request_that_joins_a_running_batch_streams_its_answer(served
     final = chunks[-1]
     assert final["output_ids"] == expected["output_ids"] and final["meta_info"]["finish_reason"]["type"] == "length"
     assert final["meta_info"]["output_token_logprobs"] == expected["meta_info"]["output_token_logprobs"]
-    assert final["meta_info"]["weight_versions"] == [["default", 9]]
+    assert final["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 9}]
     long.future.result(timeout=60)
 
 

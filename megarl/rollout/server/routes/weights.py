@@ -44,6 +44,15 @@ async def _run(what: str, call: Callable, *args, **extra) -> JSONResponse:
         return control(False, f"{what} failed: {exc}", **extra)
 
 
+def _selector_problem(body: dict) -> str | None:
+    """SGLang's `selector` picks the target model, its speculative draft model, or both; this
+    engine has no draft model, so only the target can be meant."""
+    selector = body.get("selector")
+    if selector in (None, "all", "target"):
+        return None
+    return f"selector={selector!r}: this engine has no speculative draft model; use 'all' or 'target'"
+
+
 def _abort_requests_if_asked(
     engine: GenerationEngine, body: dict, default: bool = False, message: str = "aborted for a weight update"
 ) -> None:
@@ -68,6 +77,8 @@ async def update_weight_version(request: Request):
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(request: Request):
     engine, body = engine_of(request), await read_body(request)
+    if problem := _selector_problem(body):
+        return control(False, problem)
     payloads = body.get("serialized_named_tensors")
     payloads = [payloads] if isinstance(payloads, str) else payloads
     if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
@@ -124,7 +135,11 @@ async def init_weights_update_group(request: Request):
     )
     if args[-1] not in (None, "gloo", "nccl"):
         return control(False, f"backend={args[-1]!r} must be 'gloo' (CPU) or 'nccl' (CUDA)")
-    return await _run("init_weights_update_group", engine_of(request).init_weights_update_group, *args)
+    engine = engine_of(request)
+    if args[-1] == "nccl" and engine.device.type != "cuda":
+        # refused before joining: the sender would otherwise wait in the rendezvous until it times out
+        return control(False, "backend='nccl' needs CUDA and this engine runs on CPU; send backend='gloo'")
+    return await _run("init_weights_update_group", engine.init_weights_update_group, *args)
 
 
 @router.post("/destroy_weights_update_group")
