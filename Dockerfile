@@ -8,15 +8,12 @@
 # requirements.lock / scripts/setup_env.sh (the CPU environment the test suite runs in), so the
 # two cannot drift. Change a pin in both places at once.
 
-# SGLang's release image: CUDA 12.9, PyTorch, FlashInfer and sglang itself, built and tested
-# together by the SGLang project. v0.5.19-cu129 is the last CUDA 12 tag SGLang publishes (later
-# tags are CUDA 13); megarl's SGLang command lines are checked against 0.5.3 and 0.5.23 flags
-# (megarl/rollout/fleet/sglang_launch.py). Pinned by tag; pin by digest (@sha256:...) once pulled.
-# The contract tests pin sglang 0.5.23 (scripts/install_sglang.sh). The image does not follow it:
-# 0.5.23 requires transformers 5.19, and its `import sglang` fails under the transformers 4.57.6
-# installed below; moving the image to a v0.5.23 tag (CUDA 13) needs megarl on transformers 5.
-# A release is checked by setting it in install_sglang.sh and running `pytest -k sglang_contract`.
-ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.19-cu129
+# SGLang's release image: CUDA 13, PyTorch, FlashInfer and sglang itself, built and tested
+# together by the SGLang project. Its sglang release is the one the contract tests pin
+# (scripts/install_sglang.sh; tests/entry/test_dockerfile.py holds the two equal): a release is
+# checked by setting it in both and running `pytest -k sglang_contract`. Pinned by tag; pin by
+# digest (@sha256:...) once pulled.
+ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23-cu130
 FROM ${SGLANG_IMAGE}
 
 ARG MEGATRON_CORE_VERSION=0.19.2
@@ -41,6 +38,20 @@ ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
+# Two Python environments in one image. SGLang keeps the image's own: sglang with the
+# transformers 5 release it requires (its `import sglang` fails under an older one). megarl runs
+# in a virtual environment on top of it (--system-site-packages: the image's torch, CUDA libraries
+# and kernels, so TransformerEngine and apex build against the very torch SGLang runs) holding the
+# transformers mbridge loads. megarl starts SGLang's servers and sglang-router under the image's
+# interpreter, MEGARL_SGLANG_PYTHON (megarl/rollout/fleet/sglang_launch.py), so each side imports
+# its own transformers; colocated weight handles pass between the two on the same torch.
+RUN printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /usr/local/bin/sglang-python \
+ && chmod +x /usr/local/bin/sglang-python \
+ && sglang-python -m pip install "sglang-router==${SGLANG_ROUTER_VERSION}" \
+ && sglang-python -m venv --system-site-packages /opt/megarl-venv
+ENV MEGARL_SGLANG_PYTHON=/usr/local/bin/sglang-python \
+    PATH=/opt/megarl-venv/bin:${PATH}
+
 # TransformerEngine: Megatron's fused attention, fused layer norms and FP8 GEMMs on GPU. Built
 # against the image's torch (--no-build-isolation; a build-isolated install would fetch a
 # different torch and produce a library that fails to load). Its own layer, so changing a pure-
@@ -62,10 +73,11 @@ RUN git clone https://github.com/NVIDIA/apex /tmp/apex \
 RUN pip install --no-deps --ignore-requires-python "megatron-core==${MEGATRON_CORE_VERSION}" \
  && pip install --no-deps "mbridge==${MBRIDGE_VERSION}"
 
-# What megarl needs beyond the image: Ray (the controller and worker groups), sglang-router (one
-# URL in front of many engines), and the transformers / safetensors versions the test suite runs
-# with (mbridge's name mappings and the HF <-> Megatron round trips are tested against them).
-RUN pip install "ray[default]==${RAY_VERSION}" "sglang-router==${SGLANG_ROUTER_VERSION}" \
+# What megarl needs beyond the image, in its virtual environment: Ray (the controller and worker
+# groups) and the transformers / safetensors versions the test suite runs with (mbridge's name
+# mappings and the HF <-> Megatron round trips are tested against them). sglang-router (one URL in
+# front of many engines) is in the image's environment above, where it runs.
+RUN pip install "ray[default]==${RAY_VERSION}" \
     "transformers==${TRANSFORMERS_VERSION}" "safetensors==${SAFETENSORS_VERSION}"
 
 # The rule rewards' verifiers: math-verify (math answers, megarl/reward/math.py) and reasoning-gym
@@ -78,8 +90,11 @@ WORKDIR /opt/megarl
 COPY . /opt/megarl
 RUN pip install --no-deps -e /opt/megarl
 
-# Fail the build, not the first job, when a layer above broke an import.
-RUN python -c "import torch, sglang, transformer_engine, apex, megatron.core, mbridge, ray, megarl, math_verify, reasoning_gym; \
-print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+# Fail the build, not the first job, when a layer above broke an import: each environment imports
+# its own side.
+RUN sglang-python -c "import sglang, sglang_router, torch, transformers; \
+print('sglang', sglang.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)" \
+ && python -c "import torch, transformer_engine, apex, megatron.core, mbridge, ray, transformers, megarl, math_verify, reasoning_gym; \
+print('megarl: transformers', transformers.__version__, 'torch', torch.__version__)"
 
 CMD ["megarl", "--help"]

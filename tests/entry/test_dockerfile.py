@@ -63,3 +63,15 @@ def test_base_image_and_apex_are_pinned():
     assert re.fullmatch(r"\d+\.\d+\.\d+", args["TRANSFORMER_ENGINE_VERSION"])
     text = (ROOT / "Dockerfile").read_text()
     assert "FROM ${SGLANG_IMAGE}" in text and "APEX_CUDA_EXT=1" in text
+
+
+def test_the_image_runs_the_sglang_release_the_contract_tests_pin():
+    """The base image's sglang is the release `pytest -k sglang_contract` checks megarl against
+    (scripts/install_sglang.sh), and megarl starts SGLang under the image's own interpreter, not the
+    virtual environment megarl runs in (megarl/rollout/fleet/sglang_launch.py: sglang_python)."""
+    image = re.fullmatch(r"lmsysorg/sglang:v([\d.]+(?:\.post\d+)?)-cu\d+", dockerfile_args()["SGLANG_IMAGE"])
+    pinned = re.search(r"^SGLANG_VERSION=(\S+)$", (ROOT / "scripts/install_sglang.sh").read_text(), re.M)
+    assert image and pinned and image[1] == pinned[1], (image, pinned)
+    text = (ROOT / "Dockerfile").read_text()
+    assert "MEGARL_SGLANG_PYTHON=/usr/local/bin/sglang-python" in text
+    assert "> /usr/local/bin/sglang-python" in text and "venv --system-site-packages /opt/megarl-venv" in text

@@ -107,7 +107,6 @@ from __future__ import annotations
 import atexit
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -116,6 +115,7 @@ import httpx
 from megarl.procs import lifeline
 from megarl.procs.managed import HealthProbe, ManagedProcess, PortTaken, new_log_file
 from megarl.procs.net import free_port
+from megarl.rollout.fleet.sglang_launch import sglang_python
 
 API_KEY_ENV = "MEGARL_ROUTER_API_KEY"
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
@@ -153,7 +153,7 @@ class RouterProcess(ManagedProcess):
         extra_args: tuple[str, ...] = (),
         log_path: str | os.PathLike | None = None,
         startup_timeout_s: float = 60.0,
-        python: str = sys.executable,
+        python: str | None = None,  # None: sglang_python(), the interpreter SGLang's servers run under
     ):
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r} is not one of {', '.join(POLICIES)}")
@@ -177,7 +177,8 @@ class RouterProcess(ManagedProcess):
         }
         # --retry-max-retries counts attempts, the first included; --disable-retries is one attempt.
         self.retry_args = ["--disable-retries"] if max_retries == 0 else ["--retry-max-retries", str(max_retries + 1)]
-        self.extra_args, self.python, self.startup_timeout_s = list(extra_args), python, startup_timeout_s
+        self.extra_args, self.startup_timeout_s = list(extra_args), startup_timeout_s
+        self.python = python or sglang_python()
         self.log_path = Path(log_path) if log_path else new_log_file("megarl-router-")
         self.process: subprocess.Popen | None = None
         # one client for every control call and probe (procs.HealthProbe says why: ~58 ms of CPU

@@ -33,6 +33,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from dataclasses import dataclass
 
@@ -178,10 +179,18 @@ def _check_extra_args(extra_args: tuple[str, ...]) -> None:
             )
 
 
-def server_argv(spec: SGLangServerSpec, python: str = sys.executable) -> list[str]:
-    """The `python -m sglang.launch_server` argv for this node of the engine."""
+def sglang_python() -> str:
+    """The interpreter SGLang's servers and sglang-router run under: $MEGARL_SGLANG_PYTHON, read on
+    the node that starts them, else this process's own. SGLang pins a transformers release that
+    megarl's mbridge cannot load, so an environment may keep SGLang in an interpreter of its own
+    (the Dockerfile does: its image's Python, with megarl in a virtual environment on top)."""
+    return os.environ.get("MEGARL_SGLANG_PYTHON") or sys.executable
+
+
+def server_argv(spec: SGLangServerSpec, python: str | None = None) -> list[str]:
+    """The `python -m sglang.launch_server` argv for this node of the engine (python: sglang_python())."""
     validate(spec)
-    argv = [python, "-m", "sglang.launch_server", "--model-path", spec.model_path]
+    argv = [python or sglang_python(), "-m", "sglang.launch_server", "--model-path", spec.model_path]
     # SGLang has no --weight-dirs / --max-body-mb: disk-update paths and body sizes are not confined there.
     if spec.tokenizer_path:
         argv += ["--tokenizer-path", spec.tokenizer_path]

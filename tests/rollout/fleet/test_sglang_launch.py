@@ -266,3 +266,28 @@ def test_launcher_process_for_sglang_keeps_the_key_in_a_private_config_file(tmp_
     assert "--enable-memory-saver" in argv and flags["--random-seed"] == "7"
     config = flags["--config"]
     assert stat.S_IMODE(os.stat(config).st_mode) == 0o600 and "secret-key" in open(config).read()
+
+
+def test_sglang_servers_and_the_router_run_under_megarl_sglang_python(tmp_path, monkeypatch):
+    """$MEGARL_SGLANG_PYTHON (what the Dockerfile sets: its image's own Python, whose transformers
+    SGLang needs) starts the run's SGLang servers, built from a config's engine specs, and
+    sglang-router; without it, the trainer's own interpreter."""
+    import sys
+
+    from megarl.config.loader import load_config
+    from megarl.rollout.fleet.router import RouterProcess
+    from megarl.rollout.fleet.sglang_process import SGLangServerProcess
+    from megarl.trainer.runtime import engine_node_specs
+
+    cfg = load_config(Path(__file__).resolve().parents[3] / "configs/quickstart.yaml", ["rollout.backend=sglang"])
+    node = engine_node_specs(cfg, "/ckpt", tmp_path)[0][0]
+
+    def interpreters():
+        server = SGLangServerProcess(node, None, None, env={}).command(30000)[0]
+        return server, RouterProcess(["http://127.0.0.1:1"], log_path=tmp_path / "r.log").python
+
+    monkeypatch.delenv("MEGARL_SGLANG_PYTHON", raising=False)
+    assert interpreters() == (sys.executable, sys.executable)
+    monkeypatch.setenv("MEGARL_SGLANG_PYTHON", "/usr/local/bin/sglang-python")
+    assert interpreters() == ("/usr/local/bin/sglang-python", "/usr/local/bin/sglang-python")
+    assert server_argv(SGLangServerSpec(model_path="/m"), python="py")[0] == "py"  # an explicit one wins
