@@ -1,4 +1,4 @@
-"""Which torch scripts/setup_env.sh installs on this machine: the plan, from three probes.
+"""Which torch scripts/setup_env.sh installs on the machine it runs on: the plan, from three probes.
 
     python3 scripts/setup_plan.py --torch torch==2.13.0 --python .venv/bin/python
     python3 scripts/setup_plan.py --torch torch==2.13.0 --gpu no --default-torch cuda --cpu-index unreachable
