@@ -17,7 +17,7 @@ stated efficiency, plus its communication and fixed costs:
   not count it), the pipeline bubble (pp - 1) / (vpp * micro-batches), MoE all-to-all (dispatch +
   combine per MoE layer over the expert group ep * etp, over NVLink when it fits a node, else the
   network),
-  sequence-parallel gathers/scatters, the data-parallel gradient reduce-scatter and parameter
+  sequence-parallel gathers/scatters, context parallel's ring of key/value chunks, the data-parallel gradient reduce-scatter and parameter
   all-gather per optimizer step, and the offload traffic over PCIe.
 - weight sync: the bf16 model gathered and handed to the engines (colocated: NVLink-bound
   gathers and device copies; distributed: a network broadcast; disk: write + read), plus a fixed
@@ -154,6 +154,15 @@ def _dtype(cfg, device: Device) -> str:
     return "bf16" if cfg.actor.precision == "bf16" and device.name != "CPU" else "fp32"
 
 
+def _kv_elements(hf: dict) -> int:
+    """Key and value elements per token, all heads (MLA: after the up-projection, as attention sees them)."""
+    n = hf["num_attention_heads"]
+    if hf["model_type"] == "deepseek_v3":
+        return n * (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"] + hf["v_head_dim"])
+    hd = hf.get("head_dim") or hf["hidden_size"] // n
+    return 2 * (hf.get("num_key_value_heads") or n) * hd
+
+
 def _bubble(p, micro_batches: int) -> float:
     return (p.pp - 1) / (p.vpp * max(micro_batches, 1))
 
@@ -195,6 +204,10 @@ def update_time(
     if p.tp > 1:
         sp_bytes = tokens_rank * (hf["num_hidden_layers"] / p.pp) * 4 * h * abytes * (p.tp - 1) * passes
         t += sp_bytes / (device.nvlink_bw * eff.link)
+    if p.cp > 1:  # ring attention: each rank's key/value chunk visits the cp - 1 others, per layer and pass
+        per_node = devices_per_node or world
+        bw = (device.nvlink_bw if p.tp * p.cp <= per_node else device.net_bw) * eff.link
+        t += tokens_rank * (hf["num_hidden_layers"] / p.pp) * _kv_elements(hf) * abytes * (p.cp - 1) * passes / bw
     steps = max(1, rows // a.ppo_mini_batch_size) * a.ppo_epochs
     dp_bytes = 0.0
     if dp > 1:
