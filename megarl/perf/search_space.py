@@ -142,7 +142,10 @@ def rollout_layouts(cfg, pool: int, hf: dict, per_node: int | None) -> list[dict
     for tp in powers_of_two(pool):
         engines = sorted({pool // tp} | ({r.num_servers} if r.tp == tp and r.num_servers * tp <= pool else set()))
         nnodes = max(1, tp // per_node) if per_node else 1
-        for ep in sorted({1, tp}) if sglang and num_experts(hf) else [1]:
+        # the config's own kind first (expert parallel or not): the model prices rollout ep not at
+        # all, so a tie keeps it
+        eps = sorted({1, tp}, key=lambda v: (v != (tp if r.ep > 1 else 1), v)) if sglang and num_experts(hf) else [1]
+        for ep in eps:
             for dp in sorted({1, tp}) if sglang else [1]:
                 for n in engines:
                     out.append(
