@@ -289,6 +289,8 @@ def _binding(cfg, hf: dict, device: Device, count: int, track: _Tracker) -> str:
 
 def loses_on(best: Candidate, other: Candidate) -> str:
     """The predicted term by which `other` is slower than `best` the most."""
+    if other.step_s - best.step_s < 0.05:
+        return "(a tie at the step's resolution)"
     diffs = {name: getattr(other.step, name) - getattr(best.step, name) for name in TERMS}
     name = max(diffs, key=diffs.get)
     return f"{name.replace('_', ' ')} +{diffs[name]:.1f} s" if diffs[name] > 0 else "-"
