@@ -289,7 +289,7 @@ def _binding(cfg, hf: dict, device: Device, count: int, track: _Tracker) -> str:
 
 def loses_on(best: Candidate, other: Candidate) -> str:
     """The predicted term by which `other` is slower than `best` the most."""
-    if other.step_s - best.step_s < 0.05:
+    if other.step_s - best.step_s < 1e-3 * best.step_s:
         return "(a tie at the step's resolution)"
     diffs = {name: getattr(other.step, name) - getattr(best.step, name) for name in TERMS}
     name = max(diffs, key=diffs.get)
@@ -328,9 +328,10 @@ def format_search(cfg, result: SearchResult, device: Device, count: int, seconds
         f"{'#':>2} {'step s':>8} {'tok/s/dev':>10} {'peak GiB':>9}  loses to #1 on",
     ]
     best = result.candidates[0]
+    digits = 2 if best.step_s < 10 else 1
     for i, c in enumerate(result.candidates, 1):
         lines.append(
-            f"{i:>2} {c.step_s:8.1f} {c.tokens_per_s_per_device:10.1f} {max(c.memory.values()) / GiB:9.1f}  "
+            f"{i:>2} {c.step_s:8.{digits}f} {c.tokens_per_s_per_device:10.1f} {max(c.memory.values()) / GiB:9.1f}  "
             f"{loses_on(best, c) if i > 1 else '(best)'}"
         )
         lines.append(f"     {_show(_changed(cfg, c.layout)) or '(the config as it is)'}")

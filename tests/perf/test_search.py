@@ -193,3 +193,34 @@ def test_expert_traffic_is_priced_over_the_whole_expert_group():
         mem = train_memory(cfg, hf, device)
         times[ep, etp] = update_time(cfg, hf, device, mem, 8192, GPU_EFFICIENCY, 8, 4)[0]
     assert times[1, 8] == pytest.approx(times[8, 1], rel=1e-9)
+
+
+def test_dp_attention_and_context_parallel_pay_for_their_traffic(monkeypatch):
+    """Terms the search ranks by: with DP attention an engine's MLP and experts still span its tp
+    ranks (a gather and a scatter per layer, bytes over the links), and context parallel passes
+    key/value chunks around its ring: with infinitely fast links each costs nothing, on real ones
+    it costs time."""
+    from dataclasses import replace
+
+    from megarl.perf.hardware import parse_devices
+    from megarl.perf.memory import rollout_memory, train_memory
+    from megarl.perf.steptime import GPU_EFFICIENCY, generation_time, update_time
+
+    _, device = parse_devices("256xH100")
+    no_latency = replace(GPU_EFFICIENCY, collective_s=0.0)
+    free = replace(no_latency, link=1e12)
+    cfg, hf = _load("deepseek-v3-671b")  # engines of 32 over 4 nodes, DP attention 32
+    assert cfg.rollout.dp == cfg.rollout.tp == 32
+    mem = rollout_memory(cfg, hf, device)
+    paid, unpaid = (generation_time(cfg, hf, device, mem, 4096, eff) for eff in (no_latency, free))
+    assert paid > unpaid * 1.001
+
+    cfg, hf = _load("qwen3-30b-a3b", "actor.parallel.cp=2")
+    tm = train_memory(cfg, hf, device)
+    with_ring = update_time(cfg, hf, device, tm, 8192, no_latency, 8, 4)[0]
+    monkeypatch.setattr("megarl.perf.steptime._kv_elements", lambda hf: 0)  # a ring that moves nothing
+    ring = with_ring - update_time(cfg, hf, device, tm, 8192, no_latency, 8, 4)[0]
+    kv = 2 * hf["num_key_value_heads"] * hf["head_dim"]
+    tokens = cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length + 8192) / 16  # per rank, tp=2
+    expected = tokens * hf["num_hidden_layers"] * kv * 2 * 1 * 3 / (device.nvlink_bw * no_latency.link)
+    assert ring == pytest.approx(expected, rel=1e-6)  # bf16 K and V, cp - 1 = 1 hop, 3 passes (recompute)
