@@ -101,8 +101,9 @@ def _pool_cfg(base, placement: str, actors: int, rollout: int):
         over |= {"cluster.num_rollout_devices": rollout, "rollout.release_memory": None}
         if base.bridge.transport == "tensor":
             over["bridge.transport"] = "distributed"
-    else:
-        over |= {"cluster.num_rollout_devices": None, "rollout.release_memory": None}
+    else:  # a colocated config keeps its own release setting; a disaggregated one's is auto (on)
+        keep = base.rollout.release_memory if base.cluster.placement == "colocated" else None
+        over |= {"cluster.num_rollout_devices": None, "rollout.release_memory": keep}
     return apply(base, over), over
 
 
