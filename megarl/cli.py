@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "show-config":
         print(dump(cfg), end="")
         return 0
+    if args.command == "plan" and args.json and not args.search:
+        print("megarl: plan: --json prints the layout search's ranking; add --search", file=sys.stderr)
+        return 2
     if args.command == "plan" and args.search:
         from megarl.perf.search import run_search
 

@@ -143,13 +143,17 @@ def test_an_overfull_space_is_refused_in_one_line_naming_the_binding_constraint(
     assert "train phase" in err[0] and "actor optimizer" in err[0] and "--devices" in err[0]
 
 
-def test_search_needs_devices(capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "args,says", [(["--search"], "--devices"), (["--devices", "16xH100", "--json"], "add --search")]
+)
+def test_search_flags_are_checked(args, says, capsys, monkeypatch):
     from megarl.cli import main
 
     monkeypatch.chdir(ROOT)
-    rc = main(["plan", "configs/qwen3-30b-a3b.yaml", "--search"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "--devices" in err[0]
+    rc = main(["plan", "configs/qwen3-30b-a3b.yaml", *args])
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert rc == 2 and out.out == "" and len(err) == 1 and says in err[0]
 
 
 def test_30b_search_prints_the_ranking_with_why_each_loses(capsys, monkeypatch):
