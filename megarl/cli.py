@@ -5,6 +5,7 @@
     megarl sft configs/sft-quickstart.yaml sft.epochs=3 [--debug]  # supervised fine-tuning on chats
     megarl show-config configs/quickstart.yaml [overrides...]   # print the resolved config
     megarl plan configs/deepseek-v3-671b.yaml --devices 256xH100  # memory and step time, predicted
+    megarl plan configs/deepseek-v3-671b.yaml --devices 256xH100 --search [--top 5] [--json]  # best layouts
     megarl export outputs/quickstart [--step N] [--out DIR]     # a checkpoint as a HF folder
     megarl compare-runs RUN_A RUN_B     # metrics.jsonl identical step for step (but wall clocks)?
     megarl plot RUN [RUN...] -o curves.png [--x step|samples]   # the runs' curves, overlaid
@@ -52,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                 default=None,
                 help="mean response tokens for the time prediction (default: rollout.max_new_tokens)",
             )
+            p.add_argument("--search", action="store_true", help="search the layouts on --devices; rank by step time")
+            p.add_argument("--top", type=int, default=5, help="--search: layouts to print (default 5)")
+            p.add_argument("--json", action="store_true", help="--search: print the ranking as JSON")
         if name in ("train", "sft"):
             p.add_argument(
                 "--debug",
@@ -330,6 +334,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "show-config":
         print(dump(cfg), end="")
         return 0
+    if args.command == "plan" and args.json and not args.search:
+        print("megarl: plan: --json prints the layout search's ranking; add --search", file=sys.stderr)
+        return 2
+    if args.command == "plan" and args.search:
+        from megarl.perf.search import run_search
+
+        code, out, err = run_search(cfg, _model_config(cfg), args.devices, args.top, args.json, args.response_len)
+        print(out or "", end="\n" if out else "")
+        if err:
+            print(f"megarl: plan: {err}", file=sys.stderr)
+        return code
     if args.command == "plan":
         return plan(cfg, args.devices, args.response_len)
     reason = _missing_weights(cfg) or _backend_unavailable(cfg) or _memory_refusal(cfg)

@@ -8,14 +8,16 @@ stated efficiency, plus its communication and fixed costs:
   and its bytes read (the weights it touches: dense weights always, routed experts as far as
   B * top_k tokens reach them; the KV cache of B sequences at their mean context) plus a per-step
   fixed cost and two tensor-parallel all-reduces per layer (latency + B hidden states over
-  NVLink, or over the network when the engine spans nodes). B is rollout.max_batch_size, or fewer
+  NVLink, or over the network when the engine spans nodes; with DP attention a gather and a
+  scatter of the engine's B hidden states instead, as its MLP and experts still span tp). B is rollout.max_batch_size, or fewer
   when the KV cache cannot hold that many full-length sequences. With continuous batching the
   engine runs rows * mean / B steps, and the longest response adds its tail (max - mean) at the end.
 - log-probs (old, ref, critic values): forward FLOPs of every row at prompt + mean response.
 - update: 3x forward (4x with full recompute: the hardware does the extra forward, MFU does
   not count it), the pipeline bubble (pp - 1) / (vpp * micro-batches), MoE all-to-all (dispatch +
-  combine per MoE layer, over NVLink when the expert group fits a node, else the network),
-  sequence-parallel gathers/scatters, the data-parallel gradient reduce-scatter and parameter
+  combine per MoE layer over the expert group ep * etp, over NVLink when it fits a node, else the
+  network),
+  sequence-parallel gathers/scatters, context parallel's ring of key/value chunks, the data-parallel gradient reduce-scatter and parameter
   all-gather per optimizer step, and the offload traffic over PCIe.
 - weight sync: the bf16 model gathered and handed to the engines (colocated: NVLink-bound
   gathers and device copies; distributed: a network broadcast; disk: write + read), plus a fixed
@@ -126,8 +128,9 @@ def generation_time(cfg, hf: dict, device: Device, rollout_mem, mean_response: f
     layers = hf["num_hidden_layers"]
     # two tensor-parallel all-reduces per layer: latency, and B hidden states each over the link
     link = (device.nvlink_bw if r.nnodes == 1 else device.net_bw) * eff.link
-    attn_tp = max(r.tp // r.dp, 1)
-    reduce_bytes = running / r.dp * hf["hidden_size"] * 2 * 2 * (attn_tp - 1) / attn_tp
+    # DP attention (rollout.dp > 1) skips attention's all-reduce, but the MLP and experts still span
+    # the engine's tp ranks: a gather before them and a scatter after, each half an all-reduce's bytes
+    reduce_bytes = running * hf["hidden_size"] * 2 * (2 if r.dp == 1 else 1) * (r.tp - 1) / r.tp
     comm = 2 * layers * (eff.collective_s * (1 if r.nnodes == 1 else 3) + reduce_bytes / link)
     t_step = (
         max(step_bytes / (r.tp * device.hbm_bw * eff.decode_bw), step_flops / (peak * eff.decode_compute))
@@ -149,6 +152,15 @@ def _forward_flops(hf: dict, rows: int, length: float) -> float:
 
 def _dtype(cfg, device: Device) -> str:
     return "bf16" if cfg.actor.precision == "bf16" and device.name != "CPU" else "fp32"
+
+
+def _kv_elements(hf: dict) -> int:
+    """Key and value elements per token, all heads (MLA: after the up-projection, as attention sees them)."""
+    n = hf["num_attention_heads"]
+    if hf["model_type"] == "deepseek_v3":
+        return n * (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"] + hf["v_head_dim"])
+    hd = hf.get("head_dim") or hf["hidden_size"] // n
+    return 2 * (hf.get("num_key_value_heads") or n) * hd
 
 
 def _bubble(p, micro_batches: int) -> float:
@@ -183,14 +195,19 @@ def update_time(
     moe_layers, experts, k = _moe_layers(hf)
     h = hf["hidden_size"]
     abytes = 2 if a.precision == "bf16" else 4
-    if moe_layers and p.ep > 1:
+    group = p.ep * p.etp  # routed tokens travel over the expert group: all-to-all over ep, gathers over etp
+    if moe_layers and group > 1:
         per_node = devices_per_node or world
-        bw = (device.nvlink_bw if p.ep * p.etp <= per_node else device.net_bw) * eff.link
-        a2a = tokens_rank * (moe_layers / p.pp) * k * h * abytes * 2 * passes * (p.ep - 1) / p.ep
+        bw = (device.nvlink_bw if group <= per_node else device.net_bw) * eff.link
+        a2a = tokens_rank * (moe_layers / p.pp) * k * h * abytes * 2 * passes * (group - 1) / group
         t += a2a / bw
     if p.tp > 1:
         sp_bytes = tokens_rank * (hf["num_hidden_layers"] / p.pp) * 4 * h * abytes * (p.tp - 1) * passes
         t += sp_bytes / (device.nvlink_bw * eff.link)
+    if p.cp > 1:  # ring attention: each rank's key/value chunk visits the cp - 1 others, per layer and pass
+        per_node = devices_per_node or world
+        bw = (device.nvlink_bw if p.tp * p.cp <= per_node else device.net_bw) * eff.link
+        t += tokens_rank * (hf["num_hidden_layers"] / p.pp) * _kv_elements(hf) * abytes * (p.cp - 1) * passes / bw
     steps = max(1, rows // a.ppo_mini_batch_size) * a.ppo_epochs
     dp_bytes = 0.0
     if dp > 1:
@@ -256,6 +273,35 @@ def sync_time(cfg, hf: dict, device: Device, rollout_mem, eff: Efficiency) -> fl
     return gather + load + tensors * eff.tensor_s + eff.phase_s
 
 
+def trainer_time(
+    cfg,
+    hf: dict,
+    device: Device,
+    train_mem,
+    mean_response: float,
+    eff: Efficiency,
+    devices_per_node: int | None = None,
+) -> tuple[float, float, float, float]:
+    """(log-prob seconds, update seconds, update model FLOPs, update GEMM seconds): the trainer's
+    side of a step, which depends on the actor's layout only (the layout search reuses it)."""
+    from megarl.perf.memory import micro_batches_per_rank
+
+    m = micro_batches_per_rank(cfg)
+    rows = cfg.data.train_batch_size * cfg.rollout.n
+    m_all = max(1, m * rows // max(cfg.actor.ppo_mini_batch_size, 1))  # micro-batches of one pass, all rows
+    lp = log_prob_time(cfg, hf, device, mean_response, eff, m_all)
+    upd, flops, compute = update_time(
+        cfg, hf, device, train_mem, mean_response, eff, devices_per_node or cfg.cluster.devices_per_node, m
+    )
+    if cfg.critic.enabled:
+        upd *= 2
+    return lp, upd, flops, compute
+
+
+def efficiency_of(device: Device) -> Efficiency:
+    return CPU_EFFICIENCY if device.name == "CPU" else GPU_EFFICIENCY
+
+
 def step_time(
     cfg,
     hf: dict,
@@ -266,18 +312,8 @@ def step_time(
     eff: Efficiency | None = None,
     devices_per_node: int | None = None,
 ) -> StepTime:
-    from megarl.perf.memory import micro_batches_per_rank
-
-    eff = eff or (CPU_EFFICIENCY if device.name == "CPU" else GPU_EFFICIENCY)
+    eff = eff or efficiency_of(device)
     mean = float(mean_response if mean_response is not None else cfg.rollout.max_new_tokens)
-    m = micro_batches_per_rank(cfg)
-    rows = cfg.data.train_batch_size * cfg.rollout.n
-    m_all = max(1, m * rows // max(cfg.actor.ppo_mini_batch_size, 1))  # micro-batches of one pass, all rows
     gen = generation_time(cfg, hf, device, rollout_mem, mean, eff)
-    lp = log_prob_time(cfg, hf, device, mean, eff, m_all)
-    upd, flops, compute = update_time(
-        cfg, hf, device, train_mem, mean, eff, devices_per_node or cfg.cluster.devices_per_node, m
-    )
-    if cfg.critic.enabled:
-        upd *= 2
+    lp, upd, flops, compute = trainer_time(cfg, hf, device, train_mem, mean, eff, devices_per_node)
     return StepTime(gen, lp, upd, sync_time(cfg, hf, device, rollout_mem, eff), flops, compute)
