@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.engine.megatron.logprob import chunk_tokens, vocab_parallel_logprob_entropy
+from megarl.engine.megatron.logprob import CHUNK_BYTES, chunk_tokens, vocab_parallel_logprob_entropy
 from tests._dist import run_ranks
 
 N, V = 23, 97  # tokens (a prime: no chunk size below divides it) and vocabulary
@@ -51,11 +51,12 @@ def _chunked(logits, labels, w_lp, w_ent, temperature, chunk, **kw):
     return lp.detach(), None if ent is None else ent.detach(), x.grad
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("chunk", [1, 4, 7, N, 1000])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_equals_unchunked_and_float64(chunk, temperature):
+def test_chunked_equals_unchunked_and_float64(chunk, temperature, overwrite):
     logits, labels, w_lp, w_ent = _inputs()
-    lp, ent, grad = _chunked(logits, labels, w_lp, w_ent, temperature, chunk)
+    lp, ent, grad = _chunked(logits, labels, w_lp, w_ent, temperature, chunk, overwrite_logits=overwrite)
     ref32 = _reference(logits, labels, w_lp, w_ent, temperature, torch.float32)
     ref64 = _reference(logits, labels, w_lp, w_ent, temperature, torch.float64)
     for got, r32, r64, name in zip((lp, ent, grad), ref32, ref64, ("log_prob", "entropy", "grad")):
@@ -90,7 +91,7 @@ def test_batched_bf16_logits_give_an_fp32_result_and_a_bf16_gradient():
 
 
 def test_default_chunk_bounds_the_intermediates():
-    assert chunk_tokens(151936) * 151936 * 4 <= 64 * 2**20 < (chunk_tokens(151936) + 1) * 151936 * 4
+    assert chunk_tokens(151936) * 151936 * 4 <= CHUNK_BYTES < (chunk_tokens(151936) + 1) * 151936 * 4
     assert chunk_tokens(10**9) == 1
 
 
@@ -102,7 +103,14 @@ def _tp_rank(rank, chunk, temperature, entropy_grad):
     local = logits[:, :half] if rank == 0 else logits[:, half:]
     x = local.clone().requires_grad_(True)
     lp, ent = vocab_parallel_logprob_entropy(
-        x, labels, rank * half, dist.group.WORLD, temperature, entropy_grad=entropy_grad, chunk=chunk
+        x,
+        labels,
+        rank * half,
+        dist.group.WORLD,
+        temperature,
+        entropy_grad=entropy_grad,
+        chunk=chunk,
+        overwrite_logits=True,  # as the engine runs it
     )
     loss = (lp.double() * w_lp).sum() + ((ent.double() * w_ent).sum() if entropy_grad else 0)
     loss.backward()
@@ -121,3 +129,14 @@ def test_tp2_over_gloo_equals_one_rank_float64(chunk, temperature, entropy_grad)
         assert (ent.double() - ref[1]).abs().max() <= 1e-5
     grad = torch.cat([ranks[0][2], ranks[1][2]], dim=-1)  # each rank's slice of d/d logits
     assert _close(grad.double(), ref[2], 1e-6)
+
+
+def test_overwrite_puts_the_gradient_in_the_logits_storage():
+    """What saves the engine a [tokens, vocab] buffer in backward (the bench measures it)."""
+    logits, labels, w_lp, w_ent = _inputs(seed=4)
+    x = logits.clone().requires_grad_(True)
+    lp, _ = vocab_parallel_logprob_entropy(x, labels, chunk=5, overwrite_logits=True)
+    (lp.double() * w_lp).sum().backward()
+    assert x.grad.data_ptr() == x.data_ptr()
+    ref = _reference(logits, labels, w_lp, torch.zeros_like(w_ent), 1.0, torch.float64)
+    assert _close(x.grad.double(), ref[2], 1e-6)

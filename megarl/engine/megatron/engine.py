@@ -236,8 +236,8 @@ class MegatronEngine:
         def head(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
             vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
             log_prob, entropy = vocab_parallel_logprob_entropy(
-                logits, labels, vocab_start, tp_group, temperature, with_entropy, entropy_grad
-            )
+                logits, labels, vocab_start, tp_group, temperature, with_entropy, entropy_grad, overwrite_logits=True
+            )  # the model's logits feed only this head
             return (log_prob, entropy) if with_entropy else (log_prob,)
 
         return head

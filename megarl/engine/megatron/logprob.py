@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# fp32 bytes of one [chunk, vocab_local] intermediate; a few of these live at once. Large enough
-# that the per-chunk loop and all-reduces cost nothing next to the exp over the chunk.
-CHUNK_BYTES = 64 * 2**20
+# fp32 bytes of one [chunk, vocab_local] work buffer; two exist per call, reused by every chunk
+# (fresh ones per chunk cost page faults on CPU). Large enough that the per-chunk loop, its
+# all-reduces and each op's thread start-up cost little next to the passes over the chunk.
+CHUNK_BYTES = 128 * 2**20
 
 
 def chunk_tokens(vocab_local: int) -> int:
@@ -28,9 +29,18 @@ def _tp_active(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    x = logits.float()
-    return x / temperature if temperature != 1.0 else x
+def _label_index(labels: torch.Tensor, vocab_start: int, v_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index into this rank's slice [n, 1], whether the label is in the slice [n])."""
+    in_slice = (labels >= vocab_start) & (labels < vocab_start + v_local)
+    return (labels - vocab_start).clamp(0, v_local - 1).unsqueeze(-1), in_slice
+
+
+def _scaled(buf: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T in fp32: the logits themselves when that is what they are, else written into buf."""
+    if logits.dtype == torch.float32 and temperature == 1.0:
+        return logits
+    buf.copy_(logits)
+    return buf.div_(temperature) if temperature != 1.0 else buf
 
 
 class _ChunkedLogProb(torch.autograd.Function):
@@ -42,65 +52,65 @@ class _ChunkedLogProb(torch.autograd.Function):
     reduced values)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, vocab_start, group, temperature, chunk, with_entropy):
+    def forward(ctx, logits, labels, vocab_start, group, temperature, chunk, with_entropy, overwrite):
         n, v_local = logits.shape
         tp = _tp_active(group)
-        log_prob = torch.empty(n, dtype=torch.float32, device=logits.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=logits.device) if with_entropy else None
-        row_max = torch.empty_like(log_prob)
-        sum_exp = torch.empty_like(log_prob)
+        # log p(label), entropy, and the softmax's max and normaliser (what backward rebuilds p from)
+        log_prob, entropy, row_max, sum_exp = (torch.empty(n, device=logits.device) for _ in range(4))
+        work = torch.empty(2, min(chunk, n), v_local, device=logits.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            x = _scaled(logits[s:e], temperature)
-            m = x.max(dim=-1).values
+            scaled = _scaled(work[0, : e - s], logits[s:e], temperature)
+            m = torch.amax(scaled, dim=-1)
             if tp:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            x = x - m.unsqueeze(-1)
-            ex = x.exp()
-            lab = labels[s:e]
-            in_slice = (lab >= vocab_start) & (lab < vocab_start + v_local)
-            idx = (lab - vocab_start).clamp(0, v_local - 1)
-            sums = [ex.sum(dim=-1), x.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * in_slice]
+            x = torch.sub(scaled, m.unsqueeze(-1), out=work[0, : e - s])
+            ex = torch.exp(x, out=work[1, : e - s])
+            idx, in_slice = _label_index(labels[s:e], vocab_start, v_local)
+            sums = [ex.sum(dim=-1), x.gather(-1, idx).squeeze(-1) * in_slice]
             if with_entropy:
-                sums.append((ex * x).sum(dim=-1))
+                sums.append(ex.mul_(x).sum(dim=-1))
             stacked = torch.stack(sums)
-            if tp:  # one collective for the chunk's three sums
+            if tp:  # one collective for the chunk's sums
                 dist.all_reduce(stacked, group=group)
             log_z = stacked[0].log()
             log_prob[s:e] = stacked[1] - log_z
             if with_entropy:
                 entropy[s:e] = log_z - stacked[2] / stacked[0]
             row_max[s:e], sum_exp[s:e] = m, stacked[0]
-        ctx.save_for_backward(logits, labels, row_max, sum_exp, entropy if with_entropy else None)
-        ctx.meta = (vocab_start, temperature, chunk)
+        ctx.save_for_backward(logits, labels, entropy, row_max, sum_exp)
+        ctx.meta = (vocab_start, temperature, chunk, overwrite)
         ctx.set_materialize_grads(False)
-        if not with_entropy:
-            return log_prob, None
-        return log_prob, entropy
+        return log_prob, (entropy if with_entropy else None)
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy):
-        logits, labels, row_max, sum_exp, entropy = ctx.saved_tensors
-        vocab_start, temperature, chunk = ctx.meta
+        logits, labels, entropy, row_max, sum_exp = ctx.saved_tensors
+        vocab_start, temperature, chunk, overwrite = ctx.meta
         n, v_local = logits.shape
-        grad = torch.empty_like(logits)
+        # the logits are dead once their gradient exists (a linear layer's backward needs its input,
+        # not its output): overwriting them saves a [tokens, vocab] buffer
+        grad = logits if overwrite else torch.empty_like(logits)
+        work = torch.empty(2, min(chunk, n), v_local, device=logits.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            # shifted first, as forward: subtracting max + log Z at once loses the low bits
-            log_p = (_scaled(logits[s:e], temperature) - row_max[s:e].unsqueeze(-1)) - sum_exp[s:e].log().unsqueeze(-1)
-            p = log_p.exp()
-            g = torch.zeros_like(p)
-            if grad_entropy is not None:
-                g -= grad_entropy[s:e].unsqueeze(-1) * p * (log_p + entropy[s:e].unsqueeze(-1))
-            if grad_log_prob is not None:
+            g = _scaled(work[0, : e - s], logits[s:e], temperature)
+            g = torch.sub(g, row_max[s:e].unsqueeze(-1), out=work[0, : e - s])
+            g.sub_(sum_exp[s:e].log().unsqueeze(-1))  # log p; shifted first, as forward, keeps the low bits
+            p = torch.exp(g, out=work[1, : e - s])
+            if grad_entropy is not None:  # g = -g_H p (log p + H)
+                g.add_(entropy[s:e].unsqueeze(-1)).mul_(p).mul_(-grad_entropy[s:e].unsqueeze(-1))
+            else:
+                g.zero_()
+            if grad_log_prob is not None:  # g += g_lp (onehot - p)
                 g_lp = grad_log_prob[s:e].unsqueeze(-1)
-                g -= g_lp * p
-                lab = labels[s:e]
-                in_slice = (lab >= vocab_start) & (lab < vocab_start + v_local)
-                idx = (lab - vocab_start).clamp(0, v_local - 1).unsqueeze(-1)
+                g.addcmul_(p, g_lp, value=-1.0)
+                idx, in_slice = _label_index(labels[s:e], vocab_start, v_local)
                 g.scatter_add_(-1, idx, g_lp * in_slice.unsqueeze(-1).to(g.dtype))
-            grad[s:e] = g / temperature if temperature != 1.0 else g
-        return grad, None, None, None, None, None, None
+            if temperature != 1.0:
+                g.div_(temperature)
+            grad[s:e] = g
+        return grad, None, None, None, None, None, None, None
 
 
 def vocab_parallel_logprob_entropy(
@@ -112,6 +122,7 @@ def vocab_parallel_logprob_entropy(
     with_entropy: bool = True,
     entropy_grad: bool = True,
     chunk: int | None = None,
+    overwrite_logits: bool = False,
 ):
     """log p(label) and entropy per position for logits sharded on the last dim.
 
@@ -119,13 +130,22 @@ def vocab_parallel_logprob_entropy(
     labels: [...] global token ids. Returns (log_prob [...], entropy [...] or None), of
     log_softmax(logits / T) in fp32. entropy_grad=False: the entropy is a metric (detached).
     chunk: tokens per chunk (default: chunk_tokens(V_local)); every TP rank must pass the same.
+    overwrite_logits: backward writes d/d logits into the logits' own storage (for logits nothing
+    else reads after the loss, as a model's output; a second backward through them is then wrong).
     """
     lead, v_local = logits.shape[:-1], logits.shape[-1]
     if temperature == 0.0:  # greedy sampling: scored as sampled at T = 1
         temperature = 1.0
     chunk = chunk or chunk_tokens(v_local)
     log_prob, entropy = _ChunkedLogProb.apply(
-        logits.reshape(-1, v_local), labels.reshape(-1), vocab_start, group, temperature, chunk, with_entropy
+        logits.reshape(-1, v_local),
+        labels.reshape(-1),
+        vocab_start,
+        group,
+        temperature,
+        chunk,
+        with_entropy,
+        overwrite_logits,
     )
     if entropy is not None:
         entropy = (entropy if entropy_grad else entropy.detach()).reshape(lead)
