@@ -56,8 +56,10 @@ class _ChunkedLogProb(torch.autograd.Function):
         n, v_local = logits.shape
         tp = _tp_active(group)
         # log p(label), entropy, and the softmax's max and normaliser (what backward rebuilds p from)
-        log_prob, entropy, row_max, sum_exp = (torch.empty(n, device=logits.device) for _ in range(4))
-        work = torch.empty(2, min(chunk, n), v_local, device=logits.device)
+        log_prob, entropy, row_max, sum_exp = (
+            torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(4)
+        )
+        work = torch.empty(2, min(chunk, n), v_local, dtype=torch.float32, device=logits.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             scaled = _scaled(work[0, : e - s], logits[s:e], temperature)
@@ -91,7 +93,7 @@ class _ChunkedLogProb(torch.autograd.Function):
         # the logits are dead once their gradient exists (a linear layer's backward needs its input,
         # not its output): overwriting them saves a [tokens, vocab] buffer
         grad = logits if overwrite else torch.empty_like(logits)
-        work = torch.empty(2, min(chunk, n), v_local, device=logits.device)
+        work = torch.empty(2, min(chunk, n), v_local, dtype=torch.float32, device=logits.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             g = _scaled(work[0, : e - s], logits[s:e], temperature)
