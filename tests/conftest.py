@@ -31,6 +31,7 @@ SLOW_MODULES = {
     "tests/engine/test_checkpoint.py",
     "tests/engine/test_cpu_collectives.py",
     "tests/engine/test_critic.py",
+    "tests/engine/test_logprob_engine.py",
     "tests/engine/test_megatron_engine.py",
     "tests/engine/test_offload.py",
     "tests/engine/test_routing_replay.py",

@@ -46,6 +46,7 @@ COVERED = {
     "bench_gpu_plan.py": "test_bench_gpu_plan",
     "bench_kv_cache.py": "test_bench_kv_cache",
     "bench_learning.py": "test_bench_learning",
+    "bench_logprob.py": "test_bench_logprob",
     "bench_mfu.py": "test_bench_mfu",
     "bench_plan.py": "test_bench_plan",
     "bench_rollout.py": "test_bench_rollout",
@@ -147,6 +148,7 @@ def pair(request, tiny_model_path, rollout_workdir, tmp_path_factory):
         "test_bench_mfu": smoke_command("bench_mfu.py"),
         "test_bench_generate_path": smoke_command("bench_generate_path.py", "--model", str(tiny_model_path)),
         "test_bench_convert": smoke_command("bench_convert.py"),
+        "test_bench_logprob": smoke_command("bench_logprob.py"),
         "test_bench_gpu": smoke_command("bench_gpu.py", "--out", str(out["bench_gpu"])),
         "test_bench_gpu_plan": smoke_command("bench_gpu_plan.py", "--out", str(out["bench_gpu_plan"])),
         "test_gpu_probe": smoke_command("gpu_probe.py", "--out", str(out["gpu_probe"])),
@@ -200,6 +202,13 @@ def test_bench_generate_path(pair):
 def test_bench_convert(pair):
     out = pair.output("test_bench_convert")
     assert_lines(out, "tiny: safetensors", "hf-to-mcore", "mcore-to-hf", "round trip bit-exact")
+
+
+def test_bench_logprob(pair):
+    """Chunked vs full log-prob head at 64 tokens x 4096 (chunks of 16): equal, then measured."""
+    out = pair.output("test_bench_logprob")
+    assert_lines(out, "| pass | variant | added peak MiB |", "| forward | full |", "| train+entropy | chunked |")
+    assert out.strip().splitlines()[-1].startswith("peak memory ratio "), out[-2000:]
 
 
 def test_bench_gpu(pair):

@@ -186,7 +186,7 @@ class MegatronActor(Worker):
                 "compute_ref_log_prob: this actor group was built without a reference policy (ref.enabled=false)"
             )
         with self.ref_offload_policy.forward():
-            out = self.ref.compute_log_prob(batch, temperature)
+            out = self.ref.compute_log_prob(batch, temperature, with_entropy=False)  # nothing reads it
         return None if out is None else Batch({"ref_log_probs": out["log_probs"]})
 
     @register(dispatch=Dispatch.DP_COMPUTE)

@@ -226,18 +226,19 @@ class MegatronEngine:
             multiple *= 2 * p.cp
         return int(math.ceil(length / multiple) * multiple)
 
-    def logprob_head(self, temperature: float, entropy_grad: bool = True) -> Head:
-        """The policy head: vocab-parallel logits -> (log p(label), entropy) per position.
-        entropy_grad=False: the entropy is a metric only (detached; saves its backward)."""
+    def logprob_head(self, temperature: float, entropy_grad: bool = True, with_entropy: bool = True) -> Head:
+        """Vocab-parallel logits -> (log p(label), entropy) per position, in chunks (logprob.py).
+        entropy_grad=False: entropy as a metric (detached); with_entropy=False: (log p(label),)."""
         from megatron.core import parallel_state as ps
 
         tp_group = ps.get_tensor_model_parallel_group()
 
-        def head(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def head(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
             vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-            return vocab_parallel_logprob_entropy(
-                logits, labels, vocab_start, tp_group, temperature, entropy_grad=entropy_grad
-            )
+            log_prob, entropy = vocab_parallel_logprob_entropy(
+                logits, labels, vocab_start, tp_group, temperature, with_entropy, entropy_grad, overwrite_logits=True
+            )  # the model's logits feed only this head
+            return (log_prob, entropy) if with_entropy else (log_prob,)
 
         return head
 
@@ -343,14 +344,14 @@ class MegatronEngine:
         return mask
 
     @torch.no_grad()
-    def compute_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
-        """log-probs and entropy of `responses` under the current weights ([B, R] each)."""
+    def compute_log_prob(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = True) -> Batch | None:
+        """log-probs and (with_entropy) entropy of `responses` under the current weights ([B, R] each)."""
         for chunk in self.model:
             chunk.eval()
-        tensors, _ = self._run(batch, None, self.logprob_head(temperature), forward_only=True)
+        tensors, _ = self._run(batch, None, self.logprob_head(temperature, with_entropy=with_entropy), True)
         if tensors is None:
             return None
-        return Batch({"log_probs": tensors[0], "entropy": tensors[1]})
+        return Batch(dict(zip(("log_probs", "entropy"), tensors)))
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch | None:
