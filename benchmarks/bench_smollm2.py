@@ -19,7 +19,9 @@
      floor under a weight sync that moves every byte once.
    ratio = megarl's seconds / the peer's (1.0: as fast; below 1: faster).
 
---smoke: 3 steps, 1 of warm-up, 2 prompts x 2 samples of 4 new tokens: checks the script end to end.
+--smoke: 3 steps, 1 of warm-up, 2 prompts x 2 samples of 4 new tokens, on SmolLM2's first two
+layers (the real weights and tokenizer, the other 28 layers dropped): checks the script end to end,
+not its numbers.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3, help="timed calls of each peer (the median is reported)")
     p.add_argument("--json", default=None)
-    p.add_argument("--smoke", action="store_true", help="3 steps, 1 warm-up, 2 prompts x 2 samples x 4 tokens")
+    p.add_argument(
+        "--smoke", action="store_true", help="3 steps, 1 warm-up, 2 prompts x 2 samples x 4 tokens, 2 layers"
+    )
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides (both sides see them)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -59,6 +63,32 @@ def parse_args(argv=None):
             "actor.micro_batch_size=1",
         ]
     return args
+
+
+SMOKE_LAYERS = 2
+
+
+def shallow_copy(model_path: str, layers: int, out: Path) -> Path:
+    """The HF folder at model_path cut to its first `layers` decoder layers, written to out."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = Path(model_path)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    keep = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= layers:
+            continue
+        keep[name] = t
+    save_file(keep, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 def megarl_side(args, output_dir: Path) -> dict:
@@ -181,9 +211,14 @@ def main(argv=None) -> dict:
     cfg = validate(load_config(ROOT / args.config, args.overrides))
     model_path = cfg.model.path or str(materialize())
     with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:
+            (Path(tmp) / "model").mkdir()
+            model_path = str(shallow_copy(model_path, SMOKE_LAYERS, Path(tmp) / "model"))
+            args.overrides.append(f"model.path={model_path}")
+            cfg = validate(load_config(ROOT / args.config, args.overrides))
         ours = megarl_side(args, Path(tmp))
-    tok, prompts = peer_inputs(cfg, model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        tok, prompts = peer_inputs(cfg, model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     response_len = max(1, round(ours["response_length_mean"]))
     peers = {
         "gen": hf_generate(model.eval(), tok, prompts, cfg, args.repeats),

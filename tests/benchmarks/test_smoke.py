@@ -287,9 +287,7 @@ def test_bench_async(pair, tiny_model_path):
 def test_bench_smollm2(pair):
     pair.drain()
     out = smoke("bench_smollm2.py", timeout=600)
-    assert_lines(
-        out, "stage     megarl s", "gen ", "update ", "sync ", "HF generate", "copy_ of the state dict (513 MiB)"
-    )
+    assert_lines(out, "stage     megarl s", "gen ", "update ", "sync ", "HF generate", "copy_ of the state dict (")
 
 
 def test_bench_plan(pair, tiny_model_path):
