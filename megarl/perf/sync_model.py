@@ -97,7 +97,7 @@ def hf_tensor_count(hf: dict) -> int:
     mt = hf["model_type"]
     n = 2 + (0 if hf.get("tie_word_embeddings") else 1)  # embedding, final norm, LM head
     if mt == "deepseek_v3":
-        attn = 5 + (3 if hf.get("q_lora_rank") else 1)  # kv_a, kv_a_norm, kv_b, o + q (a, a_norm, b)
+        attn = 4 + (3 if hf.get("q_lora_rank") else 1)  # kv_a, kv_a_norm, kv_b, o + q (a, a_norm, b)
     else:
         attn = 4 + (3 if mt == "qwen2" or hf.get("attention_bias") else 0) + (2 if mt in ("qwen3", "qwen3_moe") else 0)
     for i in range(hf["num_hidden_layers"]):
