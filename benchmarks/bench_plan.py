@@ -148,23 +148,25 @@ CALIBRATION = [
         {"tokens/s/GPU": 1102, "step s": 192},
     ),
     # weight sync alone, trainer pool -> rollout pool over the network (verl docs/advance/fully_async.md,
-    # "without checkpoint-engine", H20, Megatron): the 30B row set Efficiency.tensor_s, the 235B row checks it
+    # H20, Megatron), with verl's bucketed checkpoint engine (2 GiB buckets) as megarl buckets too;
+    # each transport against every published sync: bench_sync_plan.py
     (
-        "verl Qwen3-30B-A3B weight sync, 16 -> 16 H20 (fully_async.md)",
+        "verl Qwen3-30B-A3B weight sync, 16 -> 16 H20 (fully_async.md, checkpoint engine)",
         "qwen3-30b-a3b",
         [
             "cluster.placement=disaggregated",
             "cluster.num_rollout_devices=16",
             "bridge.transport=distributed",
+            "bridge.bucket_size_mb=2048",
             "rollout.release_memory=null",
         ],
         "32xH20",
         None,
         1024,
-        {"weight sync s": 15.76},
+        {"weight sync s": 4.38},
     ),
     (
-        "verl Qwen3-235B-A22B weight sync, 64 -> 64 H20 (fully_async.md)",
+        "verl Qwen3-235B-A22B weight sync, 64 -> 64 H20 (fully_async.md, checkpoint engine)",
         "qwen3-235b-a22b",
         [
             "cluster.num_actor_ranks=64",
@@ -176,13 +178,14 @@ CALIBRATION = [
             "rollout.num_servers=8",
             "rollout.tp=8",
             "bridge.transport=distributed",
+            "bridge.bucket_size_mb=2048",
             "rollout.release_memory=null",
             "actor.ppo_mini_batch_size=64",
         ],
         "128xH20",
         None,
         1024,
-        {"weight sync s": 58.57},
+        {"weight sync s": 23.70},
     ),
 ]
 

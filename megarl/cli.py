@@ -4,7 +4,7 @@
     megarl train quickstart          # a shipped config by name, from any directory (megarl/configs)
     megarl sft configs/sft-quickstart.yaml sft.epochs=3 [--debug]  # supervised fine-tuning on chats
     megarl show-config configs/quickstart.yaml [overrides...]   # print the resolved config
-    megarl plan configs/deepseek-v3-671b.yaml --devices 256xH100  # memory and step time, predicted
+    megarl plan configs/deepseek-v3-671b.yaml --devices 256xH100 [--json]  # memory, step time, weight sync
     megarl plan configs/deepseek-v3-671b.yaml --devices 256xH100 --search [--top 5] [--json]  # best layouts
     megarl export outputs/quickstart [--step N] [--out DIR]     # a checkpoint as a HF folder
     megarl compare-runs RUN_A RUN_B     # metrics.jsonl identical step for step (but wall clocks)?
@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
             )
             p.add_argument("--search", action="store_true", help="search the layouts on --devices; rank by step time")
             p.add_argument("--top", type=int, default=5, help="--search: layouts to print (default 5)")
-            p.add_argument("--json", action="store_true", help="--search: print the ranking as JSON")
+            p.add_argument("--json", action="store_true", help="print the plan (or --search's ranking) as JSON")
         if name in ("train", "sft"):
             p.add_argument(
                 "--debug",
@@ -184,10 +184,10 @@ def _model_config(cfg) -> dict:
     return read_model_config(cfg) or _preset_model_config(cfg)
 
 
-def plan(cfg, devices: str | None, response_len: float | None) -> int:
+def plan(cfg, devices: str | None, response_len: float | None, json_out: bool = False) -> int:
     """`megarl plan`: print the breakdown; exit 2 with one line when the layout cannot fit."""
     from megarl.perf.hardware import parse_devices
-    from megarl.perf.plan import format_plan, make_plan, pool_sizes, refusal, run_device
+    from megarl.perf.plan import format_plan, make_plan, plan_json, pool_sizes, refusal, run_device
 
     hf = _model_config(cfg)
     need = sum(pool_sizes(cfg))
@@ -219,7 +219,12 @@ def plan(cfg, devices: str | None, response_len: float | None) -> int:
     except ValueError as err:  # e.g. a model type the FLOPs model does not know
         print(f"megarl: plan: {err}", file=sys.stderr)
         return 2
-    print(format_plan(cfg, result))
+    if json_out:
+        import json
+
+        print(json.dumps(plan_json(cfg, result), indent=1))
+    else:
+        print(format_plan(cfg, result))
     reason = refusal(cfg, hf, result)
     if reason:
         print(f"megarl: plan: does not fit: {reason}", file=sys.stderr)
@@ -334,9 +339,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "show-config":
         print(dump(cfg), end="")
         return 0
-    if args.command == "plan" and args.json and not args.search:
-        print("megarl: plan: --json prints the layout search's ranking; add --search", file=sys.stderr)
-        return 2
     if args.command == "plan" and args.search:
         from megarl.perf.search import run_search
 
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megarl: plan: {err}", file=sys.stderr)
         return code
     if args.command == "plan":
-        return plan(cfg, args.devices, args.response_len)
+        return plan(cfg, args.devices, args.response_len, args.json)
     reason = _missing_weights(cfg) or _backend_unavailable(cfg) or _memory_refusal(cfg)
     if reason:
         print(f"megarl: config error: {reason}", file=sys.stderr)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from megarl.perf.hardware import Device, GiB
 from megarl.perf.memory import TrainMemory, reference_params_bytes, rollout_memory, train_memory
-from megarl.perf.steptime import StepTime, _dtype, step_time
+from megarl.perf.steptime import StepTime, _dtype, efficiency_of, step_time
+from megarl.perf.sync_model import TransportTime, format_sync, predict
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Plan:
     kv_needed: int
     mean_response: float
     notes: list[str] = field(default_factory=list)
+    weight_sync: dict[str, TransportTime] = field(default_factory=dict)  # every transport, when timed
 
     def peak(self, phase: str) -> float:
         return sum(self.phases[phase].values())
@@ -125,13 +127,19 @@ def make_plan(
             timing_cfg.data.max_prompt_length = int(round(mean_prompt))
         t = step_time(timing_cfg, hf, device, actor, rollout, mean)
     plan = Plan(sum(pool_sizes(cfg)), device, phases, actor, t, rollout.kv_capacity, rollout.kv_needed, mean)
+    if timed:
+        plan.weight_sync = predict(cfg, hf, device, rollout, efficiency_of(device))
     if rollout.kv_capacity < rollout.kv_needed:
-        plan.notes.append(
-            f"the KV cache holds {rollout.kv_capacity:,} tokens per engine, "
-            f"{rollout.kv_capacity / max(rollout.kv_needed, 1):.0%} of the {rollout.kv_needed:,} "
-            "that rollout.max_batch_size full-length sequences need: the engine runs fewer at once"
-        )
+        plan.notes.append(_kv_note(rollout))
     return plan
+
+
+def _kv_note(rollout) -> str:
+    return (
+        f"the KV cache holds {rollout.kv_capacity:,} tokens per engine, "
+        f"{rollout.kv_capacity / max(rollout.kv_needed, 1):.0%} of the {rollout.kv_needed:,} "
+        "that rollout.max_batch_size full-length sequences need: the engine runs fewer at once"
+    )
 
 
 # single changes tried, cheapest first, per overflowing phase: (dotted key, new value from cfg)
@@ -298,8 +306,29 @@ def format_plan(cfg, plan: Plan) -> str:
         lines.append(
             f"  {cfg.trainer.mode}: {t.overlapped:.{digits}f} (the slower side: generation and training overlap)"
         )
+    if plan.weight_sync:
+        lines += ["", *format_sync(plan.weight_sync, cfg.bridge.transport)]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def plan_json(cfg, plan: Plan) -> dict:
+    """`megarl plan --json`: the plan's numbers, machine-readable."""
+    from megarl.perf.sync_model import as_json
+
+    t = plan.time
+    return {
+        "devices": plan.devices,
+        "device": plan.device.name,
+        "placement": cfg.cluster.placement,
+        "fits": plan.fits,
+        "memory_gib": {name: plan.peak(name) / GiB for name in plan.phases},
+        "kv_capacity": plan.kv_capacity,
+        "step_s": t.total if t else None,
+        "terms_s": {k: getattr(t, k) for k in ("generation", "log_prob", "update", "weight_sync")} if t else {},
+        "weight_sync": as_json(plan.weight_sync, cfg.bridge.transport),
+        "notes": list(plan.notes),
+    }
 
 
 def update_mfu(cfg, plan: Plan) -> float:

@@ -27,7 +27,9 @@ from megarl.perf import search_space as space
 from megarl.perf.hardware import Device, GiB
 from megarl.perf.memory import rollout_memory, train_memory
 from megarl.perf.plan import make_plan, pool_sizes
-from megarl.perf.steptime import StepTime, efficiency_of, generation_time, sync_time, trainer_time
+from megarl.perf.steptime import StepTime, efficiency_of, generation_time, trainer_time
+from megarl.perf.sync_model import as_json as sync_json
+from megarl.perf.sync_model import sync_time
 
 TERMS = ("generation", "log_prob", "update", "weight_sync")
 
@@ -40,6 +42,7 @@ class Candidate:
     tokens_per_s_per_device: float
     memory: dict[str, float]  # phase -> bytes per device (the plan's peaks)
     fits: bool = True
+    weight_sync: dict = field(default_factory=dict)  # every transport's sync_model.predict, as JSON
 
 
 @dataclass
@@ -217,7 +220,10 @@ def plan_candidate(cfg, hf: dict, device: Device, mean: float | None, mean_promp
     s = step_seconds(cfg, plan.time)
     devices = sum(pool_sizes(cfg))
     memory = {name: plan.peak(name) for name in plan.phases}
-    return Candidate({}, plan.time, s, _tokens_per_s(cfg, plan.mean_response, s, devices), memory, plan.fits), plan
+    sync = sync_json(plan.weight_sync, cfg.bridge.transport)
+    return Candidate(
+        {}, plan.time, s, _tokens_per_s(cfg, plan.mean_response, s, devices), memory, plan.fits, sync
+    ), plan
 
 
 def ranked_layouts(cfg, hf: dict, count: int, device: Device, mean_response: float | None = None):
@@ -306,6 +312,7 @@ def as_json(result: SearchResult) -> dict:
             "fits": c.fits,
             "memory_gib": {k: v / GiB for k, v in c.memory.items()},
             "terms_s": {k: getattr(c.step, k) for k in TERMS},
+            "weight_sync": c.weight_sync,
         }
 
     return {

@@ -19,10 +19,8 @@ stated efficiency, plus its communication and fixed costs:
   network),
   sequence-parallel gathers/scatters, context parallel's ring of key/value chunks, the data-parallel gradient reduce-scatter and parameter
   all-gather per optimizer step, and the offload traffic over PCIe.
-- weight sync: the bf16 model gathered and handed to the engines (colocated: NVLink-bound
-  gathers and device copies; distributed: a network broadcast; disk: write + read), plus a fixed
-  cost per checkpoint tensor (a MoE checkpoint has tens of thousands: each is gathered, named,
-  handed over and loaded by the engine on its own), calibrated on verl's published sync times.
+- weight sync: the configured transport's prediction (megarl/perf/sync_model.py prices every
+  transport by its links, gathers, engine load and per-tensor costs).
 
 The efficiencies are the planner's one assumption; they are calibrated against published runs in
 benchmarks/RESULTS.md ("Planner calibration"), where the prediction errors are reported.
@@ -35,6 +33,7 @@ from dataclasses import dataclass
 
 from megarl.perf.flops import _as_dict, attention_flops_per_pair, count_params, layer_params
 from megarl.perf.hardware import Device
+from megarl.perf.sync_model import hf_tensor_count, sync_time  # noqa: F401  (steptime's names before sync_model)
 
 
 @dataclass(frozen=True)
@@ -237,40 +236,6 @@ def log_prob_time(cfg, hf: dict, device: Device, mean_response: float, eff: Effi
     world = cfg.cluster.num_actor_ranks
     t = fwd / (world * device.peak_flops(_dtype(cfg, device)) * eff.gemm) * (1 + _bubble(p, micro_batches))
     return passes * (t + micro_batches * hf["num_hidden_layers"] / p.pp * eff.layer_pass_s + eff.phase_s)
-
-
-def hf_tensor_count(hf: dict) -> int:
-    """Tensors of the model's Hugging Face checkpoint (what a weight sync names one by one)."""
-    hf = _as_dict(hf)
-    mt = hf["model_type"]
-    n = 2 + (0 if hf.get("tie_word_embeddings") else 1)  # embedding, final norm, LM head
-    if mt == "deepseek_v3":
-        attn = 5 + (3 if hf.get("q_lora_rank") else 1)  # kv_a, kv_a_norm, kv_b, o + q (a, a_norm, b)
-    else:
-        attn = 4 + (3 if mt == "qwen2" or hf.get("attention_bias") else 0) + (2 if mt in ("qwen3", "qwen3_moe") else 0)
-    for i in range(hf["num_hidden_layers"]):
-        lp = layer_params(hf, i)
-        if lp.experts:
-            mlp = 1 + 3 * lp.experts + (3 if hf.get("n_shared_experts") else 0) + (mt == "deepseek_v3")
-        else:
-            mlp = 3
-        n += 2 + attn + mlp  # + the two norms
-    return n
-
-
-def sync_time(cfg, hf: dict, device: Device, rollout_mem, eff: Efficiency) -> float:
-    model_bytes = count_params(hf).total * 2
-    r = cfg.rollout
-    per_device = rollout_mem.weights
-    tensors = hf_tensor_count(hf)
-    if cfg.bridge.transport == "disk":
-        return 2 * model_bytes / (2e9 * eff.link) + tensors * eff.tensor_s + eff.phase_s
-    if cfg.bridge.transport in ("distributed", "reshard") or cfg.cluster.placement == "disaggregated":
-        return model_bytes / (device.net_bw * eff.link) + tensors * eff.tensor_s + eff.phase_s
-    world = cfg.cluster.num_actor_ranks
-    gather = model_bytes / (world * device.nvlink_bw * eff.link) * r.num_servers
-    load = 2 * per_device / (device.hbm_bw * eff.decode_bw)
-    return gather + load + tensors * eff.tensor_s + eff.phase_s
 
 
 def trainer_time(
