@@ -30,6 +30,7 @@ SLOW_MODULES = {
     "tests/engine/test_architectures.py",
     "tests/engine/test_checkpoint.py",
     "tests/engine/test_cpu_collectives.py",
+    "tests/engine/test_host_optimizer.py",
     "tests/engine/test_critic.py",
     "tests/engine/test_logprob_engine.py",
     "tests/engine/test_megatron_engine.py",

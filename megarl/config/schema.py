@@ -171,6 +171,7 @@ class OffloadConfig:
     params: bool = False
     grads: bool = False
     optimizer: bool = False
+    host_optimizer: float = 0.0  # share of Adam's state and step kept and run on the host (CPU Adam)
 
 
 @dataclass

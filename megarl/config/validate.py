@@ -8,6 +8,7 @@ One module per concern, each a set of check_* functions (and resolve_* for its a
   validate_data      data files, the train mix, data.custom_cls, data.task, validation options
   validate_model     model.path / critic.model.path, a tiny preset's depth
   validate_reward    reward.custom_function, the model reward
+  validate_offload   actor.offload.host_optimizer: its range and what Megatron runs it with
   validate_parallel  actor and critic layouts, their fit to the model, the batch sizes
   validate_pipeline  how a pipeline splits the layers (also used by the engine)
   validate_cluster   tensor-parallel groups inside a node, cluster.device_type
@@ -31,6 +32,7 @@ from megarl.config.validate_cluster import check_device_type
 from megarl.config.validate_data import check_data, check_task
 from megarl.config.validate_losses import check_losses, resolve_ref
 from megarl.config.validate_model import check_model_paths, read_model_config
+from megarl.config.validate_offload import check_offload
 from megarl.config.validate_parallel import (
     check_batch_sizes,
     check_critic,
@@ -75,6 +77,7 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     if model_config is None:
         model_config = read_model_config(cfg)
     check_parallel(cfg, model_config)
+    check_offload(cfg)
     check_device_type(cfg)
     check_batch_sizes(cfg)
     check_task(cfg)

@@ -11,6 +11,7 @@ from megarl.config.schema import RunConfig
 from megarl.config.validate_cluster import check_device_type
 from megarl.config.validate_data import check_files
 from megarl.config.validate_model import check_model_paths, read_model_config
+from megarl.config.validate_offload import check_offload
 from megarl.config.validate_parallel import check_layout, check_nodes, data_parallel_size, resolve_sequence_parallel
 from megarl.config.validate_ranges import check_ranges
 from megarl.config.validate_trackers import check_loggers
@@ -32,6 +33,7 @@ def validate_sft(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_layout("actor", cfg.actor.parallel, cfg.cluster.num_actor_ranks, model_config)
     check_nodes(cfg)
     check_device_type(cfg)
+    check_offload(cfg)
     check_sft(cfg, model_config)
     check_loggers(cfg)
     out = copy.deepcopy(cfg)

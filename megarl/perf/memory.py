@@ -12,7 +12,11 @@ Training rank (Megatron, worst pipeline stage):
   never sharded (the distributed optimizer reduce-scatters into it).
 - optimizer: Adam's two moments in fp32 (8 bytes) plus the fp32 master copy in bf16 (4), sharded
   by the distributed optimizer over the data-parallel ranks (dp*cp for dense parameters, the
-  expert data-parallel ranks for experts).
+  expert data-parallel ranks for experts). actor.offload.host_optimizer = f keeps (1 - f) of it
+  on the device: Megatron's hybrid optimizer (engine/megatron/optimizer.py) holds the fp32 master
+  weights and moments of its host share there, and the distributed optimizer keeps no master
+  copy of its own. The host holds 16 bytes per parameter of that share: master 4, moments 8 and
+  the fp32 gradient it copies in before each step, 4 (TrainMemory.host_optimizer, per rank).
 - activations: what backward keeps, per token and layer, in the training dtype (Korthikanti et al.
   2022's accounting, with flash attention on GPUs, i.e. no score matrix; the CPU engine's attention
   keeps scores and probabilities, L x L per head). Sequence parallel divides the norm / residual
@@ -37,7 +41,7 @@ weights + KV cache; the rest is its runtime (activations, CUDA graphs).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megarl.perf.flops import _as_dict, layer_params
 from megarl.perf.hardware import Device
@@ -48,6 +52,9 @@ SGLANG_DEFAULT_MEM_FRACTION = 0.85
 # per token and vocab entry on the last stage during the log-prob head: bf16 logits 2 + fp32 copy 4
 # + shifted 4 + exp 4 + exp * shifted 4 (fp32 training: the logits are the fp32 copy, 16)
 LOGIT_BYTES = {"bf16": 18, "fp32": 16}
+# per parameter of the host optimizer's share, on the host: fp32 master, two fp32 moments, the
+# fp32 gradient copied from the device before the step
+HOST_OPTIMIZER_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,8 @@ class TrainMemory:
     reserve: float
     in_flight: float  # micro-batches whose activations the stage keeps
     tokens: int  # tokens of one micro-batch
+    # host memory of the host optimizer's share per rank, on the stage that needs the most
+    host_optimizer: float = 0.0
 
     @property
     def static(self) -> float:
@@ -174,6 +183,7 @@ def train_memory(cfg, hf: dict, device: Device, section: str = "actor") -> Train
     pbytes, abytes = (2, 2) if bf16 else (4, 4)
     opt_bytes = 8 + (4 if bf16 else 0)
     dist = sec.optim.use_distributed_optimizer
+    host_share = getattr(sec.offload, "host_optimizer", 0.0)
     dp_dense = max(world // (p.tp * p.pp), 1)  # dp * cp: Megatron shards dense state over both
     dp_expert = max(world // (p.ep * p.etp * p.pp), 1)
     recompute = getattr(sec, "recompute", "none")
@@ -182,12 +192,13 @@ def train_memory(cfg, hf: dict, device: Device, section: str = "actor") -> Train
     local = tokens / p.cp
     m = micro_batches_per_rank(cfg, section)
     row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    best = None
+    best, most_host = None, 0.0
     stages = stage_params(hf, p, value_head=section == "critic")
     for s, st in enumerate(stages):
         params = (st.dense + st.expert) * pbytes
         grads = (st.dense + st.expert) * 4
-        optimizer = opt_bytes * ((st.dense / dp_dense + st.expert / dp_expert) if dist else st.dense + st.expert)
+        state = (st.dense / dp_dense + st.expert / dp_expert) if dist else st.dense + st.expert
+        optimizer = opt_bytes * state * (1 - host_share)
         per_layer = [activation_elements_per_token(hf, i, p.tp, sp) * local * abytes for i in st.layers]
         if device.name == "CPU":  # unfused attention keeps scores and probabilities per head
             heads = _as_dict(hf)["num_attention_heads"] / p.tp
@@ -203,10 +214,11 @@ def train_memory(cfg, hf: dict, device: Device, section: str = "actor") -> Train
         logits = 0.0
         if s == p.pp - 1 and section != "critic":
             logits = local * _as_dict(hf)["vocab_size"] / p.tp * LOGIT_BYTES["bf16" if bf16 else "fp32"]
+        most_host = max(most_host, HOST_OPTIMIZER_BYTES * state * host_share)
         mem = TrainMemory(s, params, grads, optimizer, acts, logits, device.runtime_reserve, flight, tokens)
         if best is None or mem.peak > best.peak:
             best = mem
-    return best
+    return replace(best, host_optimizer=most_host)
 
 
 def reference_params_bytes(cfg, hf: dict) -> float:

@@ -35,6 +35,7 @@ class Plan:
     mean_response: float
     notes: list[str] = field(default_factory=list)
     weight_sync: dict[str, TransportTime] = field(default_factory=dict)  # every transport, when timed
+    host: dict[str, float] = field(default_factory=dict)  # item -> host bytes per node (host_memory)
 
     def peak(self, phase: str) -> float:
         return sum(self.phases[phase].values())
@@ -129,17 +130,37 @@ def make_plan(
     plan = Plan(sum(pool_sizes(cfg)), device, phases, actor, t, rollout.kv_capacity, rollout.kv_needed, mean)
     if timed:
         plan.weight_sync = predict(cfg, hf, device, rollout, efficiency_of(device))
-    if rollout.kv_capacity < rollout.kv_needed:
-        plan.notes.append(_kv_note(rollout))
+    plan.host = host_memory(cfg, hf, actor, critic)
+    plan.notes += _kv_notes(rollout)
     return plan
 
 
-def _kv_note(rollout) -> str:
-    return (
+def _kv_notes(rollout) -> list[str]:
+    if rollout.kv_capacity >= rollout.kv_needed:
+        return []
+    return [
         f"the KV cache holds {rollout.kv_capacity:,} tokens per engine, "
         f"{rollout.kv_capacity / max(rollout.kv_needed, 1):.0%} of the {rollout.kv_needed:,} "
         "that rollout.max_batch_size full-length sequences need: the engine runs fewer at once"
-    )
+    ]
+
+
+def host_memory(cfg, hf: dict, actor: TrainMemory, critic: TrainMemory | None = None) -> dict[str, float]:
+    """Host memory per node that the trainer's state takes (beyond its processes): the host
+    optimizer's share (actor.offload.host_optimizer) and what colocation offload parks there
+    between phases, for the ranks of one node (cluster.devices_per_node, else the actor pool)."""
+    ranks = min(cfg.cluster.devices_per_node or cfg.cluster.num_actor_ranks, cfg.cluster.num_actor_ranks)
+    off = cfg.actor.offload
+    per_rank = {
+        "actor host optimizer": actor.host_optimizer,
+        "actor params (offloaded)": actor.params if off.params else 0.0,
+        "actor grads (offloaded)": actor.grads if off.grads else 0.0,
+        "actor optimizer (offloaded)": actor.optimizer if off.optimizer else 0.0,
+        "reference params (offloaded)": reference_params_bytes(cfg, hf) if cfg.ref.enabled and cfg.ref.offload else 0.0,
+    }
+    if critic is not None:
+        per_rank["critic (offloaded)"] = critic.static + critic.reserve - critic.resident(cfg.critic.offload)
+    return {k: v * ranks for k, v in per_rank.items() if v}
 
 
 # single changes tried, cheapest first, per overflowing phase: (dotted key, new value from cfg)
@@ -158,6 +179,8 @@ def _candidates(cfg, hf: dict, phase: str) -> list[tuple[str, object]]:
             out.append(("actor.micro_batch_size", a.micro_batch_size // 2))
         out += [("actor.parallel.pp", p.pp * 2)] + ([("actor.parallel.ep", p.ep * 2)] if moe else [])
         out += [("actor.parallel.tp", p.tp * 2)]
+        if a.offload.host_optimizer < 1:  # last: the host Adam step and its PCIe traffic cost time
+            out.append(("actor.offload.host_optimizer", 1.0))
     if phase in ("generate", "critic train"):
         for item in ("optimizer", "grads", "params"):
             if not getattr(a.offload, item):
@@ -214,6 +237,7 @@ def _fallback_knob(cfg, phase: str, items: dict) -> str:
         "actor optimizer": [
             "actor.optim.use_distributed_optimizer" if not a.optim.use_distributed_optimizer else None,
             "actor.parallel.ep" if ep_room else None,
+            "actor.offload.host_optimizer" if a.offload.host_optimizer < 1 and a.precision == "bf16" else None,
         ],
         "actor activations": [
             "actor.recompute" if getattr(a, "recompute", "full") != "full" else None,
@@ -287,6 +311,10 @@ def format_plan(cfg, plan: Plan) -> str:
         f"  KV cache: {plan.kv_capacity:,} tokens per engine, {plan.kv_needed:,} wanted "
         "(rollout.max_batch_size sequences at full length)"
     )
+    if plan.host:
+        ranks = min(cfg.cluster.devices_per_node or cfg.cluster.num_actor_ranks, cfg.cluster.num_actor_ranks)
+        lines.append(f"  host memory per node ({ranks} ranks): {sum(plan.host.values()) / div:.1f} {unit}")
+        lines += [f"      {name:<28} {value / div:8.2f}" for name, value in plan.host.items()]
     lines += [f"note: {n}" for n in plan.notes]
     if t is None:
         return "\n".join(lines)

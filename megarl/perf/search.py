@@ -141,7 +141,7 @@ def _trainer_side(cfg, hf, device: Device, mean: float, reserve: float, track: _
                 if mem.peak + reserve > device.memory:
                     continue
                 for off in offloads.values():
-                    c.actor.offload = OffloadConfig(**off)
+                    c.actor.offload = OffloadConfig(**off, host_optimizer=cfg.actor.offload.host_optimizer)
                     lp, upd, _, _ = trainer_time(c, hf, device, mem, mean, eff)
                     over = layout.overrides() | {
                         "actor.recompute": recompute,

@@ -124,6 +124,7 @@ def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
         precision=cfg.actor.precision,
         recompute=cfg.actor.recompute,
         routing_replay=cfg.actor.moe.routing_replay,
+        host_optimizer=cfg.actor.offload.host_optimizer,
     )
 
 

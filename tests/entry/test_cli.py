@@ -27,6 +27,7 @@ from tests._procs import SMALL_RUN, _assert_nothing_left, _start
         ("trainer.no_such_key=1", "trainer.no_such_key"),
         ("rollout.backend=sglang", "rollout.backend"),
         ("trainer.mode=fully_async", "trainer.mode"),  # the quickstart is colocated
+        ("actor.offload.host_optimizer=1.0", "actor.offload.host_optimizer"),  # the quickstart is fp32
     ],
 )
 def test_bad_config_exits_2_with_one_line_naming_the_key(override, key):

@@ -158,15 +158,21 @@ def test_plan_prints_the_breakdown_of_each_scale_config(name, capsys, monkeypatc
             ["actor.offload.optimizer=false", "actor.offload.grads=false", "actor.offload.params=false"],
             "no single change fits: start with actor.offload.optimizer",
         ),
-        # 8 GPUs: the experts' Adam state alone is 43 GB per GPU at the most sharding there is
-        (["cluster.num_actor_ranks=8", "rollout.num_servers=4"], "more devices (cluster.num_actor_ranks)"),
+        # 8 GPUs: the experts' Adam state alone is 43 GB per GPU at the most sharding there is,
+        # so it goes to the host; in fp32 (which the host optimizer refuses) on 4 GPUs nothing fits
+        (["cluster.num_actor_ranks=8", "rollout.num_servers=4"], "set actor.offload.host_optimizer=1.0"),
+        (
+            ["cluster.num_actor_ranks=4", "rollout.num_servers=2", "actor.parallel.ep=4", "actor.precision=fp32"],
+            "more devices (cluster.num_actor_ranks)",
+        ),
     ],
 )
 def test_an_overfull_layout_is_refused_with_the_knob_to_change(overrides, says, capsys, monkeypatch):
     from megarl.cli import main
 
     monkeypatch.chdir(ROOT)
-    devices = "8xH100" if "cluster.num_actor_ranks=8" in overrides else "16xH100"
+    ranks = next((o.split("=")[1] for o in overrides if o.startswith("cluster.num_actor_ranks=")), "16")
+    devices = f"{ranks}xH100"
     rc = main(["plan", "configs/qwen3-30b-a3b.yaml", *overrides, "--devices", devices])
     out = capsys.readouterr()
     err = out.err.strip().splitlines()

@@ -33,6 +33,7 @@ from megarl.engine.megatron.grad_guard import grads_finite
 from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge, pipeline_split_args, precision_dtype, recompute_args
 from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
+from megarl.engine.megatron.optimizer import build_optimizer
 from megarl.engine.megatron.routing_replay import RoutingReplay
 from megarl.engine.megatron.weights import (
     export_hf_weights,
@@ -59,6 +60,7 @@ class EngineSpec:
     precision: str = "fp32"  # actor.precision: fp32 | bf16 (model.precision_dtype)
     recompute: str = "none"  # actor/critic.recompute: none | selective | full (model.recompute_args)
     routing_replay: bool = False  # actor.moe.routing_replay: replay the rows' routed_experts (routing_replay.py)
+    host_optimizer: float = 0.0  # actor.offload.host_optimizer: the share of Adam's state and step on the host
 
 
 # A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
@@ -129,7 +131,9 @@ class MegatronEngine:
         rows.place(chunks, dtype)
         if training:
             chunks = self._wrap_ddp(chunks)
-            self.optimizer = self._build_optimizer(chunks)
+            self.optimizer = build_optimizer(
+                self.spec.optim, self.bridge.config.params_dtype, chunks, self.spec.host_optimizer
+            )
         else:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -176,27 +180,6 @@ class MegatronEngine:
         # the interleaved schedule enters every chunk's no_sync at once; the others take one
         config.no_sync_func = [d.no_sync for d in ddps] if len(ddps) > 1 else ddps[0].no_sync
         return ddps
-
-    def _build_optimizer(self, chunks: list):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        o = self.spec.optim
-        config = OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            # bf16: Megatron keeps fp32 master copies of the bf16 parameters in the optimizer
-            bf16=self.bridge.config.params_dtype is torch.bfloat16,
-            fp16=False,
-            params_dtype=self.bridge.config.params_dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer,
-        )
-        return get_megatron_optimizer(config, chunks)
 
     # ---------------------------------------------------------------- mesh facts
     def mesh_coord(self) -> dict:

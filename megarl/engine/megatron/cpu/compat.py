@@ -15,6 +15,7 @@ import threading
 import torch
 
 from megarl.engine.megatron.cpu import collectives as cpu_collectives
+from megarl.engine.megatron.cpu import host_adam
 
 _ACTIVE = False
 _LOCK = threading.Lock()
@@ -40,6 +41,7 @@ def activate() -> bool:
             _patch_torch_norm()
             _patch_moe_splits()
             _patch_torch_adam_checkpoints()
+            host_adam.install()  # actor.offload.host_optimizer: which parameters Adam steps on the host
             cpu_collectives.install()  # ranks on one host: hot collectives through shared memory
             _ACTIVE = True
     return True
@@ -328,6 +330,7 @@ def _patch_moe_splits():
 
 def _patch_torch_adam_checkpoints():
     from megatron.core.optimizer import distrib_optimizer as dopt
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
     if dopt.HAVE_APEX_OR_TE:
         return
@@ -343,16 +346,11 @@ def _patch_torch_adam_checkpoints():
         # fresh optimizer (a run about to resume) cannot describe the state it wants to load.
         # Create what Adam would create itself (zero moments, step 0); the next step is unchanged.
         inner = self.optimizer
-        if not isinstance(inner, torch.optim.Adam):  # AdamW included; other optimizers untouched
+        if isinstance(inner, HybridDeviceOptimizer):  # host Adam: torch Adams inside
+            host_adam.materialise(inner)
             return state_dict(self)
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if not inner.state[p]:
-                    inner.state[p].update(
-                        step=torch.zeros((), dtype=torch.float32),
-                        exp_avg=torch.zeros_like(p),
-                        exp_avg_sq=torch.zeros_like(p),
-                    )
+        if isinstance(inner, torch.optim.Adam):  # AdamW included; other optimizers untouched
+            host_adam.zero_adam_state(inner)
         return state_dict(self)
 
     def unshared_load_state_dict(self, state):
