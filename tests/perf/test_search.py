@@ -28,15 +28,20 @@ def _load(name: str, *overrides: str):
 
 
 def _published():
+    """The first three published runs the planner was checked on, as configs (benchmarks/published.py)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_plan import CALIBRATION
+    from published import BASE_CONFIGS, load_runs, overrides
 
+    names = {
+        "verl-dsv3-96xH20-grpo": "verl DeepSeek-V3 671B, 96 x H20",
+        "nemorl-dsv3-256xH100-grpo": "NeMo-RL DeepSeek-V3, 256 x H100",
+        "verl-qwen3-30b-a3b-8xH20-grpo": "verl Qwen3-30B-A3B, 8 x H20",
+    }
     out = {}
-    for name, base, overrides, devices, _prompt, _response, _ in CALIBRATION[:3]:
-        count = int(devices.split("x")[0])
-        # the published device count is the actor pool (colocated)
-        overrides = [o for o in overrides if not o.startswith("cluster.num_actor_ranks")]
-        out[name.split(" (")[0]] = (base, [*overrides, f"cluster.num_actor_ranks={count}"], devices)
+    for run in load_runs():
+        if run["id"] in names:
+            hw = run["hardware"]
+            out[names[run["id"]]] = (BASE_CONFIGS[run["model"]], overrides(run)[0], f"{hw['count']}x{hw['gpu']}")
     return out
 
 
@@ -222,7 +227,7 @@ def test_dp_attention_and_context_parallel_pay_for_their_traffic(monkeypatch):
     cfg, hf = _load("qwen3-30b-a3b", "actor.parallel.cp=2")
     tm = train_memory(cfg, hf, device)
     with_ring = update_time(cfg, hf, device, tm, 8192, no_latency, 8, 4)[0]
-    monkeypatch.setattr("megarl.perf.steptime._kv_elements", lambda hf: 0)  # a ring that moves nothing
+    monkeypatch.setattr("megarl.perf.update_time._kv_elements", lambda hf: 0)  # a ring that moves nothing
     ring = with_ring - update_time(cfg, hf, device, tm, 8192, no_latency, 8, 4)[0]
     kv = 2 * hf["num_key_value_heads"] * hf["head_dim"]
     tokens = cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length + 8192) / 16  # per rank, tp=2
