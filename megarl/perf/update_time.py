@@ -23,6 +23,8 @@ what the compute can hide (`exposed`).
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import replace
 
@@ -80,6 +82,25 @@ def _layer_flops_per_token(hf: dict, i: int, length: float) -> float:
     return 2 * matmul + attention_flops_per_pair(hf) / hf["num_hidden_layers"] * (length + 1) / 2
 
 
+@functools.lru_cache(maxsize=256)
+def _per_layer(hf_json: str, length: float) -> tuple[tuple[float, ...], float]:
+    """(forward FLOPs per token of each layer, the routed experts' share of a token's FLOPs);
+    cached: the layout search asks for the same model and length thousands of times."""
+    hf = json.loads(hf_json)
+    per = tuple(_layer_flops_per_token(hf, i, length) for i in range(hf["num_hidden_layers"]))
+    k = hf.get("num_experts_per_tok") or 0
+    routed = 0.0
+    for i in range(hf["num_hidden_layers"]):
+        lp = layer_params(hf, i)
+        routed += 2 * k * lp.expert if lp.experts else 0
+    c = count_params(hf)
+    return per, routed / (2 * c.matmul_active + attention_flops_per_pair(hf) * (length + 1) / 2)
+
+
+def _key(hf: dict) -> str:
+    return json.dumps(hf, sort_keys=True, default=str)
+
+
 def stage_imbalance(p, hf: dict, length: float) -> float:
     """pp x the slowest stage's forward FLOPs over all stages' (1: balanced). The output layer
     (2 * vocab * hidden per token) sits on the last stage; an uneven split moves layers off it."""
@@ -87,9 +108,10 @@ def stage_imbalance(p, hf: dict, length: float) -> float:
         return 1.0
     from megarl.config.validate_pipeline import stage_layers
 
+    per, _ = _per_layer(_key(hf), float(length))
     stages, start = [], 0
     for n in stage_layers(replace(p, vpp=1), hf["num_hidden_layers"]):  # a rank's layers, all its chunks
-        stages.append(sum(_layer_flops_per_token(hf, i, length) for i in range(start, start + n)))
+        stages.append(sum(per[start : start + n]))
         start += n
     stages[-1] += 2 * hf["vocab_size"] * hf["hidden_size"]
     return p.pp * max(stages) / sum(stages)
@@ -113,22 +135,12 @@ def moe_imbalance(hf: dict, local_tokens: float, ep: int, cv: float) -> float:
     return 1 + spread * math.sqrt(2 * math.log(ep))
 
 
-def _routed_share(hf: dict, length: float) -> float:
-    """The routed experts' share of a token's forward FLOPs."""
-    k = hf.get("num_experts_per_tok") or 0
-    routed = sum(
-        2 * k * layer_params(hf, i).expert for i in range(hf["num_hidden_layers"]) if layer_params(hf, i).experts
-    )
-    c = count_params(hf)
-    return routed / (2 * c.matmul_active + attention_flops_per_pair(hf) * (length + 1) / 2)
-
-
 def compute_scale(cfg, hf: dict, length: float, local_tokens: float, eff) -> tuple[float, float]:
     """(factor on the GEMM time, the MoE imbalance): the slowest pipeline stage, and the routed
     experts' share slowed by the busiest expert rank."""
     p = cfg.actor.parallel
     imbalance = moe_imbalance(hf, local_tokens, p.ep, getattr(eff, "routing_cv", 0.0))
-    share = _routed_share(hf, length) if imbalance > 1 else 0.0
+    share = _per_layer(_key(hf), float(length))[1] if imbalance > 1 else 0.0
     return stage_imbalance(p, hf, length) * (1 + share * (imbalance - 1)), imbalance
 
 
