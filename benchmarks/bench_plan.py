@@ -1,13 +1,18 @@
 """The planner against what was measured: published RL runs, and two quickstart layouts on this host.
 
-    .venv/bin/python benchmarks/bench_plan.py [--calibration] [--cpu] [--steps 12] [--repeats 3]
+    .venv/bin/python benchmarks/bench_plan.py [--calibration [--fit]] [--cpu] [--steps 12] [--repeats 3]
 
---calibration: `megarl plan`'s prediction for published runs, expressed as overrides of our scale
-configs, next to the published numbers (sources: verl docs/perf/dpsk.md and its example scripts at
-volcengine/verl b178a3cd; NeMo-RL docs/about/performance-summary.md at v0.6.0). Their rollout
-engine is vLLM (planned here as SGLang with the same memory fraction); their GPUs are H20 (verl)
-and H100 (NeMo-RL); verl's MFU is the actor update's (flops * epochs / (peak * GPUs * update
-time)); NeMo-RL's tokens/s/GPU are prompt + generated tokens / step time / GPUs.
+--calibration: the planner's time model against the published runs of
+benchmarks/published_runs.yaml (verl, NeMo-RL, Megatron-Bridge, the Megatron-Core MoE model zoo,
+slime), each turned into a megarl config by benchmarks/published.py and priced by the planner's
+own functions (benchmarks/calibration.py), with megarl/perf/steptime.py's GPU_EFFICIENCY. Prints
+one row per measured metric (split, published, predicted, error), each run's error (the mean
+|predicted / measured - 1| over its timed metrics) and its assumptions, the runs excluded and why,
+the fit half's mean error, and last `calibration: mean abs error N%`: the mean over the held-out
+runs of their run errors. The split, fixed before any held-out error was seen: within each kind
+(rl_step, train_step, weight_sync) runs alternate fit, holdout, ... in file order; an entry whose
+notes say to use it as a check and not to fit it is held out. --fit refits the free constants
+(calibration.FREE) on the fit half alone first (~40 s) and prints them.
 
 --cpu: runs the quickstart for --steps steps in two layouts (tp1/pp1/ep2, and pp2), --repeats times
 interleaved, and compares the medians of its logged phase times (steps 3..N; then the median over
@@ -35,196 +40,51 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name, base config, overrides, devices, mean prompt, mean response, published {metric: value}
-CALIBRATION = [
-    (
-        "verl DeepSeek-V3 671B, 96 x H20 (dpsk.md; run_deepseek671b_math_megatron_96gb.sh)",
-        "deepseek-v3-671b",
-        [
-            "cluster.num_actor_ranks=96",
-            "actor.parallel.tp=8",
-            "actor.parallel.pp=12",
-            "actor.parallel.ep=8",
-            "actor.parallel.first_stage_layers=null",
-            "actor.parallel.last_stage_layers=6",
-            "actor.recompute=full",
-            "data.train_batch_size=96",
-            "rollout.n=8",
-            "actor.ppo_mini_batch_size=256",
-            "data.max_prompt_length=2048",
-            "rollout.max_new_tokens=9632",
-            "actor.max_tokens_per_micro_batch=11680",
-            "actor.use_kl_loss=true",
-            "rollout.num_servers=3",
-            "rollout.tp=32",
-            "rollout.nnodes=4",
-            "rollout.ep=1",
-            "rollout.dp=1",
-            "rollout.mem_fraction_static=0.6",
-        ],
-        "96xH20",
-        None,
-        1960,
-        {
-            "update MFU": 0.19,
-            "step s": 1700,
-            "generation s": 1050,
-            "memory GiB": 66 / 1.074,
-            "memory GiB (no optimizer on GPU)": 66 / 1.074,
-        },
-    ),
-    (
-        "NeMo-RL DeepSeek-V3, 256 x H100 (performance-summary.md v0.6.0; grpo-deepseek-v3-32n8g.yaml)",
-        "deepseek-v3-671b",
-        [
-            "actor.parallel.tp=1",
-            "actor.parallel.sequence_parallel=false",
-            "actor.parallel.pp=16",
-            "actor.parallel.ep=16",
-            "actor.recompute=full",
-            "data.train_batch_size=32",
-            "rollout.n=16",
-            "actor.ppo_mini_batch_size=512",
-            "data.max_prompt_length=512",
-            "rollout.max_new_tokens=1024",
-            "actor.max_tokens_per_micro_batch=1536",
-            "actor.use_kl_loss=true",
-            "rollout.num_servers=8",
-            "rollout.tp=32",
-            "rollout.nnodes=4",
-            "rollout.ep=1",
-            "rollout.dp=1",
-            "rollout.mem_fraction_static=0.6",
-        ],
-        "256xH100",
-        110,
-        701,
-        {"tokens/s/GPU": 12.1, "step s": 134},
-    ),
-    (
-        "verl Qwen3-30B-A3B, 8 x H20 (dpsk.md; run_qwen3moe-30b_megatron_96gb.sh)",
-        "qwen3-30b-a3b",
-        [
-            "actor.parallel.tp=1",
-            "actor.parallel.ep=8",
-            "data.train_batch_size=512",
-            "rollout.n=16",
-            "actor.ppo_mini_batch_size=2048",
-            "data.max_prompt_length=2048",
-            "rollout.max_new_tokens=8192",
-            "actor.max_tokens_per_micro_batch=10240",
-            "rollout.num_servers=2",
-            "rollout.tp=4",
-            "rollout.mem_fraction_static=0.7",
-            "actor.recompute=none",
-        ],
-        "8xH20",
-        None,
-        4096,
-        {"update MFU": 0.40},
-    ),
-    (
-        "NeMo-RL Qwen3-30B-A3B, 32 x H100 (performance-summary.md v0.6.0; grpo-qwen3-30ba3b-4n8g.yaml)",
-        "qwen3-30b-a3b",
-        [
-            "cluster.num_actor_ranks=32",
-            "actor.parallel.tp=1",
-            "actor.parallel.ep=8",
-            "data.train_batch_size=64",
-            "rollout.n=32",
-            "actor.ppo_mini_batch_size=512",
-            "data.max_prompt_length=512",
-            "rollout.max_new_tokens=3584",
-            "actor.max_tokens_per_micro_batch=4096",
-            "rollout.num_servers=16",
-            "rollout.tp=2",
-            "rollout.mem_fraction_static=0.6",
-            "actor.recompute=none",
-            "data.num_train=65536",
-        ],
-        "32xH100",
-        110,
-        3203,
-        {"tokens/s/GPU": 1102, "step s": 192},
-    ),
-    # weight sync alone, trainer pool -> rollout pool over the network (verl docs/advance/fully_async.md,
-    # H20, Megatron), with verl's bucketed checkpoint engine (2 GiB buckets) as megarl buckets too;
-    # each transport against every published sync: bench_sync_plan.py
-    (
-        "verl Qwen3-30B-A3B weight sync, 16 -> 16 H20 (fully_async.md, checkpoint engine)",
-        "qwen3-30b-a3b",
-        [
-            "cluster.placement=disaggregated",
-            "cluster.num_rollout_devices=16",
-            "bridge.transport=distributed",
-            "bridge.bucket_size_mb=2048",
-            "rollout.release_memory=null",
-        ],
-        "32xH20",
-        None,
-        1024,
-        {"weight sync s": 4.38},
-    ),
-    (
-        "verl Qwen3-235B-A22B weight sync, 64 -> 64 H20 (fully_async.md, checkpoint engine)",
-        "qwen3-235b-a22b",
-        [
-            "cluster.num_actor_ranks=64",
-            "actor.parallel.pp=2",
-            "actor.parallel.first_stage_layers=null",
-            "actor.parallel.last_stage_layers=null",
-            "cluster.placement=disaggregated",
-            "cluster.num_rollout_devices=64",
-            "rollout.num_servers=8",
-            "rollout.tp=8",
-            "bridge.transport=distributed",
-            "bridge.bucket_size_mb=2048",
-            "rollout.release_memory=null",
-            "actor.ppo_mini_batch_size=64",
-        ],
-        "128xH20",
-        None,
-        1024,
-        {"weight sync s": 23.70},
-    ),
-]
 
+def calibration(refit: bool = False) -> None:
+    """The per-run table over benchmarks/published_runs.yaml, the fit half's error, and last the
+    held-out error line. refit: fit the free constants on the fit half first and use them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from calibration import FREE, mean_abs, predict, prepare, run_errors, timed_metrics
+    from calibration import fit as fit_constants
+    from published import CHECK_ONLY, NOT_PRICED
 
-def calibration() -> None:
-    from megarl.config.loader import load_config
-    from megarl.config.validate import validate
-    from megarl.perf.hardware import GiB, parse_devices
-    from megarl.perf.plan import make_plan, update_mfu
+    from megarl.perf.steptime import GPU_EFFICIENCY
 
-    print("| published run | metric | published | predicted | error |")
-    print("|---|---|---:|---:|---:|")
-    for name, base, overrides, devices, prompt, response, published in CALIBRATION:
-        cfg = validate(load_config(str(ROOT / "configs" / f"{base}.yaml"), overrides))
-        hf = json.loads((ROOT / cfg.model.path / "config.json").read_text())
-        count, device = parse_devices(devices)
-        plan = make_plan(cfg, hf, device, mean_response=response, mean_prompt=prompt)
-        t = plan.time
-        rows = cfg.data.train_batch_size * cfg.rollout.n
-        mean_prompt = prompt if prompt is not None else cfg.data.max_prompt_length
-        predicted = {
-            "update MFU": update_mfu(cfg, plan),
-            "step s": t.total,
-            "generation s": t.generation,
-            "weight sync s": t.weight_sync,
-            "tokens/s/GPU": rows * (mean_prompt + response) / t.total / count,
-            "memory GiB": plan.peak("train") / GiB,
-            # verl runs Adam on the host (optimizer offload fraction 1.0): no optimizer state on
-            # the GPU while training; megarl has no CPU optimizer, so this is the comparable figure
-            "memory GiB (no optimizer on GPU)": (plan.peak("train") - plan.train.optimizer) / GiB,
-        }
-        for metric, value in published.items():
-            p = predicted[metric]
-            print(f"| {name} | {metric} | {value:.3g} | {p:.3g} | {(p - value) / value:+.0%} |")
-        print(
-            f"| | (phases, s) | | gen {t.generation:.0f}, log-prob {t.log_prob:.0f}, update {t.update:.0f}, "
-            f"sync {t.weight_sync:.0f}; train peak {plan.peak('train') / GiB:.0f} GiB"
-            f"{'' if plan.fits else ' (does not fit)'} | |"
-        )
+    priced, excluded, halves = prepare()
+    eff = GPU_EFFICIENCY
+    if refit:
+        eff = fit_constants([p for p in priced if halves[p.run["id"]] == "fit"], GPU_EFFICIENCY)
+    print("constants: " + ", ".join(f"{k}={getattr(eff, k):.4g}" for k in FREE) + (" (refitted)" if refit else ""))
+    print()
+    print("| published run | metric | split | published | predicted | error |")
+    print("|---|---|---|---:|---:|---:|")
+    for p in priced:
+        run, half = p.run, halves[p.run["id"]]
+        pred, counted = predict(p, eff), timed_metrics(p.run)
+        errors = run_errors(p, eff)
+        for metric, value in run["measured"].items():
+            if metric in NOT_PRICED:
+                shown, err = "not priced: " + NOT_PRICED[metric], ""
+            elif metric in CHECK_ONLY:
+                from calibration import memory_gb
+
+                shown = f"{memory_gb(p):.3g}"
+                err = f"{memory_gb(p) / value - 1:+.0%} (check: {CHECK_ONLY[metric]})"
+            else:
+                shown = f"{pred[metric]:.3g}"
+                err = f"{pred[metric] / value - 1:+.0%}" + ("" if metric in counted else " (not counted: implied)")
+            print(f"| {run['id']} | {metric} | {half} | {value:.3g} | {shown} | {err} |")
+        run_err = sum(abs(x) for x in errors.values()) / len(errors)
+        notes = "; ".join(p.assumptions) or "-"
+        print(f"| | (run error) | {half} | | {run_err:.0%} | assumed: {notes} |")
+    for run, why in excluded:
+        print(f"| {run['id']} | excluded | {halves[run['id']]} | | | {why} |")
+    fit_half = [p for p in priced if halves[p.run["id"]] == "fit"]
+    held = [p for p in priced if halves[p.run["id"]] == "holdout"]
+    print()
+    print(f"fit half: mean abs error {mean_abs(fit_half, eff):.0%} over {len(fit_half)} runs")
+    print(f"calibration: mean abs error {mean_abs(held, eff) * 100:.0f}% (held-out, per run, {len(held)} runs)")
 
 
 def _run_quickstart(out: Path, steps: int, overrides: list[str]) -> list[dict]:
@@ -317,6 +177,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibration", action="store_true")
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--fit", action="store_true", help="--calibration: refit the free constants on the fit half first")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default=None, help="--cpu: model.path of the runs (default: the quickstart's, built)")
@@ -330,8 +191,8 @@ def main(argv=None) -> None:
     if args.steps < 3:
         ap.error("--steps must be >= 3 (the first 2 steps are left out)")
     if args.calibration or not args.cpu:
-        calibration()
-    if args.cpu or not args.calibration:
+        calibration(args.fit)
+    if args.cpu or not (args.calibration or args.fit):
         print()
         cpu(args.steps, args.repeats, layouts, [f"model.path={args.model}"] if args.model else [])
 

@@ -13,12 +13,9 @@ stated efficiency, plus its communication and fixed costs:
   when the KV cache cannot hold that many full-length sequences. With continuous batching the
   engine runs rows * mean / B steps, and the longest response adds its tail (max - mean) at the end.
 - log-probs (old, ref, critic values): forward FLOPs of every row at prompt + mean response.
-- update: 3x forward (4x with full recompute: the hardware does the extra forward, MFU does
-  not count it), the pipeline bubble (pp - 1) / (vpp * micro-batches), MoE all-to-all (dispatch +
-  combine per MoE layer over the expert group ep * etp, over NVLink when it fits a node, else the
-  network),
-  sequence-parallel gathers/scatters, context parallel's ring of key/value chunks, the data-parallel gradient reduce-scatter and parameter
-  all-gather per optimizer step, and the offload traffic over PCIe.
+- update: megarl/perf/update_time.py (GEMMs at the slowest pipeline stage and the busiest expert
+  rank, the bubble, all-to-all, tensor / context / pipeline traffic, data-parallel traffic less
+  what overlaps, the optimizer step on the device or the host, offload over PCIe).
 - weight sync: the configured transport's prediction (megarl/perf/sync_model.py prices every
   transport by its links, gathers, engine load and per-tensor costs).
 
@@ -34,6 +31,16 @@ from dataclasses import dataclass
 from megarl.perf.flops import _as_dict, attention_flops_per_pair, count_params, layer_params
 from megarl.perf.hardware import Device
 from megarl.perf.sync_model import hf_tensor_count, sync_time  # noqa: F401  (steptime's names before sync_model)
+from megarl.perf.update_time import (  # noqa: F401  (re-exported: the planner's time model in one place)
+    _bubble,
+    _dtype,
+    _forward_flops,
+    _kv_elements,
+    _moe_layers,
+    _tokens,
+    log_prob_time,
+    update_time,
+)
 
 
 @dataclass(frozen=True)
@@ -50,9 +57,33 @@ class Efficiency:
     optimizer_step_s: float = 0.0  # fixed cost per optimizer step (clip, step, gathers)
     phase_s: float = 0.0  # fixed cost per phase (RPCs to the ranks, gathers of results)
     tensor_s: float = 0.75e-3  # weight sync: per checkpoint tensor (gather, handle, engine load)
+    # fraction of the data-parallel gradient reduce-scatter / parameter all-gather that runs under
+    # backward / forward when the engine overlaps them (Megatron's overlap_grad_reduce /
+    # overlap_param_gather); megarl's engine does not, so the planner's own runs use 0
+    dp_overlap: float = 0.0
+    a2a_overlap: float = 0.0  # the same for the expert all-to-all (1F1B / delayed-wgrad overlap)
+    # coefficient of variation of the expert loads a balanced router leaves (update_time.moe_imbalance);
+    # 0: forced balance
+    routing_cv: float = 0.0
+    # CPU Adam (actor.offload.host_optimizer): parameters a second per device, its share of the host
+    # (a 2-socket node streams ~200 GB/s; Adam touches ~24-32 bytes a parameter; 8 devices a node)
+    host_adam_params_s: float = 1.0e9
 
 
-GPU_EFFICIENCY = Efficiency()
+# fitted 2026-11-30 on the fit half of benchmarks/published_runs.yaml (benchmarks/calibration.py:
+# least squares on log(predicted / measured), coordinate descent; `bench_plan.py --calibration --fit`
+# reruns it); the rest are stated. dp_overlap: the fit put the overlapping frameworks' hidden share
+# of data-parallel traffic at 0, which is also megarl's own (its engine does not overlap)
+GPU_EFFICIENCY = Efficiency(
+    gemm=0.569,
+    prefill=0.10,  # at its lower bound, as link (0.95) and routing_cv (1.0) are at their upper
+    decode_bw=0.454,  # ones: the fit leans on them for what the model lacks (RESULTS.md)
+    link=0.95,
+    step_overhead_s=0.0149,
+    tensor_s=0.866e-3,
+    dp_overlap=0.0,
+    routing_cv=1.0,
+)
 # CPU: the quickstart's tiny model is all fixed costs; these come from timing the quickstart's
 # default layout on a 2-core host (benchmarks/bench_plan.py, RESULTS.md "Planner on CPU")
 CPU_EFFICIENCY = Efficiency(
@@ -89,16 +120,6 @@ class StepTime:
         generating or the trainer scoring, updating and syncing (its pause of generation is
         counted on the trainer's side only). A lower bound: contention and staleness ignored."""
         return max(self.generation, self.log_prob + self.update + self.weight_sync)
-
-
-def _moe_layers(hf: dict) -> tuple[int, int, int]:
-    """(MoE layers, experts, top-k)."""
-    n, experts = 0, 0
-    for i in range(hf["num_hidden_layers"]):
-        lp = layer_params(hf, i)
-        if lp.experts:
-            n, experts = n + 1, lp.experts
-    return n, experts, hf.get("num_experts_per_tok") or 0
 
 
 def generation_time(cfg, hf: dict, device: Device, rollout_mem, mean_response: float, eff: Efficiency) -> float:
@@ -138,104 +159,6 @@ def generation_time(cfg, hf: dict, device: Device, rollout_mem, mean_response: f
     )
     steps = max(r.max_new_tokens, seqs * mean_response / running + (r.max_new_tokens - mean_response))
     return prefill + steps * t_step + eff.phase_s
-
-
-def _tokens(cfg, mean_response: float) -> float:
-    return cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length + mean_response)
-
-
-def _forward_flops(hf: dict, rows: int, length: float) -> float:
-    c = count_params(hf)
-    return rows * (2 * c.matmul_active * length + attention_flops_per_pair(hf) * length * (length + 1) / 2)
-
-
-def _dtype(cfg, device: Device) -> str:
-    return "bf16" if cfg.actor.precision == "bf16" and device.name != "CPU" else "fp32"
-
-
-def _kv_elements(hf: dict) -> int:
-    """Key and value elements per token, all heads (MLA: after the up-projection, as attention sees them)."""
-    n = hf["num_attention_heads"]
-    if hf["model_type"] == "deepseek_v3":
-        return n * (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"] + hf["v_head_dim"])
-    hd = hf.get("head_dim") or hf["hidden_size"] // n
-    return 2 * (hf.get("num_key_value_heads") or n) * hd
-
-
-def _bubble(p, micro_batches: int) -> float:
-    return (p.pp - 1) / (p.vpp * max(micro_batches, 1))
-
-
-def update_time(
-    cfg,
-    hf: dict,
-    device: Device,
-    train_mem,
-    mean_response: float,
-    eff: Efficiency,
-    devices_per_node: int,
-    micro_batches: int,
-) -> tuple[float, float, float]:
-    """(update seconds, its model FLOPs, its GEMM seconds alone) of the actor."""
-    hf = _as_dict(hf)
-    a, p = cfg.actor, cfg.actor.parallel
-    world = cfg.cluster.num_actor_ranks
-    rows = cfg.data.train_batch_size * cfg.rollout.n
-    length = cfg.data.max_prompt_length + mean_response
-    fwd = _forward_flops(hf, rows, length)
-    model_flops = 3 * fwd * a.ppo_epochs
-    hw_flops = (4 if getattr(a, "recompute", "none") == "full" else 3) * fwd * a.ppo_epochs
-    peak = device.peak_flops(_dtype(cfg, device))
-    compute = hw_flops / (world * peak * eff.gemm)
-    t = compute * (1 + _bubble(p, micro_batches))
-    dp = max(world // (p.tp * p.pp * p.cp), 1)
-    tokens_rank = _tokens(cfg, mean_response) * a.ppo_epochs / (dp * p.cp * p.tp)
-    passes = 3 if getattr(a, "recompute", "none") == "full" else 2
-    moe_layers, experts, k = _moe_layers(hf)
-    h = hf["hidden_size"]
-    abytes = 2 if a.precision == "bf16" else 4
-    group = p.ep * p.etp  # routed tokens travel over the expert group: all-to-all over ep, gathers over etp
-    if moe_layers and group > 1:
-        per_node = devices_per_node or world
-        bw = (device.nvlink_bw if group <= per_node else device.net_bw) * eff.link
-        a2a = tokens_rank * (moe_layers / p.pp) * k * h * abytes * 2 * passes * (group - 1) / group
-        t += a2a / bw
-    if p.tp > 1:
-        sp_bytes = tokens_rank * (hf["num_hidden_layers"] / p.pp) * 4 * h * abytes * (p.tp - 1) * passes
-        t += sp_bytes / (device.nvlink_bw * eff.link)
-    if p.cp > 1:  # ring attention: each rank's key/value chunk visits the cp - 1 others, per layer and pass
-        per_node = devices_per_node or world
-        bw = (device.nvlink_bw if p.tp * p.cp <= per_node else device.net_bw) * eff.link
-        t += tokens_rank * (hf["num_hidden_layers"] / p.pp) * _kv_elements(hf) * abytes * (p.cp - 1) * passes / bw
-    steps = max(1, rows // a.ppo_mini_batch_size) * a.ppo_epochs
-    dp_bytes = 0.0
-    if dp > 1:
-        dp_bytes = (train_mem.grads + train_mem.params) * (dp - 1) / dp
-        per_node = devices_per_node or world
-        bw = device.nvlink_bw if world <= per_node else device.net_bw
-        t += steps * dp_bytes / (bw * eff.link)
-    t += steps * (train_mem.optimizer * 2 + train_mem.grads) / device.hbm_bw  # the optimizer step
-    off = a.offload
-    moved = (
-        (train_mem.params if off.params else 0)
-        + (train_mem.grads if off.grads else 0)
-        + (train_mem.optimizer if off.optimizer else 0)
-    )
-    t += 2 * moved / (device.pcie_bw * eff.link)
-    stage_layers = hf["num_hidden_layers"] / p.pp
-    t += micro_batches * steps * 2 * stage_layers * eff.layer_pass_s + steps * eff.optimizer_step_s + eff.phase_s
-    return t, model_flops, compute
-
-
-def log_prob_time(cfg, hf: dict, device: Device, mean_response: float, eff: Efficiency, micro_batches: int) -> float:
-    hf = _as_dict(hf)
-    p = cfg.actor.parallel
-    rows = cfg.data.train_batch_size * cfg.rollout.n
-    fwd = _forward_flops(hf, rows, cfg.data.max_prompt_length + mean_response)
-    passes = 1 + bool(cfg.ref.enabled) + bool(cfg.critic.enabled)
-    world = cfg.cluster.num_actor_ranks
-    t = fwd / (world * device.peak_flops(_dtype(cfg, device)) * eff.gemm) * (1 + _bubble(p, micro_batches))
-    return passes * (t + micro_batches * hf["num_hidden_layers"] / p.pp * eff.layer_pass_s + eff.phase_s)
 
 
 def trainer_time(

@@ -1,0 +1,94 @@
+"""The planner's calibration on benchmarks/published_runs.yaml: every run is priced or excluded
+with its reason, the fit / held-out split is fixed by its rule, and `bench_plan.py --calibration`
+ends with the held-out error line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def prepared():
+    from calibration import prepare
+
+    return prepare()
+
+
+def test_every_published_run_is_priced_or_excluded_with_its_reason(prepared):
+    from calibration import predict, timed_metrics
+    from published import load_runs
+
+    from megarl.perf.steptime import GPU_EFFICIENCY
+
+    priced, excluded, _ = prepared
+    ids = [r["id"] for r in load_runs()]
+    assert sorted([p.run["id"] for p in priced] + [r["id"] for r, _ in excluded]) == sorted(ids)
+    assert all(why.strip() for _, why in excluded)
+    for p in priced:
+        metrics = timed_metrics(p.run)
+        assert metrics, f"{p.run['id']}: no measured time the planner prices"
+        predicted = predict(p, GPU_EFFICIENCY)
+        assert all(predicted[m] > 0 and predicted[m] != p.run["measured"][m] for m in metrics)
+
+
+def test_split_follows_its_rule_and_appending_runs_moves_nothing():
+    from published import check_only, load_runs, split
+
+    runs = load_runs()
+    halves = split(runs)
+    for kind in ("rl_step", "train_step", "weight_sync"):
+        order = [r["id"] for r in runs if r["kind"] == kind and not check_only(r)]
+        assert [halves[i] for i in order] == ["fit" if n % 2 == 0 else "holdout" for n in range(len(order))]
+        assert {"fit", "holdout"} <= {halves[r["id"]] for r in runs if r["kind"] == kind}
+    assert [r["id"] for r in runs if check_only(r)] == ["slime-qwen3-30b-a3b-sync-8xH100-colocated"]
+    assert halves["slime-qwen3-30b-a3b-sync-8xH100-colocated"] == "holdout"
+    extra = {**runs[0], "id": "appended-run"}
+    assert {k: v for k, v in split([*runs, extra]).items() if k != "appended-run"} == halves
+
+
+def test_framework_traits_come_from_the_notes():
+    from published import OVERLAPS_A2A, forced_balance, load_runs
+
+    runs = {r["id"]: r for r in load_runs()}
+    forced = {i for i, r in runs.items() if forced_balance(r)}
+    assert forced == {i for i in runs if i.startswith("mbridge-")} | {"mcore-qwen3-235b-256xH100-bf16-ep32"}
+    for i in OVERLAPS_A2A:
+        assert "all-to-all overlapped with compute" in " ".join(runs[i]["notes"].split())
+
+
+def test_the_fit_moves_constants_toward_the_fit_half_only(prepared):
+    """A fit on one run pulls the decode bandwidth toward that run's generation time, whatever the
+    held-out runs would say (they are not passed)."""
+    from calibration import fit, mean_abs
+
+    from megarl.perf.steptime import Efficiency
+
+    priced, _, _ = prepared
+    one = [p for p in priced if p.run["id"] == "verl-qwen3-30b-a3b-sync-16to16xH20"]
+    start = Efficiency()
+    fitted = fit(one, start, rounds=2, n=9)
+    assert mean_abs(one, fitted) < mean_abs(one, start)
+
+
+def test_bench_plan_calibration_ends_with_the_held_out_error_line():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_plan.py"), "--calibration"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert re.fullmatch(r"calibration: mean abs error \d+% \(held-out, per run, \d+ runs\)", lines[-1]), lines[-1]
+    assert lines[-2].startswith("fit half: mean abs error")
+    assert "| published run | metric | split |" in done.stdout

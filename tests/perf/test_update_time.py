@@ -1,0 +1,148 @@
+"""The update's time terms (megarl/perf/update_time.py), each against a hand computation from the
+layout: the host optimizer, the busiest expert rank, communication hidden under compute, the
+slowest pipeline stage and the stage-to-stage traffic that interleaving multiplies."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str, *overrides: str):
+    from megarl.config.loader import load_config
+    from megarl.config.validate import validate
+
+    cfg = validate(load_config(str(ROOT / "configs" / f"{name}.yaml"), list(overrides)))
+    hf = json.loads((ROOT / cfg.model.path / "config.json").read_text())
+    return cfg, hf
+
+
+def _update(cfg, hf, eff, device="16xH100", m=4):
+    from megarl.perf.hardware import parse_devices
+    from megarl.perf.memory import train_memory
+    from megarl.perf.update_time import update_time
+
+    _, dev = parse_devices(device)
+    return update_time(cfg, hf, dev, train_memory(cfg, hf, dev), 4096, eff, 8, m)[0]
+
+
+def test_host_optimizer_pays_pcie_both_ways_and_host_adam_for_its_fraction():
+    """CPU Adam (actor.offload.host_optimizer = 1): the rank's optimizer shard leaves the device's
+    Adam step and costs fp32 gradients down + bf16 parameters up over PCIe and the host's Adam."""
+    from megarl.perf.hardware import parse_devices
+    from megarl.perf.memory import stage_params
+    from megarl.perf.steptime import GPU_EFFICIENCY as eff
+
+    cfg, hf = _load("qwen3-30b-a3b")
+    host = copy.deepcopy(cfg)
+    host.actor.offload.host_optimizer = 1.0  # set as the published-run harness does
+    _, dev = parse_devices("16xH100")
+    p = cfg.actor.parallel
+    st = stage_params(hf, p)[0]
+    shard = st.dense / (16 // (p.tp * p.pp)) + st.expert / (16 // (p.ep * p.etp * p.pp))
+    steps = cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.ppo_mini_batch_size
+    on_host = shard * (6 / (dev.pcie_bw * eff.link) + 1 / eff.host_adam_params_s)
+    off_device = shard * 12 * 2 / dev.hbm_bw
+    assert _update(host, hf, eff) - _update(cfg, hf, eff) == pytest.approx(steps * (on_host - off_device), rel=1e-6)
+    half = copy.deepcopy(host)
+    half.actor.offload.host_optimizer = 0.5
+    assert _update(half, hf, eff) - _update(cfg, hf, eff) == pytest.approx(steps * (on_host - off_device) / 2, rel=1e-6)
+
+
+def test_busiest_expert_rank_follows_the_routing_statistics():
+    from megarl.perf.update_time import moe_imbalance
+
+    _, hf = _load("qwen3-30b-a3b")  # 128 experts, top-8
+    assert moe_imbalance(hf, 16384, 8, 0.0) == 1.0  # forced balance
+    assert moe_imbalance(hf, 16384, 1, 0.7) == 1.0  # one expert rank holds every expert
+    expected = 1 + math.sqrt(1 / (16384 * 8) + 0.7**2 * 8 / 128) * math.sqrt(2 * math.log(8))
+    assert moe_imbalance(hf, 16384, 8, 0.7) == pytest.approx(expected, rel=1e-12)
+    assert moe_imbalance(hf, 16384, 32, 0.7) > moe_imbalance(hf, 16384, 8, 0.7)  # fewer experts a rank
+    dense = {**hf, "model_type": "qwen3", "num_experts": 0}
+    assert moe_imbalance(dense, 16384, 8, 0.7) == 1.0
+
+
+def test_real_routing_slows_the_update_forced_balance_does_not():
+    from megarl.perf.steptime import GPU_EFFICIENCY
+
+    cfg, hf = _load("qwen3-30b-a3b")
+    balanced = _update(cfg, hf, replace(GPU_EFFICIENCY, routing_cv=0.0))
+    assert _update(cfg, hf, replace(GPU_EFFICIENCY, routing_cv=0.5)) > balanced * 1.05
+
+
+def test_overlapped_traffic_is_charged_only_beyond_the_compute():
+    from megarl.perf.update_time import exposed
+
+    assert exposed(3.0, 10.0, 0.0) == 3.0
+    assert exposed(3.0, 10.0, 1.0) == 0.0
+    assert exposed(3.0, 1.0, 1.0) == pytest.approx(2.0)  # longer than the compute it hides under
+    assert exposed(4.0, 10.0, 0.5) == pytest.approx(2.0)
+
+
+def test_data_parallel_overlap_hides_the_gradient_traffic():
+    """dp = 8 on 16 H100 over two nodes: overlapping the whole reduce-scatter / all-gather under
+    the backward removes exactly that traffic (the compute is far longer)."""
+    from megarl.perf.hardware import parse_devices
+    from megarl.perf.memory import train_memory
+    from megarl.perf.steptime import GPU_EFFICIENCY
+
+    cfg, hf = _load("qwen3-30b-a3b")
+    _, dev = parse_devices("16xH100")
+    mem = train_memory(cfg, hf, dev)
+    dp = 16 // cfg.actor.parallel.tp
+    steps = cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.ppo_mini_batch_size
+    traffic = steps * (mem.grads + mem.params) * (dp - 1) / dp / (dev.net_bw * GPU_EFFICIENCY.link)
+    none = _update(cfg, hf, replace(GPU_EFFICIENCY, dp_overlap=0.0))
+    full = _update(cfg, hf, replace(GPU_EFFICIENCY, dp_overlap=1.0))
+    assert none - full == pytest.approx(traffic, rel=1e-6)
+
+
+def test_the_slowest_stage_sets_the_pace_output_layer_included():
+    """DeepSeek-V3 at pp 16: the shipped split (3 dense layers first, 2 MoE layers next to the
+    129k-vocabulary output layer last) against 4 MoE layers beside the output layer."""
+    from megarl.config.schema import ParallelConfig
+    from megarl.perf.update_time import _layer_flops_per_token, stage_imbalance
+
+    _, hf = _load("deepseek-v3-671b")
+    length = 2048.0
+    per = [_layer_flops_per_token(hf, i, length) for i in range(61)]
+    head = 2 * hf["vocab_size"] * hf["hidden_size"]
+    shipped = ParallelConfig(pp=16, first_stage_layers=3, last_stage_layers=2)
+    stages = [sum(per[:3])] + [sum(per[3 + 4 * s : 7 + 4 * s]) for s in range(14)] + [sum(per[59:]) + head]
+    assert stage_imbalance(shipped, hf, length) == pytest.approx(16 * max(stages) / sum(stages), rel=1e-12)
+    heavy_last = ParallelConfig(pp=16, first_stage_layers=1, last_stage_layers=4)  # 1 + 14 x 4 + 4
+    assert stage_imbalance(ParallelConfig(pp=1), hf, length) == 1.0
+    assert 1.0 < stage_imbalance(shipped, hf, length) < stage_imbalance(heavy_last, hf, length)
+
+
+def test_bubble_is_interleaved_1f1b():
+    from megarl.config.schema import ParallelConfig
+    from megarl.perf.update_time import _bubble
+
+    assert _bubble(ParallelConfig(pp=8, vpp=1), 32) == pytest.approx(7 / 32)
+    assert _bubble(ParallelConfig(pp=8, vpp=4), 32) == pytest.approx(7 / 128)
+
+
+def test_interleaving_multiplies_the_stage_to_stage_traffic():
+    """Each micro-batch crosses every virtual stage boundary: with vpp chunks a rank sends its
+    activations (and receives their gradients) vpp times, not once."""
+    from megarl.perf.hardware import parse_devices
+    from megarl.perf.steptime import GPU_EFFICIENCY as eff
+    from megarl.perf.update_time import comm_time
+
+    cfg, hf = _load("qwen3-30b-a3b", "actor.parallel.pp=4", "actor.parallel.ep=4", "actor.parallel.tp=1")
+    _, dev = parse_devices("16xH100")
+    tokens = 1e6
+    one = comm_time(cfg, hf, dev, tokens, 8, eff, 1.0)[1]
+    cfg.actor.parallel.vpp = 3
+    three = comm_time(cfg, hf, dev, tokens, 8, eff, 1.0)[1]
+    per_send = tokens * hf["hidden_size"] * 2 * 2 / (dev.nvlink_bw * eff.link)  # bf16, both directions
+    assert one == pytest.approx(per_send, rel=1e-9)  # 16 / 4 = 4 ranks a stage: neighbours share a node
+    assert three - one == pytest.approx(2 * per_send, rel=1e-9)
