@@ -62,9 +62,7 @@ def memory_gb(p: Priced) -> float:
     from megarl.perf.plan import make_plan
 
     plan = make_plan(p.cfg, p.hf, p.device, timed=False)
-    # the host optimizer's state is not on the device (applied here until the memory model does)
-    host = p.host_optimizer if getattr(p.cfg.actor.offload, "host_optimizer", None) is None else 0.0
-    return (plan.peak("train") - host * plan.train.optimizer) / 1e9
+    return plan.peak("train") / 1e9  # a host optimizer's share is off the device (memory.py)
 
 
 def predict(p: Priced, eff) -> dict[str, float]:

@@ -216,6 +216,8 @@ def overrides(run: dict) -> tuple[list[str], float, float, list[str]]:
     lay, hw, kind = run["layout"], run["hardware"], run["kind"]
     train_gpus = hw["count"] if lay["colocated"] or lay["rollout"] is None else hw["count"] - lay["rollout"]["gpus"]
     out = [f"cluster.num_actor_ranks={train_gpus}", *_layout_overrides(run)]
+    if host_optimizer_fraction(run):
+        out.append(f"actor.offload.host_optimizer={host_optimizer_fraction(run)}")
     assumed: list[str] = []
     if kind == "train_step":
         work, prompt, response = _train_step_workload(run)
@@ -296,8 +298,6 @@ def price(run: dict) -> Priced:
     timing.data.max_prompt_length = int(round(prompt))
     if vpp:
         timing.actor.parallel.vpp = vpp
-    if host:
-        timing.actor.offload.host_optimizer = host  # the key may predate this branch's config
     return Priced(
         run,
         cfg,

@@ -23,10 +23,13 @@ def _verl_dsv3(*extra: str):
     from megarl.config.validate import validate
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_plan import CALIBRATION
+    import published
 
-    name, base, overrides, devices, _prompt, response, _ = CALIBRATION[0]
-    assert name.startswith("verl DeepSeek-V3 671B, 96 x H20") and devices == "96xH20"
+    [run] = [r for r in published.load_runs() if r["id"] == "verl-dsv3-96xH20-grpo"]
+    assert run["hardware"] == {"gpu": "H20", "count": 96, "gpus_per_node": 8}
+    overrides, _prompt, response, _ = published.overrides(run)
+    overrides = [o for o in overrides if not o.startswith("actor.offload.host_optimizer=")]  # the test sets it
+    base = published.BASE_CONFIGS[run["model"]]
     cfg = validate(load_config(str(ROOT / "configs" / f"{base}.yaml"), [*overrides, *extra]))
     hf = json.loads((ROOT / cfg.model.path / "config.json").read_text())
     return cfg, hf, overrides, response
