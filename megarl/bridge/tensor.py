@@ -62,8 +62,10 @@ class TensorTransport(WeightTransport):
         if self._addresses is None:
             import torch.distributed as dist
 
-            addresses = [None] * self.world_size
-            dist.all_gather_object(addresses, resolve(self.address))
+            addresses = [resolve(self.address)]
+            if self.world_size > 1:
+                addresses = [None] * self.world_size
+                dist.all_gather_object(addresses, resolve(self.address))
             self._addresses = addresses
         if len(set(self._addresses)) == 1:
             return {0: list(urls)}  # one host: every engine there, however its URL names it
@@ -85,8 +87,7 @@ class TensorTransport(WeightTransport):
                 error = f"trainer rank {self.rank} on {self.address}: {exc}"
                 drain(named)
         elif self.rank == 0:  # no engine on its host this time: it reports what the senders sent
-            for bucket in iter_buckets(named, self.spec.bucket_bytes):
-                _count(stats, bucket)
+            drain(_counted(iter_buckets(named, self.spec.bucket_bytes), stats))
         else:
             drain(named)
         self._conclude(error, version, controls=bool(mine))
@@ -139,6 +140,12 @@ def _count(stats: dict, bucket) -> None:
     stats["bridge/buckets"] += 1
     stats["bridge/tensors"] += len(bucket)
     stats["bridge/bytes"] += sum(tensor_bytes(t) for _, t in bucket)
+
+
+def _counted(buckets, stats: dict):
+    for bucket in buckets:
+        _count(stats, bucket)
+        yield bucket
 
 
 def _refuse_engines_over_hosts(engines) -> None:

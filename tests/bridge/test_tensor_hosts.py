@@ -48,6 +48,19 @@ def test_an_engine_on_a_host_without_a_trainer_rank_is_refused_by_url():
         senders_by_host(["10.0.0.1", "10.0.0.2"], ["http://10.0.0.1:1", "http://10.0.0.9:1"])
 
 
+def test_an_engine_over_several_hosts_is_refused_by_url():
+    """One request carries every TP rank's handle, made on one host: ranks elsewhere cannot open it."""
+    from types import SimpleNamespace
+
+    from megarl.bridge.tensor import _refuse_engines_over_hosts
+
+    _refuse_engines_over_hosts([SimpleNamespace(url="http://10.0.0.1:1", nnodes=1)])
+    with pytest.raises(WeightSyncError, match=r"http://10\.0\.0\.2:1 \(4 hosts\) spans hosts.*rollout.nnodes=1"):
+        _refuse_engines_over_hosts(
+            [SimpleNamespace(url="http://10.0.0.1:1", nnodes=1), SimpleNamespace(url="http://10.0.0.2:1", nnodes=4)]
+        )
+
+
 # ---- real processes: four engines, three trainer ranks on two hosts ------------------------------
 class CheckpointSource:
     """A WeightSource whose export is a checkpoint's tensors, each broadcast from rank 0 first."""
