@@ -26,6 +26,7 @@ class Engine:
         self.client = RolloutClient(url, timeout_s=timeout_s, api_key=api_key, max_retries=0)
         info = self.client.get_server_info()
         self.tp = int(info.get("tp_size") or 1)
+        self.nnodes = int(info.get("nnodes") or 1)  # hosts its TP ranks span
         # the embedded engine stages buckets and applies them on commit (all or nothing); SGLang
         # loads each bucket as it arrives
         self.stages = info.get("version") == EMBEDDED_VERSION

@@ -130,12 +130,13 @@ class WeightTransport(ABC):
         except WeightSyncError as exc:  # an engine is gone: the fleet restarts it
             log.warning("continue_generation after a failed sync: %s", exc)
 
-    def _conclude(self, error: str | None, version: str) -> None:
-        """After the senders: every rank learns every rank's error (a dead rank counts as one); rank
-        0 commits (all succeeded) or aborts (the engines drop what they staged), then continues
-        generation; every rank raises a WeightSyncError if any rank failed."""
+    def _conclude(self, error: str | None, version: str, controls: bool | None = None) -> None:
+        """After the senders: every rank learns every rank's error (a dead rank counts as one); the
+        rank that controls this sync's engines (`controls`; rank 0 by default) commits (all
+        succeeded) or aborts (the engines drop what they staged), then continues generation; every
+        rank raises a WeightSyncError if any rank failed."""
         failed = self._agree(error)
-        if self.rank == 0:
+        if self.rank == 0 if controls is None else controls:
             try:
                 if failed:
                     self.engines.abort()
