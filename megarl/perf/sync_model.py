@@ -218,9 +218,10 @@ def _tensor(m, mesh, device, eff, shard: float, alone: bool) -> TransportTime:
     why = None
     if mesh.engine_ranks > mesh.per_node:
         why = (
-            "megarl's tensor transport sends from trainer rank 0, whose handles engine ranks on other "
-            "hosts cannot open; priced as SGLang allows it (each engine rank a handle from its "
-            "co-located trainer rank), which megarl does not send yet"
+            "an engine spans hosts (rollout.nnodes > 1): megarl's tensor transport sends each host's "
+            "engines from that host's trainer rank, and one request cannot carry handles made on "
+            "several hosts yet; priced as SGLang allows it (each engine rank a handle from its "
+            "co-located trainer rank, gathered into one request)"
         )
     return _finish("tensor", terms, total, why, usable=why is None)
 
