@@ -72,15 +72,16 @@ class Efficiency:
 
 # fitted 2026-11-30 on the fit half of benchmarks/published_runs.yaml (benchmarks/calibration.py:
 # least squares on log(predicted / measured), coordinate descent; `bench_plan.py --calibration --fit`
-# reruns it); the rest are stated. dp_overlap: the fit put the overlapping frameworks' hidden share
-# of data-parallel traffic at 0, which is also megarl's own (its engine does not overlap)
+# reruns it), after the per-transport sync model and the host optimizer; the rest are stated.
+# dp_overlap: the fit put the overlapping frameworks' hidden share of data-parallel traffic at 0,
+# which is also megarl's own (its engine does not overlap)
 GPU_EFFICIENCY = Efficiency(
     gemm=0.569,
     prefill=0.10,  # at its lower bound, as link (0.95) and routing_cv (1.0) are at their upper
-    decode_bw=0.454,  # ones: the fit leans on them for what the model lacks (RESULTS.md)
+    decode_bw=0.630,  # ones: the fit leans on them for what the model lacks (RESULTS.md)
     link=0.95,
-    step_overhead_s=0.0149,
-    tensor_s=0.866e-3,
+    step_overhead_s=0.0162,
+    tensor_s=2.94e-3,
     dp_overlap=0.0,
     routing_cv=1.0,
 )

@@ -41,6 +41,9 @@ def test_host_optimizer_pays_pcie_both_ways_and_host_adam_for_its_fraction():
     from megarl.perf.steptime import GPU_EFFICIENCY as eff
 
     cfg, hf = _load("qwen3-30b-a3b")
+    # the colocation offload of the optimizer state moves less of it once the host holds its
+    # share (a term of its own): kept out of this difference
+    cfg.actor.offload.optimizer = False
     host = copy.deepcopy(cfg)
     host.actor.offload.host_optimizer = 1.0  # set as the published-run harness does
     _, dev = parse_devices("16xH100")
