@@ -69,8 +69,9 @@ def calibration(refit: bool = False) -> None:
             elif metric in CHECK_ONLY:
                 from calibration import memory_gb
 
-                shown = f"{memory_gb(p):.3g}"
-                err = f"{memory_gb(p) / value - 1:+.0%} (check: {CHECK_ONLY[metric]})"
+                planned = memory_gb(p, metric)
+                shown = f"{planned:.3g}"
+                err = f"{planned / value - 1:+.0%} (check: {CHECK_ONLY[metric]})"
             else:
                 shown = f"{pred[metric]:.3g}"
                 err = f"{pred[metric] / value - 1:+.0%}" + ("" if metric in counted else " (not counted: implied)")

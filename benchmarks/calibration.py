@@ -26,6 +26,7 @@ from published import CHECK_ONLY, NOT_PRICED, Priced, efficiency_for, load_runs,
 # the free constants and their bounds; (lo, hi, log-spaced)
 FREE = {
     "gemm": (0.1, 0.9, True),
+    "gemm_fp8": (0.1, 0.9, True),  # moves only the FP8 runs: fitted on the fit half's FP8 runs alone
     "prefill": (0.1, 0.9, True),
     "decode_bw": (0.1, 0.95, True),
     "link": (0.1, 0.95, True),
@@ -58,11 +59,16 @@ def prepare() -> tuple[list[Priced], list[tuple[dict, str]], dict[str, str]]:
     return priced, excluded, halves
 
 
-def memory_gb(p: Priced) -> float:
+def memory_gb(p: Priced, metric: str = "gpu_memory_gb") -> float:
+    """The planned memory a CHECK_ONLY metric measures: a device's peak while training
+    (gpu_memory_gb; a host optimizer's share is off the device, memory.py), or the host memory
+    per node the trainer's state takes (cpu_memory_gb: plan.host, beyond the processes' own)."""
     from megarl.perf.plan import make_plan
 
     plan = make_plan(p.cfg, p.hf, p.device, timed=False)
-    return plan.peak("train") / 1e9  # a host optimizer's share is off the device (memory.py)
+    if metric == "cpu_memory_gb":
+        return sum(plan.host.values()) / 1e9
+    return plan.peak("train") / 1e9
 
 
 def predict(p: Priced, eff) -> dict[str, float]:

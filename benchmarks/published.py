@@ -12,9 +12,17 @@ workload. What the yaml leaves open is filled by stated rules, the same for ever
   the yaml's rollout dp (engines) is rollout.num_servers, its tp an engine's devices;
 - recompute: selective recompute of the MLP / MoE block (most of a MoE layer's FLOPs) is priced
   as full, of norms and activations as none (megarl's own selective, planned as none);
-- precision: every run is planned in bf16; an FP8 run's GEMMs are priced at the bf16 rate
-  (megarl trains in bf16; published FP8 gains end to end are small: the same Qwen3-235B layout
-  gave 253 TFLOP/s in FP8 (Megatron-Bridge) and 245 in BF16 (Megatron-Core model zoo));
+- precision: every run is planned in bf16 (memory, communication); a run whose `precision.train`
+  is FP8 (fp8-blockwise, fp8-current-scaling, mxfp8) has its linear layers' GEMMs priced at the
+  device's FP8 dense peak times Efficiency.gemm_fp8 (attention's core at the bf16 rate, as
+  Transformer Engine's FP8 recipes run it): a precision megarl does not train in, so it is a trait
+  of the run's Efficiency (fp8_gemms), never a megarl config option;
+- expert dispatch: node-level (a token crosses the network once per destination node, fans out
+  over NVLink there; Efficiency.node_dispatch) where the run's notes or table name DeepEP /
+  HybridEP, and for Megatron-Bridge's performance recipes (their DeepSeek-V3 and Qwen3 MoE
+  workload configs set the flex dispatcher with the HybridEP backend); per routed copy (Megatron's
+  default alltoall dispatcher) where the notes name the plain all-to-all dispatcher and for the
+  RL frameworks, whose recipes keep Megatron's default;
 - CPU Adam (verl, slime: optimizer_offload_fraction 1.0): actor.offload.host_optimizer = 1.0,
   set on the validated config (the key may not exist yet) and the optimizer state dropped from
   the device's memory here, not in the planner;
@@ -60,14 +68,18 @@ OVERLAPS_DP = {"nemo-rl", "megatron-bridge", "megatron-core"}
 # compute (delay_wgrad_compute)"); the model zoo's EP32 row is the one without its 1F1B overlap
 OVERLAPS_A2A = {"mbridge-qwen3-235b-256xH100-fp8-pretrain"}
 NEMO_PROMPT_CAP = 512
+# frameworks whose published MoE recipes dispatch per destination node (flex dispatcher, HybridEP)
+NODE_DISPATCH = {"megatron-bridge"}
 # measured numbers that are not a time of the planner's model, and why
 NOT_PRICED = {
-    "cpu_memory_gb": "host memory: the planner plans device memory only",
     "sync_s_checkpoint_engine": "verl's bucketed checkpoint-engine, a different transport from the one timed by sync_s",
     "sync_s_before_optimization": "slime's sync before its CUDA-IPC rework: not the transport priced",
 }
 # measured numbers compared but not fitted nor counted in the error: the time model's calibration
-CHECK_ONLY = {"gpu_memory_gb": "memory, not time: shown as a check of the memory model"}
+CHECK_ONLY = {
+    "gpu_memory_gb": "memory, not time: shown as a check of the memory model",
+    "cpu_memory_gb": "host memory per node (plan.host), not time: a check of the host-memory model",
+}
 
 
 @dataclass
@@ -85,6 +97,8 @@ class Priced:
     overlap_dp: bool = False
     overlap_a2a: bool = False
     forced_balance: bool = False
+    fp8: bool = False
+    node_dispatch: bool = False
     assumptions: list[str] = field(default_factory=list)
     train_mem: object = None  # filled by calibration.prepare: memory does not depend on the constants
     rollout_mem: object = None
@@ -118,6 +132,22 @@ def forced_balance(run: dict) -> bool:
     """The source forced the expert load balanced (Megatron's moe_router_force_load_balancing)."""
     notes = " ".join(run.get("notes", "").split()).lower()
     return "forced expert balance" in notes or "forced balanced" in notes
+
+
+def fp8_gemms(run: dict) -> bool:
+    """The run's GEMMs ran in FP8 (its precision.train: fp8-blockwise, fp8-current-scaling, mxfp8)."""
+    return "fp8" in str(run.get("precision", {}).get("train", "")).lower()
+
+
+def node_dispatch(run: dict) -> bool:
+    """The run's expert dispatch sends a token once per destination node (the rule in the module
+    docstring): its notes or table say so, else its framework's recipes decide."""
+    text = " ".join([run.get("notes", ""), str(run.get("source", {}).get("table", ""))]).lower()
+    if "deepep" in text or "hybridep" in text:
+        return True
+    if "a2a dispatcher" in text or "all-to-all dispatcher" in text:
+        return False
+    return run["framework"] in NODE_DISPATCH
 
 
 def _recompute(value: str) -> str:
@@ -310,6 +340,8 @@ def price(run: dict) -> Priced:
         overlap_dp=run["framework"] in OVERLAPS_DP,
         overlap_a2a=run["id"] in OVERLAPS_A2A,
         forced_balance=forced_balance(run),
+        fp8=fp8_gemms(run),
+        node_dispatch=node_dispatch(run),
         assumptions=assumed,
         timing=timing,
     )
@@ -323,6 +355,8 @@ def efficiency_for(p: Priced, eff, a2a_overlap: float):
         dp_overlap=eff.dp_overlap if p.overlap_dp else 0.0,
         a2a_overlap=a2a_overlap if p.overlap_a2a else 0.0,
         routing_cv=0.0 if p.forced_balance else eff.routing_cv,
+        fp8_gemms=p.fp8,
+        node_dispatch=p.node_dispatch,
     )
 
 

@@ -3,6 +3,9 @@
 `parse_devices("256xH100")` -> (256, Device). GPU figures are datasheet numbers (memory as
 nvidia-smi reports the card's total, bandwidths per GPU and per direction); the planner applies
 its stated efficiencies to them (megarl/perf/steptime.py), never assumes the datasheet is reached.
+FLOP/s per dtype come from megarl/perf/peak.py's table (its comment names the datasheets): dense
+FP8 is H100 SXM 1,979 TF, H20 296 TF, B200 4.5 PF, read only to price published FP8 runs
+(megarl trains in bf16).
 
 - H100 SXM: 81,559 MiB HBM3, 3.35 TB/s; NVLink 4 900 GB/s bidirectional (450 per direction);
   PCIe Gen5 x16 64 GB/s; one 400 Gb/s ConnectX-7 NIC per GPU in DGX/HGX nodes (50 GB/s).

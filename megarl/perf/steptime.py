@@ -68,21 +68,36 @@ class Efficiency:
     # CPU Adam (actor.offload.host_optimizer): parameters a second per device, its share of the host
     # (a 2-socket node streams ~200 GB/s; Adam touches ~24-32 bytes a parameter; 8 devices a node)
     host_adam_params_s: float = 1.0e9
+    # FP8 GEMMs (the linear layers; attention's core stays bf16): fraction of the device's FP8 dense
+    # peak. A constant of its own, not `gemm`: an FP8 GEMM also quantizes its inputs and applies
+    # per-block scales, work a bf16 GEMM does not do, so the share of its (doubled) peak it reaches
+    # is a different number. Read only when fp8_gemms is set
+    gemm_fp8: float = 0.35
+    # a published run's GEMMs ran in FP8 (benchmarks/published.py sets it from the run's precision).
+    # megarl trains in bf16: no config sets this, the planner's own plans never do
+    fp8_gemms: bool = False
+    # the expert dispatch sends a token once per destination node and fans it out over NVLink
+    # there (DeepEP-style), instead of once per routed copy (Megatron's alltoall dispatcher, megarl's
+    # actor.moe.dispatcher): update_time.network_copies
+    node_dispatch: bool = False
 
 
 # fitted 2026-11-30 on the fit half of benchmarks/published_runs.yaml (benchmarks/calibration.py:
 # least squares on log(predicted / measured), coordinate descent; `bench_plan.py --calibration --fit`
-# reruns it); the rest are stated. dp_overlap: the fit put the overlapping frameworks' hidden share
-# of data-parallel traffic at 0, which is also megarl's own (its engine does not overlap)
+# reruns it), with the per-transport sync, the host optimizer, FP8 GEMMs at the FP8 peak and
+# node-level expert dispatch; the rest are stated. dp_overlap: the fit put the overlapping
+# frameworks' hidden share of data-parallel traffic at 0, which is also megarl's own (its engine
+# does not overlap). gemm_fp8 moves only the FP8 runs (two in the fit half)
 GPU_EFFICIENCY = Efficiency(
-    gemm=0.569,
-    prefill=0.10,  # at its lower bound, as link (0.95) and routing_cv (1.0) are at their upper
-    decode_bw=0.454,  # ones: the fit leans on them for what the model lacks (RESULTS.md)
-    link=0.95,
-    step_overhead_s=0.0149,
-    tensor_s=0.866e-3,
+    gemm=0.4964,
+    gemm_fp8=0.2556,
+    prefill=0.10,  # at its lower bound: the fit leans on it for what the model lacks (RESULTS.md)
+    decode_bw=0.8616,
+    link=0.6762,
+    step_overhead_s=0.0176,
+    tensor_s=2.802e-3,
     dp_overlap=0.0,
-    routing_cv=1.0,
+    routing_cv=0.8854,
 )
 # CPU: the quickstart's tiny model is all fixed costs; these come from timing the quickstart's
 # default layout on a 2-core host (benchmarks/bench_plan.py, RESULTS.md "Planner on CPU")

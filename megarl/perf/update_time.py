@@ -14,7 +14,8 @@ not count it) at the GEMM efficiency, scaled by
 then the pipeline bubble (pp - 1) / (vpp * micro-batches) of the slowest stage's time (interleaved
 1F1B, Narayanan et al. 2021), the point-to-point traffic between stages (vpp times per
 micro-batch and direction: interleaving multiplies it), MoE all-to-all (dispatch + combine per MoE
-layer over the expert group ep * etp), sequence-parallel gathers/scatters, context parallel's ring
+layer over the expert group ep * etp; per routed copy, or with node-level dispatch once per
+destination node, which group-limited routing bounds: `a2a_copies`), sequence-parallel gathers/scatters, context parallel's ring
 of key/value chunks, the data-parallel gradient reduce-scatter and parameter all-gather per
 optimizer step, the optimizer step on the device or on the host (CPU Adam), and the offload
 traffic over PCIe. Communication that the engine overlaps with compute is charged only beyond
@@ -46,9 +47,26 @@ def _tokens(cfg, mean_response: float) -> float:
     return cfg.data.train_batch_size * cfg.rollout.n * (cfg.data.max_prompt_length + mean_response)
 
 
-def _forward_flops(hf: dict, rows: int, length: float) -> float:
+def _forward_parts(hf: dict, rows: int, length: float) -> tuple[float, float]:
+    """(linear layers', attention core's) forward FLOPs of `rows` rows of `length` tokens."""
     c = count_params(hf)
-    return rows * (2 * c.matmul_active * length + attention_flops_per_pair(hf) * length * (length + 1) / 2)
+    return rows * 2 * c.matmul_active * length, rows * attention_flops_per_pair(hf) * length * (length + 1) / 2
+
+
+def _forward_flops(hf: dict, rows: int, length: float) -> float:
+    return sum(_forward_parts(hf, rows, length))
+
+
+def forward_seconds(cfg, hf: dict, device: Device, rows: int, length: float, eff) -> float:
+    """Device-seconds of one forward over `rows` rows at the GEMM efficiency. A run whose GEMMs are
+    FP8 (eff.fp8_gemms: a published run's precision, never megarl's own) prices its linear layers at
+    the device's FP8 dense peak times eff.gemm_fp8; FP8 recipes (Transformer Engine's) keep the
+    attention core in bf16, so that part stays at the bf16 rate."""
+    linear, attention = _forward_parts(hf, rows, length)
+    rate = device.peak_flops(_dtype(cfg, device)) * eff.gemm
+    if not getattr(eff, "fp8_gemms", False):
+        return (linear + attention) / rate
+    return linear / (device.peak_flops("fp8") * eff.gemm_fp8) + attention / rate
 
 
 def _dtype(cfg, device: Device) -> str:
@@ -169,6 +187,33 @@ def optimizer_time(cfg, hf: dict, device: Device, train_mem, eff, steps: int) ->
     return steps * (on_device / device.hbm_bw + on_host)
 
 
+def nodes_reached(hf: dict, group: int, on_node: int) -> int:
+    """The most nodes one token's routed copies land on, out of the `group` expert ranks spread
+    `on_node` to a node. Ungrouped top-k: min(k, the group's nodes). Group-limited routing
+    (DeepSeek-V3's n_group / topk_group): a token picks topk_group of n_group expert groups first,
+    then its k experts inside them; experts sit on the expert ranks in order, so a routing group
+    spans ceil(nodes / n_group) nodes and a token reaches at most topk_group of those spans."""
+    k = hf.get("num_experts_per_tok") or 0
+    nodes = max(1, math.ceil(group / max(on_node, 1)))
+    n_group, topk_group = hf.get("n_group") or 0, hf.get("topk_group") or 0
+    if n_group and topk_group and topk_group < n_group:
+        nodes = min(nodes, topk_group * math.ceil(nodes / n_group))
+    return min(k, nodes)
+
+
+def a2a_copies(hf: dict, group: int, on_node: int, node_dispatch: bool) -> tuple[float, float]:
+    """(copies over NVLink, copies over the network) a rank sends per routed token, each way.
+    Per routed copy (Megatron's alltoall dispatcher): k copies spread evenly over the group's
+    ranks, those on the rank's node over NVLink, the rest over the network. Node-level dispatch
+    (DeepEP): a token crosses the network once per remote destination node, at most nodes_reached
+    of them, and fans out to its experts' ranks over that node's NVLink."""
+    k = hf.get("num_experts_per_tok") or 0
+    remote = (group - on_node) / group
+    if not node_dispatch or group <= on_node:
+        return k * (on_node - 1) / group, k * remote
+    return k * (on_node - 1) / on_node, nodes_reached(hf, group, on_node) * remote
+
+
 def _link(device: Device, group_fits_node: bool, eff) -> float:
     return (device.nvlink_bw if group_fits_node else device.net_bw) * eff.link
 
@@ -180,17 +225,18 @@ def comm_time(
     a, p = cfg.actor, cfg.actor.parallel
     world = cfg.cluster.num_actor_ranks
     passes = 3 if getattr(a, "recompute", "none") == "full" else 2
-    moe_layers, _, k = _moe_layers(hf)
+    moe_layers = _moe_layers(hf)[0]
     h, layers = hf["hidden_size"], hf["num_hidden_layers"]
     abytes = 2 if a.precision == "bf16" else 4
     a2a = other = 0.0
     group = p.ep * p.etp  # routed tokens travel over the expert group: all-to-all over ep, gathers over etp
     if moe_layers and group > 1:
-        sent = tokens_rank * (moe_layers / p.pp) * k * h * abytes * 2 * passes * imbalance / group
+        token = tokens_rank * (moe_layers / p.pp) * h * abytes * 2 * passes * imbalance
         # experts have their own rank order (etp-ep-edp-pp): a group is consecutive ranks, so the
         # peers on the rank's node are reached over NVLink, the others over the network, at once
         on_node = min(group, per_node)
-        a2a = max(sent * (on_node - 1) / _link(device, True, eff), sent * (group - on_node) / _link(device, False, eff))
+        nv, net = a2a_copies(hf, group, on_node, getattr(eff, "node_dispatch", False))
+        a2a = token * max(nv / _link(device, True, eff), net / _link(device, False, eff))
     if p.tp > 1:
         other += tokens_rank * (layers / p.pp) * 4 * h * abytes * (p.tp - 1) * passes / _link(device, True, eff)
     if p.cp > 1:  # ring attention: each rank's key/value chunk visits the cp - 1 others, per layer and pass
@@ -221,10 +267,9 @@ def update_time(
     per_node = devices_per_node or world
     rows = cfg.data.train_batch_size * cfg.rollout.n
     length = cfg.data.max_prompt_length + mean_response
-    fwd = _forward_flops(hf, rows, length)
-    model_flops = 3 * fwd * a.ppo_epochs
-    hw_flops = (4 if getattr(a, "recompute", "none") == "full" else 3) * fwd * a.ppo_epochs
-    compute = hw_flops / (world * device.peak_flops(_dtype(cfg, device)) * eff.gemm)
+    model_flops = 3 * _forward_flops(hf, rows, length) * a.ppo_epochs
+    passes = (4 if getattr(a, "recompute", "none") == "full" else 3) * a.ppo_epochs
+    compute = passes * forward_seconds(cfg, hf, device, rows, length, eff) / world
     dp = max(world // (p.tp * p.pp * p.cp), 1)
     tokens_rank = _tokens(cfg, mean_response) * a.ppo_epochs / (dp * p.cp * p.tp)
     from megarl.perf.memory import micro_batch_tokens
@@ -258,11 +303,10 @@ def log_prob_time(cfg, hf: dict, device: Device, mean_response: float, eff, micr
     p = cfg.actor.parallel
     rows = cfg.data.train_batch_size * cfg.rollout.n
     length = cfg.data.max_prompt_length + mean_response
-    fwd = _forward_flops(hf, rows, length)
     passes = 1 + bool(cfg.ref.enabled) + bool(cfg.critic.enabled)
     world = cfg.cluster.num_actor_ranks
     from megarl.perf.memory import micro_batch_tokens
 
     scale, _ = compute_scale(cfg, hf, length, micro_batch_tokens(cfg) / p.cp, eff)
-    t = fwd / (world * device.peak_flops(_dtype(cfg, device)) * eff.gemm) * scale * (1 + _bubble(p, micro_batches))
+    t = forward_seconds(cfg, hf, device, rows, length, eff) / world * scale * (1 + _bubble(p, micro_batches))
     return passes * (t + micro_batches * hf["num_hidden_layers"] / p.pp * eff.layer_pass_s + eff.phase_s)

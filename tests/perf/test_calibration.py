@@ -64,6 +64,40 @@ def test_framework_traits_come_from_the_notes():
         assert "all-to-all overlapped with compute" in " ".join(runs[i]["notes"].split())
 
 
+def test_fp8_and_node_dispatch_come_from_the_runs_precision_notes_and_recipes():
+    """FP8 from precision.train; node-level dispatch where the notes or table name DeepEP, never
+    where they name the plain all-to-all dispatcher, else Megatron-Bridge's recipes (HybridEP)."""
+    from published import fp8_gemms, load_runs, node_dispatch
+
+    runs = {r["id"]: r for r in load_runs()}
+    assert {i for i, r in runs.items() if fp8_gemms(r)} == {i for i in runs if i.startswith("mbridge-")}
+    node = {i for i, r in runs.items() if node_dispatch(r)}
+    assert node == {i for i in runs if i.startswith("mbridge-")} | {
+        "mcore-qwen3-235b-256xH100-bf16-ep32",  # notes: DeepEP dispatch
+        "mcore-qwen3-235b-256xH100-bf16-tp4-norecompute",  # table: TP4 DeepEP row
+    }
+    assert "mcore-qwen3-235b-256xH100-bf16-pp32-a2a" not in node  # notes: plain all-to-all dispatcher
+
+
+def test_host_memory_is_a_check_not_a_timed_metric(prepared):
+    """verl's 1500 GB of host memory is compared with the plan's host memory per node (plan.host:
+    the host optimizer's share and what colocation offload parks there) and stays out of the
+    time error."""
+    from calibration import memory_gb, timed_metrics
+    from published import CHECK_ONLY, NOT_PRICED
+
+    from megarl.perf.plan import make_plan
+
+    priced, _, _ = prepared
+    (p,) = [p for p in priced if p.run["id"] == "verl-dsv3-96xH20-grpo"]
+    assert "cpu_memory_gb" in CHECK_ONLY and "cpu_memory_gb" not in NOT_PRICED
+    assert "cpu_memory_gb" not in timed_metrics(p.run)
+    host = make_plan(p.cfg, p.hf, p.device, timed=False).host
+    assert host["actor host optimizer"] > 0  # the harness ran verl's CPU Adam on the host
+    assert memory_gb(p, "cpu_memory_gb") == pytest.approx(sum(host.values()) / 1e9)
+    assert memory_gb(p, "cpu_memory_gb") != pytest.approx(memory_gb(p, "gpu_memory_gb"), rel=0.1)
+
+
 def test_the_fit_moves_constants_toward_the_fit_half_only(prepared):
     """A fit on one run pulls the decode bandwidth toward that run's generation time, whatever the
     held-out runs would say (they are not passed)."""

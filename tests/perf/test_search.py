@@ -93,12 +93,13 @@ def test_671b_search_lists_feasible_layouts_ranked_by_the_plans_own_step_time(de
     assert doc["shipped_step_s"] == pytest.approx(shipped.time.total, rel=1e-9)
 
 
-def _in_space(name):
+def _in_space(name, without: str = ""):
     from megarl.perf.hardware import parse_devices
     from megarl.perf.plan import make_plan
     from megarl.perf.search import _changed, ranked_layouts, step_seconds
 
     base, overrides, devices = PUBLISHED[name]
+    overrides = [o for o in overrides if not (without and o.startswith(without))]
     cfg, hf = _load(base, *overrides)
     count, device = parse_devices(devices)
     plan = make_plan(cfg, hf, device)
@@ -119,21 +120,26 @@ def test_nemo_rl_deepseek_layout_is_in_the_space_where_the_plan_ranks_it():
 
 
 @pytest.mark.parametrize(
-    "name,largest",
-    [("verl DeepSeek-V3 671B, 96 x H20", "actor optimizer"), ("verl Qwen3-30B-A3B, 8 x H20", "actor activations")],
+    "name,largest,without",
+    [
+        ("verl DeepSeek-V3 671B, 96 x H20", "actor optimizer", "actor.offload.host_optimizer="),
+        ("verl Qwen3-30B-A3B, 8 x H20", "actor activations", ""),
+    ],
 )
-def test_verls_layouts_are_refused_by_the_plan_and_left_out_of_the_ranking(name, largest):
-    """verl runs Adam on the host, which megarl does not have: its DeepSeek-V3 layout's Adam state
-    alone outgrows an H20; its Qwen3-30B-A3B layout trains 10k-token micro-batches without
-    recompute, whose activations the model puts above the Adam state. Neither is ranked."""
+def test_verls_layouts_are_refused_by_the_plan_and_left_out_of_the_ranking(name, largest, without):
+    """verl runs Adam on the host: without actor.offload.host_optimizer its DeepSeek-V3 layout's
+    Adam state alone outgrows an H20; its Qwen3-30B-A3B layout trains 10k-token micro-batches
+    without recompute, whose activations the model puts above the Adam state. Neither is ranked."""
     from megarl.perf.plan import refusal
 
-    cfg, hf, plan, _, ranked, at = _in_space(name)
+    cfg, hf, plan, _, ranked, at = _in_space(name, without)
     assert not plan.fits and at == []
     train = plan.phases["train"]
     assert max(train, key=train.get) == largest
     assert f"({largest} " in refusal(cfg, hf, plan)
     assert all(score > 0 for score, _ in ranked)
+    if without:  # with the host optimizer, as verl ran it, the same layout fits
+        assert _in_space(name)[2].fits
 
 
 def test_an_overfull_space_is_refused_in_one_line_naming_the_binding_constraint(capsys, monkeypatch):

@@ -120,9 +120,11 @@ def test_reshard_spreads_over_the_trainer_ranks_and_distributed_does_not():
 def test_deepseek_v3_on_256_h100_is_gather_or_link_bound_except_reshard():
     """The shipped 671B layout: tensor's every-rank assembly pulls 15/16 of 1.34 TB through each
     GPU's NIC (PP broadcast), distributed sends all 1.34 TB to every engine rank: tens of seconds.
-    reshard moves each rank's own shard: seconds. Stock SGLang cannot receive it."""
+    reshard moves each rank's own shard: seconds. Stock SGLang cannot receive it. (With the fitted
+    per-tensor cost, ~3 ms, the per-tensor term of either may bind instead: the byte terms are
+    checked on their own.)"""
     t, _, _ = _predict("deepseek-v3", [], "256xH100")
-    assert t["tensor"].bound == "gather" and t["distributed"].bound == "links"
+    assert t["tensor"].terms_s["gather"] > 20 and t["distributed"].terms_s["links"] > 20
     assert t["tensor"].s > 30 and t["distributed"].s > 30
     assert t["reshard"].s < 3 and t["reshard"].bound == "links"
     assert not t["reshard"].usable and "SGLang" in t["reshard"].why
