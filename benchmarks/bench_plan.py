@@ -12,7 +12,7 @@ the fit half's mean error, and last `calibration: mean abs error N%`: the mean o
 runs of their run errors. The split, fixed before any held-out error was seen: within each kind
 (rl_step, train_step, weight_sync) runs alternate fit, holdout, ... in file order; an entry whose
 notes say to use it as a check and not to fit it is held out. --fit refits the free constants
-(calibration.FREE) on the fit half alone first (~40 s) and prints them.
+(calibration.FREE) on the fit half alone first (six starts, ~2 min) and prints them.
 
 --cpu: runs the quickstart for --steps steps in two layouts (tp1/pp1/ep2, and pp2), --repeats times
 interleaved, and compares the medians of its logged phase times (steps 3..N; then the median over
@@ -46,7 +46,7 @@ def calibration(refit: bool = False) -> None:
     held-out error line. refit: fit the free constants on the fit half first and use them."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from calibration import FREE, mean_abs, predict, prepare, run_errors, timed_metrics
-    from calibration import fit as fit_constants
+    from calibration import fit_multistart as fit_constants
     from published import CHECK_ONLY, NOT_PRICED
 
     from megarl.perf.steptime import GPU_EFFICIENCY

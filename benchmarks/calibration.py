@@ -4,7 +4,8 @@ the least-squares fit of the free efficiency constants on the fit half, and the 
 Prediction: each run (benchmarks/published.py) is priced by the planner's own functions with its
 Efficiency (the constants, plus its framework's traits): an RL step by steptime.step_time on the
 config at the run's mean prompt and response lengths; a pre-training step by
-steptime.trainer_time's update alone; a weight sync by steptime.sync_time.
+steptime.trainer_time's update alone; a weight sync by megarl/perf/sync_model.py, per transport
+as the source moved the weights (published.py).
 
 Error of a metric: predicted / measured - 1. Error of a run: the mean of |error| over its timed
 metrics (a run publishing both a step time and the tokens/s it implies counts once, not twice).
@@ -12,8 +13,10 @@ The reported error of a half: the mean over its runs.
 
 Fit: the free constants (FREE) minimise the sum over the fit half's runs of the mean squared
 log-ratio log(predicted / measured) of each run's timed metrics, by coordinate descent over a
-log-spaced grid within each constant's bounds (5 rounds, the grid narrowing around the best).
-Held-out runs never enter it.
+log-spaced grid within each constant's bounds (5 rounds, the grid narrowing around the best),
+from several starts (the given constants, each bound's geometric middle, and seeded random points
+within the bounds; coordinate descent alone stops in the first valley it finds), keeping the
+lowest fit-half loss. Held-out runs never enter it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,17 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from published import CHECK_ONLY, NOT_PRICED, Priced, efficiency_for, load_runs, price, split
+from published import (
+    CHECK_ONLY,
+    NOT_PRICED,
+    REFIT_AS,
+    SYNC_PER_TENSOR,
+    Priced,
+    efficiency_for,
+    load_runs,
+    price,
+    split,
+)
 
 # the free constants and their bounds; (lo, hi, log-spaced)
 FREE = {
@@ -73,13 +86,19 @@ def memory_gb(p: Priced, metric: str = "gpu_memory_gb") -> float:
 
 def predict(p: Priced, eff) -> dict[str, float]:
     """metric -> predicted value, for every metric of the run the planner prices."""
-    from megarl.perf.steptime import step_time, sync_time, trainer_time
+    from megarl.perf.steptime import step_time, trainer_time
+    from megarl.perf.sync_model import predict as predict_sync
 
     run, kind = p.run, p.run["kind"]
     e = efficiency_for(p, eff, A2A_OVERLAP)
     world = p.cfg.cluster.num_actor_ranks
+    transport = p.cfg.bridge.transport
     if kind == "weight_sync":
-        return {"sync_s": sync_time(p.cfg, p.hf, p.device, p.rollout_mem, e)}
+        out = {}
+        for metric in ("sync_s", "sync_s_checkpoint_engine"):
+            alone = run["id"] in SYNC_PER_TENSOR.get(metric, ())
+            out[metric] = predict_sync(p.cfg, p.hf, p.device, p.rollout_mem, e, alone=alone)[transport].s
+        return out
     peak = p.device.peak_flops("bf16")
     if kind == "train_step":
         w = run["workload"]
@@ -90,6 +109,9 @@ def predict(p: Priced, eff) -> dict[str, float]:
             out[f"tokens_per_s_per_gpu{metric}"] = w["global_batch"] * w["seq_len"] / upd / p.count
         return out
     t = step_time(p.timing, p.hf, p.device, p.train_mem, p.rollout_mem, p.mean_response, e)
+    if run["framework"] in REFIT_AS:
+        sync = predict_sync(p.cfg, p.hf, p.device, p.rollout_mem, e)[REFIT_AS[run["framework"]]].s
+        t = replace(t, weight_sync=sync)
     passes = 1 + bool(p.cfg.ref.enabled) + bool(p.cfg.critic.enabled)
     rows = p.cfg.data.train_batch_size * p.cfg.rollout.n
     return {
@@ -137,6 +159,30 @@ def _grid(lo: float, hi: float, log: bool, n: int) -> list[float]:
     if log:
         return [lo * (hi / lo) ** (i / (n - 1)) for i in range(n)]
     return [lo + (hi - lo) * i / (n - 1) for i in range(n)]
+
+
+def starts(start, count: int, seed: int = 0) -> list:
+    """The given constants, the middle of every bound, and count - 2 seeded random points."""
+    import random
+
+    rng = random.Random(seed)
+
+    def point(pick):
+        return replace(start, **{k: pick(lo, hi, log) for k, (lo, hi, log) in FREE.items()})
+
+    def middle(lo, hi, log):
+        return math.sqrt(lo * hi) if log else (lo + hi) / 2
+
+    def uniform(lo, hi, log):
+        return math.exp(rng.uniform(math.log(lo), math.log(hi))) if log else rng.uniform(lo, hi)
+
+    return [start, point(middle)] + [point(uniform) for _ in range(max(count - 2, 0))]
+
+
+def fit_multistart(priced: list[Priced], start, count: int = 6):
+    """fit() from each of starts(start, count); the result with the lowest loss on `priced`."""
+    fits = [fit(priced, s) for s in starts(start, count)]
+    return min(fits, key=lambda e: _loss(priced, e))
 
 
 def fit(priced: list[Priced], start, rounds: int = 5, n: int = 13):

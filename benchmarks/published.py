@@ -23,9 +23,13 @@ workload. What the yaml leaves open is filled by stated rules, the same for ever
   workload configs set the flex dispatcher with the HybridEP backend); per routed copy (Megatron's
   default alltoall dispatcher) where the notes name the plain all-to-all dispatcher and for the
   RL frameworks, whose recipes keep Megatron's default;
-- CPU Adam (verl, slime: optimizer_offload_fraction 1.0): actor.offload.host_optimizer = 1.0,
-  set on the validated config (the key may not exist yet) and the optimizer state dropped from
-  the device's memory here, not in the planner;
+- CPU Adam (verl, slime: optimizer_offload_fraction 1.0): actor.offload.host_optimizer = 1.0;
+- weight sync, priced as the source moved the weights (megarl/perf/sync_model.py prices each
+  transport): verl's `sync_s` is one NCCL broadcast per tensor (its notes), priced as
+  `distributed` with every tensor its own request; its `sync_s_checkpoint_engine` is bucketed,
+  priced as megarl's bucketed `distributed`; NeMo-RL's refit streams each training rank's own
+  shards to the co-located inference ranks (no gather at a root; ~2.4 s for DeepSeek-V3 on 256
+  H100), priced as megarl's `reshard`; everything else with the config's transport;
 - framework traits the planner cannot read from a megarl config, applied to the run's Efficiency:
   data-parallel gradient / parameter traffic overlapped with compute (Megatron's
   overlap_grad_reduce / overlap_param_gather: NeMo-RL, Megatron-Bridge and the Megatron-Core
@@ -72,9 +76,12 @@ NEMO_PROMPT_CAP = 512
 NODE_DISPATCH = {"megatron-bridge"}
 # measured numbers that are not a time of the planner's model, and why
 NOT_PRICED = {
-    "sync_s_checkpoint_engine": "verl's bucketed checkpoint-engine, a different transport from the one timed by sync_s",
     "sync_s_before_optimization": "slime's sync before its CUDA-IPC rework: not the transport priced",
 }
+# weight-sync metrics timed per tensor (one request or broadcast each), by their runs' notes
+SYNC_PER_TENSOR = {"sync_s": {"verl-qwen3-30b-a3b-sync-16to16xH20", "verl-qwen3-235b-a22b-sync-64to64xH20"}}
+# frameworks whose refit is priced by another transport than the config's, in an RL step
+REFIT_AS = {"nemo-rl": "reshard"}
 # measured numbers compared but not fitted nor counted in the error: the time model's calibration
 CHECK_ONLY = {
     "gpu_memory_gb": "memory, not time: shown as a check of the memory model",

@@ -126,3 +126,30 @@ def test_bench_plan_calibration_ends_with_the_held_out_error_line():
     assert re.fullmatch(r"calibration: mean abs error \d+% \(held-out, per run, \d+ runs\)", lines[-1]), lines[-1]
     assert lines[-2].startswith("fit half: mean abs error")
     assert "| published run | metric | split |" in done.stdout
+
+
+def test_each_sync_is_priced_as_its_source_moved_the_weights(prepared):
+    """verl's sync_s is one NCCL broadcast per tensor (each tensor its own request), its
+    checkpoint-engine time bucketed; NeMo-RL's refit inside a step is priced as `reshard`, not as
+    the config's `tensor` sync of its layout. Independent reference: sync_model.predict itself."""
+    from calibration import A2A_OVERLAP, predict
+    from published import efficiency_for
+
+    from megarl.perf.steptime import GPU_EFFICIENCY, step_time
+    from megarl.perf.sync_model import predict as predict_sync
+
+    priced, _, _ = prepared
+    (verl,) = [p for p in priced if p.run["id"] == "verl-qwen3-30b-a3b-sync-16to16xH20"]
+    e = efficiency_for(verl, GPU_EFFICIENCY, A2A_OVERLAP)
+    alone = predict_sync(verl.cfg, verl.hf, verl.device, verl.rollout_mem, e, alone=True)["distributed"].s
+    bucketed = predict_sync(verl.cfg, verl.hf, verl.device, verl.rollout_mem, e)["distributed"].s
+    assert alone > 1.5 * bucketed  # the two ways differ, so the checks below can tell them apart
+    got = predict(verl, GPU_EFFICIENCY)
+    assert got["sync_s"] == pytest.approx(alone) and got["sync_s_checkpoint_engine"] == pytest.approx(bucketed)
+
+    (nemo,) = [p for p in priced if p.run["id"] == "nemorl-dsv3-256xH100-grpo"]
+    e = efficiency_for(nemo, GPU_EFFICIENCY, A2A_OVERLAP)
+    t = step_time(nemo.timing, nemo.hf, nemo.device, nemo.train_mem, nemo.rollout_mem, nemo.mean_response, e)
+    reshard = predict_sync(nemo.cfg, nemo.hf, nemo.device, nemo.rollout_mem, e)["reshard"].s
+    assert t.weight_sync > 10 * reshard  # the config's own transport would cost far more
+    assert predict(nemo, GPU_EFFICIENCY)["step_s"] == pytest.approx(t.total - t.weight_sync + reshard)
