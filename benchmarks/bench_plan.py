@@ -4,8 +4,8 @@
 
 --calibration: the planner's time model against the published runs of
 benchmarks/published_runs.yaml (verl, NeMo-RL, Megatron-Bridge, the Megatron-Core MoE model zoo,
-slime), each turned into a megarl config by benchmarks/published.py and priced by the planner's
-own functions (benchmarks/calibration.py), with megarl/perf/steptime.py's GPU_EFFICIENCY. Prints
+slime), each turned into a megarl config by benchmarks/_published.py and priced by the planner's
+own functions (benchmarks/_calibration.py), with megarl/perf/steptime.py's GPU_EFFICIENCY. Prints
 one row per measured metric (split, published, predicted, error), each run's error (the mean
 |predicted / measured - 1| over its timed metrics) and its assumptions, the runs excluded and why,
 the fit half's mean error, and last `calibration: mean abs error N%`: the mean over the held-out
@@ -45,9 +45,9 @@ def calibration(refit: bool = False) -> None:
     """The per-run table over benchmarks/published_runs.yaml, the fit half's error, and last the
     held-out error line. refit: fit the free constants on the fit half first and use them."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from calibration import FREE, mean_abs, predict, prepare, run_errors, timed_metrics
-    from calibration import fit_multistart as fit_constants
-    from published import CHECK_ONLY, NOT_PRICED
+    from _calibration import FREE, mean_abs, predict, prepare, run_errors, timed_metrics
+    from _calibration import fit_multistart as fit_constants
+    from _published import CHECK_ONLY, NOT_PRICED
 
     from megarl.perf.steptime import GPU_EFFICIENCY
 
@@ -67,7 +67,7 @@ def calibration(refit: bool = False) -> None:
             if metric in NOT_PRICED:
                 shown, err = "not priced: " + NOT_PRICED[metric], ""
             elif metric in CHECK_ONLY:
-                from calibration import memory_gb
+                from _calibration import memory_gb
 
                 planned = memory_gb(p, metric)
                 shown = f"{planned:.3g}"

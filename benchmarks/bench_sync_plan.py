@@ -1,6 +1,8 @@
 """Weight sync per transport, predicted (megarl/perf/sync_model.py) next to the published syncs.
 
-    .venv/bin/python benchmarks/bench_sync_plan.py
+    .venv/bin/python benchmarks/bench_sync_plan.py [--smoke]
+
+(--smoke prints the same: the script is a few seconds of planning, no run.)
 
 Prints markdown for benchmarks/RESULTS.md ("Weight sync per transport"): each published sync row
 of benchmarks/published_runs.yaml (verl's Qwen3-30B-A3B and Qwen3-235B-A22B with and without its
@@ -94,5 +96,10 @@ def shipped() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="the same tables (nothing to shorten)")
+    ap.parse_args()
     published()
     shipped()

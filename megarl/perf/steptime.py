@@ -73,7 +73,7 @@ class Efficiency:
     # per-block scales, work a bf16 GEMM does not do, so the share of its (doubled) peak it reaches
     # is a different number. Read only when fp8_gemms is set
     gemm_fp8: float = 0.35
-    # a published run's GEMMs ran in FP8 (benchmarks/published.py sets it from the run's precision).
+    # a published run's GEMMs ran in FP8 (benchmarks/_published.py sets it from the run's precision).
     # megarl trains in bf16: no config sets this, the planner's own plans never do
     fp8_gemms: bool = False
     # the expert dispatch sends a token once per destination node and fans it out over NVLink
@@ -82,7 +82,7 @@ class Efficiency:
     node_dispatch: bool = False
 
 
-# fitted 2026-11-29 on the fit half of benchmarks/published_runs.yaml (benchmarks/calibration.py:
+# fitted 2026-11-29 on the fit half of benchmarks/published_runs.yaml (benchmarks/_calibration.py:
 # least squares on log(predicted / measured), multi-start coordinate descent; `bench_plan.py
 # --calibration --fit` reruns it), with every run's weight sync priced as its source moved the
 # weights (per transport), the host optimizer, FP8 GEMMs at the FP8 peak and node-level expert

@@ -51,6 +51,7 @@ COVERED = {
     "bench_plan.py": "test_bench_plan",
     "bench_rollout.py": "test_bench_rollout",
     "bench_smollm2.py": "test_bench_smollm2",
+    "bench_sync_plan.py": "test_bench_sync_plan",
     "bench_vs_trl.py": "test_bench_vs_trl",
     "gpu_probe.py": "test_gpu_probe",
     "gpu_replay.py": "test_gpu_replay",
@@ -294,6 +295,14 @@ def test_bench_plan(pair, tiny_model_path):
     pair.drain()
     out = smoke("bench_plan.py", "--model", str(tiny_model_path), timeout=600)
     assert_lines(out, "| published run | metric |", "| pp2 ep1 (out of sample) | step s |", "| optimizer MiB |")
+
+
+def test_bench_sync_plan(pair):
+    pair.drain()
+    out = smoke("bench_sync_plan.py")
+    assert_lines(
+        out, "| published sync | transport priced |", "| NeMo-RL DeepSeek-V3", "| reshard |", "| distributed |"
+    )
 
 
 def test_profile_step(pair, tiny_model_path):

@@ -17,14 +17,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 @pytest.fixture(scope="module")
 def prepared():
-    from calibration import prepare
+    from _calibration import prepare
 
     return prepare()
 
 
 def test_every_published_run_is_priced_or_excluded_with_its_reason(prepared):
-    from calibration import predict, timed_metrics
-    from published import load_runs
+    from _calibration import predict, timed_metrics
+    from _published import load_runs
 
     from megarl.perf.steptime import GPU_EFFICIENCY
 
@@ -40,7 +40,7 @@ def test_every_published_run_is_priced_or_excluded_with_its_reason(prepared):
 
 
 def test_split_follows_its_rule_and_appending_runs_moves_nothing():
-    from published import check_only, load_runs, split
+    from _published import check_only, load_runs, split
 
     runs = load_runs()
     halves = split(runs)
@@ -55,7 +55,7 @@ def test_split_follows_its_rule_and_appending_runs_moves_nothing():
 
 
 def test_framework_traits_come_from_the_notes():
-    from published import OVERLAPS_A2A, forced_balance, load_runs
+    from _published import OVERLAPS_A2A, forced_balance, load_runs
 
     runs = {r["id"]: r for r in load_runs()}
     forced = {i for i, r in runs.items() if forced_balance(r)}
@@ -67,7 +67,7 @@ def test_framework_traits_come_from_the_notes():
 def test_fp8_and_node_dispatch_come_from_the_runs_precision_notes_and_recipes():
     """FP8 from precision.train; node-level dispatch where the notes or table name DeepEP, never
     where they name the plain all-to-all dispatcher, else Megatron-Bridge's recipes (HybridEP)."""
-    from published import fp8_gemms, load_runs, node_dispatch
+    from _published import fp8_gemms, load_runs, node_dispatch
 
     runs = {r["id"]: r for r in load_runs()}
     assert {i for i, r in runs.items() if fp8_gemms(r)} == {i for i in runs if i.startswith("mbridge-")}
@@ -83,8 +83,8 @@ def test_host_memory_is_a_check_not_a_timed_metric(prepared):
     """verl's 1500 GB of host memory is compared with the plan's host memory per node (plan.host:
     the host optimizer's share and what colocation offload parks there) and stays out of the
     time error."""
-    from calibration import memory_gb, timed_metrics
-    from published import CHECK_ONLY, NOT_PRICED
+    from _calibration import memory_gb, timed_metrics
+    from _published import CHECK_ONLY, NOT_PRICED
 
     from megarl.perf.plan import make_plan
 
@@ -101,7 +101,7 @@ def test_host_memory_is_a_check_not_a_timed_metric(prepared):
 def test_the_fit_moves_constants_toward_the_fit_half_only(prepared):
     """A fit on one run pulls the decode bandwidth toward that run's generation time, whatever the
     held-out runs would say (they are not passed)."""
-    from calibration import fit, mean_abs
+    from _calibration import fit, mean_abs
 
     from megarl.perf.steptime import Efficiency
 
@@ -132,8 +132,8 @@ def test_each_sync_is_priced_as_its_source_moved_the_weights(prepared):
     """verl's sync_s is one NCCL broadcast per tensor (each tensor its own request), its
     checkpoint-engine time bucketed; NeMo-RL's refit inside a step is priced as `reshard`, not as
     the config's `tensor` sync of its layout. Independent reference: sync_model.predict itself."""
-    from calibration import A2A_OVERLAP, predict
-    from published import efficiency_for
+    from _calibration import A2A_OVERLAP, predict
+    from _published import efficiency_for
 
     from megarl.perf.steptime import GPU_EFFICIENCY, step_time
     from megarl.perf.sync_model import predict as predict_sync

@@ -23,7 +23,7 @@ def _verl_dsv3(*extra: str):
     from megarl.config.validate import validate
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import published
+    import _published as published
 
     [run] = [r for r in published.load_runs() if r["id"] == "verl-dsv3-96xH20-grpo"]
     assert run["hardware"] == {"gpu": "H20", "count": 96, "gpus_per_node": 8}

@@ -28,9 +28,9 @@ def _load(name: str, *overrides: str):
 
 
 def _published():
-    """The first three published runs the planner was checked on, as configs (benchmarks/published.py)."""
+    """The first three published runs the planner was checked on, as configs (benchmarks/_published.py)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from published import BASE_CONFIGS, load_runs, overrides
+    from _published import BASE_CONFIGS, load_runs, overrides
 
     names = {
         "verl-dsv3-96xH20-grpo": "verl DeepSeek-V3 671B, 96 x H20",

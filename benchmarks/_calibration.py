@@ -1,7 +1,7 @@
 """The planner's time model against benchmarks/published_runs.yaml: predictions per measured metric,
 the least-squares fit of the free efficiency constants on the fit half, and the errors.
 
-Prediction: each run (benchmarks/published.py) is priced by the planner's own functions with its
+Prediction: each run (benchmarks/_published.py) is priced by the planner's own functions with its
 Efficiency (the constants, plus its framework's traits): an RL step by steptime.step_time on the
 config at the run's mean prompt and response lengths; a pre-training step by
 steptime.trainer_time's update alone; a weight sync by megarl/perf/sync_model.py, per transport
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from published import (
+from _published import (
     CHECK_ONLY,
     NOT_PRICED,
     REFIT_AS,
