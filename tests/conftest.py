@@ -34,6 +34,7 @@ SLOW_MODULES = {
     "tests/engine/test_critic.py",
     "tests/engine/test_logprob_engine.py",
     "tests/engine/test_megatron_engine.py",
+    "tests/engine/test_output_head.py",
     "tests/engine/test_offload.py",
     "tests/engine/test_routing_replay.py",
     "tests/engine/test_sft_loss.py",

@@ -30,10 +30,10 @@ from megarl.engine.megatron import value_head as vh
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.cpu import compat as cpu_compat
 from megarl.engine.megatron.grad_guard import grads_finite
-from megarl.engine.megatron.logprob import vocab_parallel_logprob_entropy
 from megarl.engine.megatron.model import make_bridge, pipeline_split_args, precision_dtype, recompute_args
 from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
 from megarl.engine.megatron.optimizer import build_optimizer
+from megarl.engine.megatron.output_head import PolicyHead
 from megarl.engine.megatron.routing_replay import RoutingReplay
 from megarl.engine.megatron.weights import (
     export_hf_weights,
@@ -63,8 +63,9 @@ class EngineSpec:
     host_optimizer: float = 0.0  # actor.offload.host_optimizer: the share of Adam's state and step on the host
 
 
-# A head maps the last stage's model output on this rank (logits [b, s, V/tp], or values) and the
-# local labels [b, s] to per-position tensors [b, s]: (log_prob, entropy) for the policy.
+# A head maps the last stage's model output on this rank and the local labels [b, s] to
+# per-position tensors [b, s]: (log_prob, entropy) for the policy (output_head.PolicyHead, whose
+# output_processor the model runs instead of its output layer), (values,) for the critic.
 Head = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 # A loss function maps the head's tensors aligned with the responses ([b, R] each) and the micro-batch
 # to (loss summed over its units, number of units, metrics). Megatron divides the summed gradient by
@@ -210,20 +211,10 @@ class MegatronEngine:
         return int(math.ceil(length / multiple) * multiple)
 
     def logprob_head(self, temperature: float, entropy_grad: bool = True, with_entropy: bool = True) -> Head:
-        """Vocab-parallel logits -> (log p(label), entropy) per position, in chunks (logprob.py).
-        entropy_grad=False: entropy as a metric (detached); with_entropy=False: (log p(label),)."""
-        from megatron.core import parallel_state as ps
-
-        tp_group = ps.get_tensor_model_parallel_group()
-
-        def head(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-            log_prob, entropy = vocab_parallel_logprob_entropy(
-                logits, labels, vocab_start, tp_group, temperature, with_entropy, entropy_grad, overwrite_logits=True
-            )  # the model's logits feed only this head
-            return (log_prob, entropy) if with_entropy else (log_prob,)
-
-        return head
+        """(log p(label), entropy) per position from the output layer fused into the chunked head
+        (output_head.py). entropy_grad=False: entropy as a metric (detached); with_entropy=False:
+        (log p(label),)."""
+        return PolicyHead(temperature, entropy_grad, with_entropy)
 
     def _run(self, batch: Batch, loss_fn: LossFn | None, head: Head, forward_only: bool):
         """One pass of megatron's pipeline schedule over `batch` split into micro-batches.
@@ -251,6 +242,7 @@ class MegatronEngine:
                 None,
                 packed_seq_params=x.get("packed_seq_params"),
                 padding_mask=self._local_padding_mask(model, x, cp_group),
+                output_processor=getattr(head, "output_processor", None),  # the policy's fused head
             )
             local_labels = split_for_cp(x["labels"], cp_group, cu_seqlens=cu)
 

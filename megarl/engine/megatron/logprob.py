@@ -1,15 +1,23 @@
-"""Log-probabilities and entropy of chosen tokens from vocab-parallel logits, in chunks of tokens.
+"""Log-probabilities and entropy of chosen tokens over a vocab-parallel output, in chunks of tokens.
 
-Each TP rank holds logits for a slice of the vocabulary; reductions over the vocabulary (max,
-sum of exp, the chosen token's logit, sum of p * logit) become all-reduces over the TP group, so
-no rank ever materialises the full vocabulary. The softmax's fp32 intermediates exist for one
-chunk of tokens at a time: forward keeps only per-token statistics (max, normaliser, entropy),
-and backward recomputes each chunk's probabilities from them to write d/d logits. For a 152k
-vocabulary that is the difference between several fp32 [tokens, vocab] tensors per micro-batch
-and a few [chunk, vocab] ones (benchmarks/bench_logprob.py).
+Each TP rank holds a slice of the vocabulary; reductions over the vocabulary (max, sum of exp,
+the chosen token's logit, sum of p * logit) become all-reduces over the TP group, so no rank ever
+materialises the full vocabulary. The softmax's fp32 intermediates exist for one chunk of tokens
+at a time: forward keeps only per-token statistics (max, normaliser, entropy), and backward
+recomputes each chunk's probabilities from them.
+
+Two sources of a chunk's logits: given logits [N, V_local] (`vocab_parallel_logprob_entropy`),
+or the output layer itself (`fused_linear_logprob_entropy`): hidden [N, h] @ weight[V_local, h]^T
+one chunk at a time, in forward and again in backward, where each chunk's d/d logits goes
+straight into d hidden and d weight. The fused form never holds logits for more than one chunk:
+for a 152k vocabulary that is the difference between several fp32 [tokens, vocab] tensors per
+micro-batch and a few [chunk, vocab] ones (benchmarks/bench_logprob.py). Its price is one more
+GEMM in training (the recomputed logits): the loss's gradient is not known in forward.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,6 +33,14 @@ def chunk_tokens(vocab_local: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab_local))
 
 
+def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) of ceil(n / chunk) chunks of near-equal size: no short last chunk, whose GEMM
+    could take a BLAS path that sums the vocabulary less accurately (seen on CPU: 1e-5 vs 1e-6
+    of d hidden's largest entry at one or two rows against 152k)."""
+    size = -(-n // -(-n // chunk)) if n else 1
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
 def _tp_active(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
@@ -35,16 +51,95 @@ def _label_index(labels: torch.Tensor, vocab_start: int, v_local: int) -> tuple[
     return (labels - vocab_start).clamp(0, v_local - 1).unsqueeze(-1), in_slice
 
 
-def _scaled(buf: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / T in fp32: the logits themselves when that is what they are, else written into buf."""
-    if logits.dtype == torch.float32 and temperature == 1.0:
-        return logits
-    buf.copy_(logits)
-    return buf.div_(temperature) if temperature != 1.0 else buf
+class _GivenLogits:
+    """Logits [N, V_local] that exist whole (any float dtype); their gradient is the output."""
+
+    def __init__(self, tensors, overwrite: bool):
+        (self.logits,) = tensors
+        self.overwrite = overwrite
+        self.n, self.v_local = self.logits.shape
+
+    def scaled(self, buf: torch.Tensor, s: int, e: int, temperature: float) -> torch.Tensor:
+        """logits[s:e] / T in fp32: the logits themselves when that is what they are, else in buf."""
+        logits = self.logits[s:e]
+        if logits.dtype == torch.float32 and temperature == 1.0:
+            return logits
+        buf.copy_(logits)
+        return buf.div_(temperature) if temperature != 1.0 else buf
+
+    def begin_backward(self, needs) -> None:
+        # the logits are dead once their gradient exists (a linear layer's backward needs its
+        # input, not its output): overwriting them saves a [tokens, vocab] buffer
+        self.grad = self.logits if self.overwrite else torch.empty_like(self.logits)
+
+    def add_grad(self, g: torch.Tensor, s: int, e: int) -> None:
+        self.grad[s:e] = g
+
+    def grads(self) -> tuple:
+        return (self.grad,)
+
+
+class _OutputLayer:
+    """logits = hidden [N, h] @ weight [V_local, h]^T, made one chunk at a time in the model's
+    precision (a bf16 GEMM, then fp32, as the output layer and the head did apart). d weight
+    sums over chunks in fp32: one rounding to the weight's dtype at the end, as one GEMM."""
+
+    def __init__(self, tensors, overwrite: bool):
+        self.hidden, self.weight = tensors
+        self.n, self.v_local = self.hidden.shape[0], self.weight.shape[0]
+        self.fp32 = self.hidden.dtype == torch.float32
+        self._low = None  # [chunk, V_local] in the model's dtype, when that is not fp32
+
+    def _low_buf(self, rows: int) -> torch.Tensor:
+        if self._low is None or self._low.shape[0] < rows:
+            self._low = torch.empty(rows, self.v_local, dtype=self.hidden.dtype, device=self.hidden.device)
+        return self._low[:rows]
+
+    def scaled(self, buf: torch.Tensor, s: int, e: int, temperature: float) -> torch.Tensor:
+        if self.fp32:
+            torch.mm(self.hidden[s:e], self.weight.t(), out=buf)
+        else:
+            buf.copy_(torch.mm(self.hidden[s:e], self.weight.t(), out=self._low_buf(e - s)))
+        return buf.div_(temperature) if temperature != 1.0 else buf
+
+    def begin_backward(self, needs) -> None:
+        need_hidden, need_weight = needs
+        self.d_hidden = torch.empty_like(self.hidden) if need_hidden else None
+        self.d_weight = None
+        if need_weight:
+            self.d_weight = torch.zeros(self.weight.shape, dtype=torch.float32, device=self.weight.device)
+
+    def add_grad(self, g: torch.Tensor, s: int, e: int) -> None:
+        g = g if self.fp32 else self._low_buf(e - s).copy_(g)
+        if self.d_hidden is not None:  # this rank's vocabulary's share; the TP all-reduce is the caller's
+            torch.mm(g, self.weight, out=self.d_hidden[s:e])
+        if self.d_weight is not None:
+            if self.fp32:
+                self.d_weight.addmm_(g.t(), self.hidden[s:e])
+            else:
+                self.d_weight.add_(torch.mm(g.t(), self.hidden[s:e]))
+
+    def grads(self) -> tuple:
+        d_weight = None if self.d_weight is None else self.d_weight.to(self.weight.dtype)
+        return self.d_hidden, d_weight
+
+
+@dataclass(frozen=True)
+class _Options:
+    vocab_start: int = 0
+    group: object = None
+    temperature: float = 1.0
+    chunk: int = 0
+    with_entropy: bool = True
+    overwrite: bool = False  # _GivenLogits: d/d logits into the logits' storage
+
+    def __post_init__(self):
+        if self.temperature == 0.0:  # greedy sampling: scored as sampled at T = 1
+            object.__setattr__(self, "temperature", 1.0)
 
 
 class _ChunkedLogProb(torch.autograd.Function):
-    """(log p(label), entropy) per token of 2-D vocab-parallel logits [N, V_local].
+    """(log p(label), entropy) per token of a vocab-parallel output whose logits `source` makes.
 
     Gradients: d log p / d x_v = 1[v = label] - p_v and d H / d x_v = -p_v (log p_v + H), both
     local to a rank's slice once max and normaliser are global, so backward needs no collective.
@@ -52,51 +147,47 @@ class _ChunkedLogProb(torch.autograd.Function):
     reduced values)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, vocab_start, group, temperature, chunk, with_entropy, overwrite):
-        n, v_local = logits.shape
-        tp = _tp_active(group)
+    def forward(ctx, source, labels, o: _Options, *tensors):
+        src = source(tensors, o.overwrite)
+        n, v_local, device, chunks = src.n, src.v_local, labels.device, _chunks(src.n, o.chunk)
+        tp = _tp_active(o.group)
         # log p(label), entropy, and the softmax's max and normaliser (what backward rebuilds p from)
-        log_prob, entropy, row_max, sum_exp = (
-            torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(4)
-        )
-        work = torch.empty(2, min(chunk, n), v_local, dtype=torch.float32, device=logits.device)
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            scaled = _scaled(work[0, : e - s], logits[s:e], temperature)
+        log_prob, entropy, row_max, sum_exp = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(4))
+        work = torch.empty(2, chunks[0][1] if chunks else 0, v_local, dtype=torch.float32, device=device)
+        for s, e in chunks:
+            scaled = src.scaled(work[0, : e - s], s, e, o.temperature)
             m = torch.amax(scaled, dim=-1)
             if tp:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=o.group)
             x = torch.sub(scaled, m.unsqueeze(-1), out=work[0, : e - s])
             ex = torch.exp(x, out=work[1, : e - s])
-            idx, in_slice = _label_index(labels[s:e], vocab_start, v_local)
+            idx, in_slice = _label_index(labels[s:e], o.vocab_start, v_local)
             sums = [ex.sum(dim=-1), x.gather(-1, idx).squeeze(-1) * in_slice]
-            if with_entropy:
+            if o.with_entropy:
                 sums.append(ex.mul_(x).sum(dim=-1))
             stacked = torch.stack(sums)
             if tp:  # one collective for the chunk's sums
-                dist.all_reduce(stacked, group=group)
+                dist.all_reduce(stacked, group=o.group)
             log_z = stacked[0].log()
             log_prob[s:e] = stacked[1] - log_z
-            if with_entropy:
+            if o.with_entropy:
                 entropy[s:e] = log_z - stacked[2] / stacked[0]
             row_max[s:e], sum_exp[s:e] = m, stacked[0]
-        ctx.save_for_backward(logits, labels, entropy, row_max, sum_exp)
-        ctx.meta = (vocab_start, temperature, chunk, overwrite)
+        ctx.save_for_backward(labels, entropy, row_max, sum_exp, *tensors)
+        ctx.meta = (source, o)
         ctx.set_materialize_grads(False)
-        return log_prob, (entropy if with_entropy else None)
+        return log_prob, (entropy if o.with_entropy else None)
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy):
-        logits, labels, entropy, row_max, sum_exp = ctx.saved_tensors
-        vocab_start, temperature, chunk, overwrite = ctx.meta
-        n, v_local = logits.shape
-        # the logits are dead once their gradient exists (a linear layer's backward needs its input,
-        # not its output): overwriting them saves a [tokens, vocab] buffer
-        grad = logits if overwrite else torch.empty_like(logits)
-        work = torch.empty(2, min(chunk, n), v_local, dtype=torch.float32, device=logits.device)
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            g = _scaled(work[0, : e - s], logits[s:e], temperature)
+        labels, entropy, row_max, sum_exp, *tensors = ctx.saved_tensors
+        source, o = ctx.meta
+        src = source(tensors, o.overwrite)
+        src.begin_backward(ctx.needs_input_grad[3:])
+        v_local, chunks, temperature = src.v_local, _chunks(src.n, o.chunk), o.temperature
+        work = torch.empty(2, chunks[0][1] if chunks else 0, v_local, dtype=torch.float32, device=labels.device)
+        for s, e in chunks:
+            g = src.scaled(work[0, : e - s], s, e, temperature)
             g = torch.sub(g, row_max[s:e].unsqueeze(-1), out=work[0, : e - s])
             g.sub_(sum_exp[s:e].log().unsqueeze(-1))  # log p; shifted first, as forward, keeps the low bits
             p = torch.exp(g, out=work[1, : e - s])
@@ -107,12 +198,19 @@ class _ChunkedLogProb(torch.autograd.Function):
             if grad_log_prob is not None:  # g += g_lp (onehot - p)
                 g_lp = grad_log_prob[s:e].unsqueeze(-1)
                 g.addcmul_(p, g_lp, value=-1.0)
-                idx, in_slice = _label_index(labels[s:e], vocab_start, v_local)
+                idx, in_slice = _label_index(labels[s:e], o.vocab_start, v_local)
                 g.scatter_add_(-1, idx, g_lp * in_slice.unsqueeze(-1).to(g.dtype))
             if temperature != 1.0:
                 g.div_(temperature)
-            grad[s:e] = g
-        return grad, None, None, None, None, None, None, None
+            src.add_grad(g, s, e)
+        return (None,) * 3 + src.grads()
+
+
+def _apply(source, tensors, labels, lead, entropy_grad: bool, options: _Options):
+    log_prob, entropy = _ChunkedLogProb.apply(source, labels.reshape(-1), options, *tensors)
+    if entropy is not None:
+        entropy = (entropy if entropy_grad else entropy.detach()).reshape(lead)
+    return log_prob.reshape(lead), entropy
 
 
 def vocab_parallel_logprob_entropy(
@@ -131,24 +229,24 @@ def vocab_parallel_logprob_entropy(
     logits: [..., V_local] (this rank's vocab slice starting at `vocab_start`, any float dtype);
     labels: [...] global token ids. Returns (log_prob [...], entropy [...] or None), of
     log_softmax(logits / T) in fp32. entropy_grad=False: the entropy is a metric (detached).
-    chunk: tokens per chunk (default: chunk_tokens(V_local)); every TP rank must pass the same.
+    chunk: at most this many tokens per chunk, the tokens split evenly (default:
+    chunk_tokens(V_local)); every TP rank must pass the same.
     overwrite_logits: backward writes d/d logits into the logits' own storage (for logits nothing
     else reads after the loss, as a model's output; a second backward through them is then wrong).
     """
     lead, v_local = logits.shape[:-1], logits.shape[-1]
-    if temperature == 0.0:  # greedy sampling: scored as sampled at T = 1
-        temperature = 1.0
-    chunk = chunk or chunk_tokens(v_local)
-    log_prob, entropy = _ChunkedLogProb.apply(
-        logits.reshape(-1, v_local),
-        labels.reshape(-1),
-        vocab_start,
-        group,
-        temperature,
-        chunk,
-        with_entropy,
-        overwrite_logits,
-    )
-    if entropy is not None:
-        entropy = (entropy if entropy_grad else entropy.detach()).reshape(lead)
-    return log_prob.reshape(lead), entropy
+    options = _Options(vocab_start, group, temperature, chunk or chunk_tokens(v_local), with_entropy, overwrite_logits)
+    return _apply(_GivenLogits, (logits.reshape(-1, v_local),), labels, lead, entropy_grad, options)
+
+
+def fused_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw):
+    """vocab_parallel_logprob_entropy (the same keywords but overwrite_logits) of logits =
+    hidden @ weight^T, without those logits.
+
+    hidden: [..., h] (the final norm's output, the same on every TP rank); weight: [V_local, h],
+    this rank's vocab slice of the output layer. Gradients reach both; d hidden is this rank's
+    share (sum it over TP, as a column-parallel linear's input gradient is)."""
+    entropy_grad = kw.pop("entropy_grad", True)
+    kw["chunk"] = kw.get("chunk") or chunk_tokens(weight.shape[0])
+    tensors = (hidden.reshape(-1, hidden.shape[-1]), weight)
+    return _apply(_OutputLayer, tensors, labels, hidden.shape[:-1], entropy_grad, _Options(**kw))
