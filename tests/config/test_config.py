@@ -295,16 +295,6 @@ BAD_CONFIGS = [
     ),
     (["cluster.device_type=TPU"], "cluster.device_type", "not a device the planner knows; use one of H100, H100 PCIe"),
     (["cluster.device_type=NVIDIA H100 80GB HBM3"], None, None),  # a CUDA device name is one
-    (["actor.offload.host_optimizer=1.5"], "actor.offload.host_optimizer", "=1.5 must be in [0, 1]"),
-    (["actor.offload.host_optimizer=-0.1"], "actor.offload.host_optimizer", "must be in [0, 1]"),
-    (["actor.offload.host_optimizer=1.0"], "actor.offload.host_optimizer", "needs actor.precision=bf16 (it is fp32)"),
-    (
-        ["actor.offload.host_optimizer=0.5", "actor.precision=bf16", "actor.optim.use_distributed_optimizer=false"],
-        "actor.offload.host_optimizer",
-        "needs actor.optim.use_distributed_optimizer=true",
-    ),
-    (["critic.offload.host_optimizer=0.5"], "critic.offload.host_optimizer", "the critic trains in fp32"),
-    (["actor.offload.host_optimizer=1.0", "actor.precision=bf16"], None, None),
 ]
 
 
