@@ -5,13 +5,17 @@ A run becomes one of the scale configs (configs/<model>.yaml) with overrides fro
 workload. What the yaml leaves open is filled by stated rules, the same for every run:
 
 - lengths: a mean prompt or response the source does not publish is planned at half its cap;
-  NeMo-RL caps prompt + response together (max_seq_len): its prompts are capped at 512 here;
+  NeMo-RL caps prompt + response together (max_seq_len): its prompts are capped at 512 for memory,
+  and the time model lets the longest response run to max_seq_len less the mean prompt (the
+  generation's tail: a response stops at the shared cap, not at max_seq_len - 512);
   a pre-training step (train_step) is a batch of seq_len-token rows, planned as prompt + response
   halves with the response at its cap, one row per micro-batch, one optimizer step;
 - the rollout engine (vLLM in verl and NeMo-RL) is planned as SGLang at the same memory fraction;
   the yaml's rollout dp (engines) is rollout.num_servers, its tp an engine's devices;
-- recompute: selective recompute of the MLP / MoE block (most of a MoE layer's FLOPs) is priced
-  as full, of norms and activations as none (megarl's own selective, planned as none);
+- recompute: selective recompute of modules holding at least half of the forward's matmul FLOPs
+  (recomputed_share: `moe` in a MoE model, `mlp` in a dense one) is priced as full, of the rest
+  (DeepSeek-V3's `mlp`: its three dense layers; up-projections, norms, activations) as megarl's
+  selective;
 - precision: every run is planned in bf16 (memory, communication); a run whose `precision.train`
   is FP8 (fp8-blockwise, fp8-current-scaling, mxfp8) has its linear layers' GEMMs priced at the
   device's FP8 dense peak times Efficiency.gemm_fp8 (attention's core at the bf16 rate, as
@@ -157,11 +161,37 @@ def node_dispatch(run: dict) -> bool:
     return run["framework"] in NODE_DISPATCH
 
 
-def _recompute(value: str) -> str:
+def _hf(run: dict) -> dict:
+    return json.loads((ROOT / "configs" / "models" / MODEL_DIRS[run["model"]] / "config.json").read_text())
+
+
+def recomputed_share(hf: dict, modules: list[str]) -> float:
+    """The share of a token's forward matmul FLOPs that Megatron's selective recompute of `modules`
+    runs again: `mlp` is the dense MLP of the layers that are not MoE (DeepSeek-V3's first three),
+    `moe` a MoE layer's shared and routed experts (k of them); the rest (mla_up_proj, layernorm,
+    moe_act, core_attn) are up-projections, norms and activations, a few percent at most."""
+    from megarl.perf.flops import layer_params
+
+    k = hf.get("num_experts_per_tok") or 0
+    total = part = 0.0
+    for i in range(hf["num_hidden_layers"]):
+        lp = layer_params(hf, i)
+        total += lp.attn + lp.mlp + k * lp.expert * bool(lp.experts)
+        if "mlp" in modules and not lp.experts:
+            part += lp.mlp
+        if "moe" in modules and lp.experts:
+            part += lp.mlp + k * lp.expert
+    return part / total if total else 0.0
+
+
+def _recompute(value: str, hf: dict) -> str:
+    """megarl's granularity for a published recompute setting: selective recompute of modules that
+    hold most of the forward's FLOPs (recomputed_share >= 1/2) is priced as full, of the rest as
+    megarl's selective (core attention: a few percent more compute)."""
     if value in ("none", "full"):
         return value
-    modules = value.split(":", 1)[1].split(",") if ":" in value else []
-    return "full" if any(m.strip() in ("mlp", "moe") for m in modules) else "selective"
+    modules = [m.strip() for m in value.split(":", 1)[1].split(",")] if ":" in value else []
+    return "full" if recomputed_share(hf, modules) >= 0.5 else "selective"
 
 
 def _layout_overrides(run: dict) -> list[str]:
@@ -172,7 +202,7 @@ def _layout_overrides(run: dict) -> list[str]:
         f"actor.parallel.first_stage_layers={lay.get('first_stage_layers') or 'null'}",
         f"actor.parallel.last_stage_layers={lay.get('last_stage_layers') or 'null'}",
         f"actor.parallel.sequence_parallel={str(lay.get('sequence_parallel', 'null')).lower()}",
-        f"actor.recompute={_recompute(lay['recompute'])}",
+        f"actor.recompute={_recompute(lay['recompute'], _hf(run))}",
         f"cluster.devices_per_node={hw['gpus_per_node']}",
         "actor.precision=bf16",
     ]
@@ -302,7 +332,7 @@ def _validated(base: str, ovr: list[str], run: dict, assumed: list[str]):
             or lay.get("last_stage_layers")
         ):
             raise
-        hf = json.loads((ROOT / "configs" / "models" / MODEL_DIRS[run["model"]] / "config.json").read_text())
+        hf = _hf(run)
         splits = stage_splits(hf["num_hidden_layers"], lay["pp"], 1)
         if not splits:
             raise
@@ -333,6 +363,8 @@ def price(run: dict) -> Priced:
     host = host_optimizer_fraction(run)
     timing = copy.deepcopy(cfg)
     timing.data.max_prompt_length = int(round(prompt))
+    if "max_seq_len" in run["workload"]:  # a response may run to the shared cap less its own prompt
+        timing.rollout.max_new_tokens = run["workload"]["max_seq_len"] - int(round(prompt))
     if vpp:
         timing.actor.parallel.vpp = vpp
     return Priced(

@@ -153,3 +153,39 @@ def test_each_sync_is_priced_as_its_source_moved_the_weights(prepared):
     reshard = predict_sync(nemo.cfg, nemo.hf, nemo.device, nemo.rollout_mem, e)["reshard"].s
     assert t.weight_sync > 10 * reshard  # the config's own transport would cost far more
     assert predict(nemo, GPU_EFFICIENCY)["step_s"] == pytest.approx(t.total - t.weight_sync + reshard)
+
+
+def test_recompute_modules_are_priced_by_the_flops_they_recompute(prepared):
+    """Selective recompute is priced as full only when its modules hold most of the forward's FLOPs:
+    DeepSeek-V3's `mlp` covers its three dense layers (a few percent), Qwen3's `moe` its experts."""
+    from _published import load_runs, recomputed_share
+
+    priced, _, _ = prepared
+    by_id = {p.run["id"]: p for p in priced}
+    dsv3 = by_id["mbridge-dsv3-1024xH100-fp8-pretrain"]
+    qwen = by_id["mcore-qwen3-235b-256xH100-bf16-seq16k"]
+    assert [r["layout"]["recompute"] for r in load_runs() if r["id"] in (dsv3.run["id"], qwen.run["id"])] == [
+        "selective:mla_up_proj,mlp",
+        "selective:layernorm,moe",
+    ]
+    # independent count: three dense MLPs of 3 x hidden x intermediate over the active matmul weights
+    # of the layers (flops.count_params, less the embedding and the output layer)
+    from megarl.perf.flops import count_params
+
+    h, vocab = dsv3.hf["hidden_size"], dsv3.hf["vocab_size"]
+    dense = 3 * 3 * h * dsv3.hf["intermediate_size"]
+    layers = count_params(dsv3.hf).matmul_active - 2 * vocab * h
+    assert recomputed_share(dsv3.hf, ["mla_up_proj", "mlp"]) == pytest.approx(dense / layers, rel=0.02)
+    assert recomputed_share(qwen.hf, ["layernorm", "moe"]) > 0.5
+    assert (dsv3.cfg.actor.recompute, qwen.cfg.actor.recompute) == ("selective", "full")
+
+
+def test_nemo_rl_responses_run_to_the_shared_cap_less_their_prompt(prepared):
+    """NeMo-RL caps prompt + response together: the time model's longest response is max_seq_len
+    less the mean prompt, while the memory plan keeps the 512-token prompt cap."""
+    priced, _, _ = prepared
+    (p,) = [p for p in priced if p.run["id"] == "nemorl-dsv3-256xH100-grpo"]
+    w = p.run["workload"]
+    assert p.timing.rollout.max_new_tokens == w["max_seq_len"] - w["mean_prompt_tokens"]
+    assert p.cfg.rollout.max_new_tokens == w["max_seq_len"] - 512
+    assert p.cfg.data.max_prompt_length == 512
