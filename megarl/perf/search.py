@@ -155,6 +155,11 @@ def _trainer_side(cfg, hf, device: Device, mean: float, reserve: float, track: _
 def _engine_side(cfg, hf, device: Device, mean: float, pool: int, track: _Tracker) -> list[_Side]:
     eff, out = efficiency_of(device), []
     for over in space.rollout_layouts(cfg, pool, hf, cfg.cluster.devices_per_node):
+        if cfg.bridge.transport == "tensor" and over["rollout.nnodes"] > 1:
+            # megarl's tensor transport sends each host's engines from that host's trainer rank and
+            # refuses an engine over several hosts: such a candidate syncs (and is priced) as
+            # `distributed`, so every listed layout is one megarl runs
+            over = {**over, "bridge.transport": "distributed"}
         c = apply(cfg, over)
         try:
             check_rollout(c, hf)

@@ -89,6 +89,10 @@ def test_671b_search_lists_feasible_layouts_ranked_by_the_plans_own_step_time(de
         assert plan.fits
         assert c["step_s"] == pytest.approx(step_seconds(cfg, plan.time), rel=1e-9)
         assert c["memory_gib"] == pytest.approx({k: plan.peak(k) / GiB for k in plan.phases}, rel=1e-9)
+        # megarl's tensor transport refuses an engine over several hosts: such candidates sync otherwise
+        layout = {**{"rollout.nnodes": cfg.rollout.nnodes, "bridge.transport": cfg.bridge.transport}, **c["layout"]}
+        assert layout["rollout.nnodes"] == 1 or layout["bridge.transport"] != "tensor", layout
+    assert any(c["layout"].get("rollout.nnodes", 1) > 1 for c in cands)  # the check above has work to do
     shipped = make_plan(cfg, hf, device)
     assert doc["shipped_step_s"] == pytest.approx(shipped.time.total, rel=1e-9)
 
