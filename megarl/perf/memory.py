@@ -24,11 +24,13 @@ Training rank (Megatron, worst pipeline stage):
   input plus one layer's activations at a time; selective recompute (Megatron's core_attn) saves
   nothing measurable with flash attention and is counted as none. A pipeline stage keeps
   min(micro-batches, pp - stage) micro-batches in flight (1F1B), interleaved schedules their
-  warm-up chunks. The last stage also holds one micro-batch's logits while the log-prob head
-  runs (engine/megatron/logprob.py): bf16 logits, their fp32 copy, the shifted logits, their exp
-  and the exp x shifted product of the entropy, 18 bytes per token and vocab entry / tp (16 in
-  fp32); measured on an H100 (benchmarks/bench_gpu_plan.py, RESULTS.md), where 10 bytes had
-  under-predicted a 152k-vocabulary model's peak by 30%.
+  warm-up chunks. The last stage also holds the log-prob head's buffers
+  (engine/megatron/logprob.py, the output layer fused in): two fp32 [chunk, vocab / tp] work
+  buffers of CHUNK_BYTES each and, in bf16, one [chunk, vocab / tp] chunk in the model's dtype;
+  plus, where actor.logits_memory keeps the logits for backward ("keep", or "auto" while they fit
+  KEEP_LOGITS_BYTES), the micro-batch's [tokens, vocab / tp] in the model's dtype. The unfused head
+  this replaced held 18 bytes per token and vocab entry / tp (bf16 logits, their fp32 copy and three
+  fp32 intermediates; measured on an H100, benchmarks/bench_gpu_plan.py).
 - a runtime reserve per process (hardware.py): context, communication buffers, fragmentation.
 
 Rollout device: the engine's weights (attention over tp / dp with DP attention, MLP and experts
@@ -49,9 +51,23 @@ from megarl.perf.hardware import Device
 # SGLang picks mem_fraction_static by tp size and GPU memory (0.79-0.88 on 80 GB cards); the
 # planner assumes this when rollout.mem_fraction_static is not set
 SGLANG_DEFAULT_MEM_FRACTION = 0.85
-# per token and vocab entry on the last stage during the log-prob head: bf16 logits 2 + fp32 copy 4
-# + shifted 4 + exp 4 + exp * shifted 4 (fp32 training: the logits are the fp32 copy, 16)
-LOGIT_BYTES = {"bf16": 18, "fp32": 16}
+# the log-prob head's sizes (engine/megatron/logprob.py's CHUNK_BYTES and KEEP_LOGITS_BYTES, which
+# tests/perf/test_memory_head.py holds these to): one fp32 [chunk, vocab / tp] work buffer, and
+# the kept logits up to which actor.logits_memory "auto" keeps them
+HEAD_CHUNK_BYTES = 128 * 2**20
+HEAD_KEEP_LOGITS_BYTES = 2 * 2**30
+
+
+def head_bytes(tokens: float, vocab_local: float, bf16: bool, logits_memory: str = "auto") -> float:
+    """Bytes the fused log-prob head holds in training on a last-stage rank for a micro-batch of
+    `tokens`: two fp32 work buffers of a chunk each (a whole micro-batch when it is smaller), the
+    chunk in the model's dtype when that is not fp32, and the kept logits where they are kept."""
+    dtype = 2 if bf16 else 4
+    chunk = max(1.0, min(tokens, HEAD_CHUNK_BYTES // (4 * vocab_local)))
+    work = 2 * chunk * vocab_local * 4 + (chunk * vocab_local * dtype if bf16 else 0)
+    kept = tokens * vocab_local * dtype
+    keep = logits_memory == "keep" or (logits_memory == "auto" and kept <= HEAD_KEEP_LOGITS_BYTES)
+    return work + (kept if keep else 0.0)
 # per parameter of the host optimizer's share, on the host: fp32 master, two fp32 moments, the
 # fp32 gradient copied from the device before the step
 HOST_OPTIMIZER_BYTES = 16
@@ -213,7 +229,8 @@ def train_memory(cfg, hf: dict, device: Device, section: str = "actor") -> Train
         acts = layer_acts * flight + (max(per_layer, default=0.0) if recompute == "full" else 0.0)
         logits = 0.0
         if s == p.pp - 1 and section != "critic":
-            logits = local * _as_dict(hf)["vocab_size"] / p.tp * LOGIT_BYTES["bf16" if bf16 else "fp32"]
+            vocab_local = _as_dict(hf)["vocab_size"] / p.tp
+            logits = head_bytes(local, vocab_local, bf16, getattr(sec, "logits_memory", "auto"))
         most_host = max(most_host, HOST_OPTIMIZER_BYTES * state * host_share)
         mem = TrainMemory(s, params, grads, optimizer, acts, logits, device.runtime_reserve, flight, tokens)
         if best is None or mem.peak > best.peak:

@@ -158,9 +158,13 @@ def test_plan_prints_the_breakdown_of_each_scale_config(name, capsys, monkeypatc
             ["actor.offload.optimizer=false", "actor.offload.grads=false", "actor.offload.params=false"],
             "no single change fits: start with actor.offload.optimizer",
         ),
-        # 8 GPUs: the experts' Adam state alone is 43 GB per GPU at the most sharding there is,
-        # so it goes to the host; in fp32 (which the host optimizer refuses) on 4 GPUs nothing fits
-        (["cluster.num_actor_ranks=8", "rollout.num_servers=4"], "set actor.offload.host_optimizer=1.0"),
+        # 8 GPUs at tp 1 x ep 4: the experts' Adam state is 43 GB per GPU and the rest does not fit
+        # beside it, so it goes to the host; in fp32 (which the host optimizer refuses) on 4 GPUs
+        # nothing fits
+        (
+            ["cluster.num_actor_ranks=8", "rollout.num_servers=4", "actor.parallel.tp=1", "actor.parallel.ep=4"],
+            "set actor.offload.host_optimizer=1.0",
+        ),
         (
             ["cluster.num_actor_ranks=4", "rollout.num_servers=2", "actor.parallel.ep=4", "actor.precision=fp32"],
             "more devices (cluster.num_actor_ranks)",

@@ -104,6 +104,8 @@ def _in_space(name, without: str = ""):
 
     base, overrides, devices = PUBLISHED[name]
     overrides = [o for o in overrides if not (without and o.startswith(without))]
+    if "rollout.nnodes=1" not in overrides:  # engines over hosts sync as `distributed` (the search's rule)
+        overrides = [*overrides, "bridge.transport=distributed"]
     cfg, hf = _load(base, *overrides)
     count, device = parse_devices(devices)
     plan = make_plan(cfg, hf, device)
