@@ -8,12 +8,15 @@ The head's input is what the model hands it: the final norm's hidden states [tok
 the output layer's weight [vocab, hidden] (fp32, random: hidden ~ N(0, 1), weight scaled so the
 logits have std 2; hidden 1024 and vocab 151,936 are Qwen3-0.6B's). `full` is what the engine
 ran before: the output layer's GEMM, logits = hidden @ weight^T, then max, shifted logits, exp
-and their products over the whole [tokens, vocab] at once, autograd keeping what it needs;
-`chunked` is megarl/engine/megatron/logprob.py's fused_linear_logprob_entropy, which makes the
-logits one chunk of tokens at a time (and again in backward). Three passes, each as the engine
-runs it: `forward` (compute_log_prob: no graph, log-prob and entropy), `train` (update_actor
-without an entropy loss: d log-prob / d hidden and d weight, entropy a detached metric) and
-`train+entropy` (entropy_coeff != 0: both gradients).
+and their products over the whole [tokens, vocab] at once, autograd keeping what it needs. The
+fused variants are megarl/engine/megatron/logprob.py's fused_linear_logprob_entropy, which makes
+the logits one chunk of tokens at a time, in its two modes (actor.logits_memory):
+`fused-recompute` makes them again in backward (4 GEMMs in training, least memory) and
+`fused-keep` keeps them from forward, [tokens, vocab] in the model's dtype (here fp32), for
+backward (3 GEMMs, as full). Three passes, each as the engine runs it: `forward`
+(compute_log_prob: no graph, log-prob and entropy; both fused modes run alike, keeping nothing),
+`train` (update_actor without an entropy loss: d log-prob / d hidden and d weight, entropy a
+detached metric) and `train+entropy` (entropy_coeff != 0: both gradients).
 
 Memory: every (variant, pass) runs in a fresh process, which allocates the inputs, reads its
 resident set (psutil) as the baseline, runs the pass once and reads the kernel's peak resident
@@ -23,13 +26,17 @@ under a data-segment limit (RLIMIT_DATA, --cap-gib; default 70% of MemAvailable 
 starts), so a pass that does not fit gets an allocation error instead of waking the kernel's OOM
 killer; it is reported as "needs more than X GiB (allocation refused at Y GiB RSS)" and not run
 again. On a GPU (--device cuda) the peak is torch's max_memory_allocated and the cap a memory
-fraction. The last line's ratio is the largest chunked / full ratio of peak memory including the
-inputs over the three passes; where full was refused its peak is a lower bound (the RSS it had
-reached), so the ratio is an upper bound, which the line before says. Time: the pass's wall
-time; variants alternate over --rounds rounds and the minimum is kept; compared only where both
-fit. Before anything is measured, chunked (in its measured chunks) and full are checked equal on
-256 tokens (log-prob, entropy, d hidden, d weight within 1e-6 of each tensor's largest entry); a
-mismatch exits 1.
+fraction. Per fused mode, the ratio table gives fused / full peak memory and time per pass, and
+a line its time ratios. The last line, `peak memory ratio R`, is the largest fused / full ratio of
+peak memory including the inputs over the three passes, for the mode the engine's default
+(logits_memory auto, logprob.keeps_logits) picks at these tokens and vocabulary in fp32: at the
+default 8,192 tokens x 151,936 the kept logits would be 4.6 GiB, over auto's 2 GiB, so R is
+fused-recompute's; at 2,048 tokens (1.16 GiB) it is fused-keep's. Where full was refused its peak
+is a lower bound (the RSS it had reached), so the ratio is an upper bound, which a line before
+says. Time: the pass's wall time; variants alternate over --rounds rounds and the minimum is
+kept; compared only where both fit. Before anything is measured, each fused mode (in its
+measured chunks) and full are checked equal on 256 tokens (log-prob, entropy, d hidden, d weight
+within 1e-6 of each tensor's largest entry), and the two modes bit for bit; a mismatch exits 1.
 """
 
 from __future__ import annotations
@@ -47,10 +54,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megarl.engine.megatron.logprob import chunk_tokens, fused_linear_logprob_entropy  # noqa: E402
+from megarl.engine.megatron.logprob import (  # noqa: E402
+    chunk_tokens,
+    fused_linear_logprob_entropy,
+    keeps_logits,
+)
 
 PASSES = ("forward", "train", "train+entropy")
-VARIANTS = ("full", "chunked")
+VARIANTS = ("full", "fused-recompute", "fused-keep")
+FUSED = VARIANTS[1:]
 CAP_FRACTION = 0.7  # of MemAvailable: the default cap on each child's data segment
 
 
@@ -73,7 +85,10 @@ def run_pass(variant, kind, hidden, weight, labels, w_lp, w_ent, chunk):
     if variant == "full":
         lp, ent = full_head(hidden, weight, labels, entropy_grad)
     else:
-        lp, ent = fused_linear_logprob_entropy(hidden, weight, labels, entropy_grad=entropy_grad, chunk=chunk)
+        keep = variant == "fused-keep"
+        lp, ent = fused_linear_logprob_entropy(
+            hidden, weight, labels, keep_logits=keep, entropy_grad=entropy_grad, chunk=chunk
+        )
     if kind != "forward":
         loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if entropy_grad else 0)
         loss.backward()
@@ -127,10 +142,10 @@ def _close_norm(a, b) -> float:
     return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
 
 
-def check_equal(args) -> float:
-    """Largest difference of chunked vs full over every pass's outputs and gradients, relative to
-    each tensor's largest entry."""
-    worst = 0.0
+def check_equal(args) -> tuple[float, bool]:
+    """(largest difference of either fused mode vs full over every pass's outputs and gradients,
+    relative to each tensor's largest entry; whether the two fused modes agree bit for bit)."""
+    worst, same = 0.0, True
     for kind in PASSES:
         out = {}
         for variant in VARIANTS:
@@ -138,8 +153,10 @@ def check_equal(args) -> float:
             with torch.set_grad_enabled(kind != "forward"):
                 lp, ent = run_pass(variant, kind, hidden, weight, labels, w_lp, w_ent, args.chunk or None)
             out[variant] = [lp, ent] + ([hidden.grad, weight.grad] if kind != "forward" else [])
-        worst = max([worst] + [_close_norm(a, b) for a, b in zip(out["chunked"], out["full"])])
-    return worst
+        for variant in FUSED:
+            worst = max([worst] + [_close_norm(a, b) for a, b in zip(out[variant], out["full"])])
+        same &= all(torch.equal(a, b) for a, b in zip(out["fused-recompute"], out["fused-keep"]))
+    return worst, same
 
 
 def measure(args, variant, kind) -> dict:
@@ -197,22 +214,28 @@ def run_table(args, variants) -> dict:
     return results
 
 
-def print_ratios(results) -> None:
-    print("\n| pass | added peak chunked / full | peak with inputs chunked / full | time chunked / full |")
-    print("|---|---|---|---|")
-    ratios, bounded = [], False
-    for kind in PASSES:
-        (fa, fp, fs), (ca, cp, cs) = results[kind, "full"], results[kind, "chunked"]
-        if cs is None:
-            raise SystemExit(f"chunked was refused memory in the {kind} pass: raise --cap-gib")
-        refused = fs is None
-        bounded |= refused
-        ratios.append(cp / fp)
-        le = "<= " if refused else ""
-        print(f"| {kind} | {le}{ca / fa:.3f} | {le}{cp / fp:.3f} | {'-' if refused else f'{cs / fs:.2f}'} |")
+def print_ratios(results, r_variant: str) -> None:
+    """Per fused mode and pass: fused / full added and total peak memory, and time; then each
+    mode's time ratios, and last the peak memory ratio R of `r_variant`."""
+    print("\n| pass | variant | added peak fused / full | peak with inputs fused / full | time fused / full |")
+    print("|---|---|---|---|---|")
+    ratios, times, bounded = {v: [] for v in FUSED}, {v: [] for v in FUSED}, False
+    for variant in FUSED:
+        for kind in PASSES:
+            (fa, fp, fs), (ca, cp, cs) = results[kind, "full"], results[kind, variant]
+            if cs is None:
+                raise SystemExit(f"{variant} was refused memory in the {kind} pass: raise --cap-gib")
+            refused = fs is None
+            bounded |= refused
+            ratios[variant].append(cp / fp)
+            times[variant].append("-" if refused else f"{cs / fs:.2f}x")
+            le = "<= " if refused else ""
+            print(f"| {kind} | {variant} | {le}{ca / fa:.3f} | {le}{cp / fp:.3f} | {times[variant][-1]} |")
     if bounded:
-        print("full was refused memory in some pass: its peak there is a lower bound, the ratio an upper bound")
-    print(f"peak memory ratio {max(ratios):.3f}")
+        print("full was refused memory in some pass: its peak there is a lower bound, the ratios upper bounds")
+    for variant in FUSED:
+        print(f"time ratio {variant} / full ({' / '.join(PASSES)}): {' / '.join(times[variant])}")
+    print(f"peak memory ratio {max(ratios[r_variant]):.3f} ({r_variant}, what logits_memory auto picks here)")
 
 
 def main() -> int:
@@ -227,7 +250,7 @@ def main() -> int:
         "--cap-gib", type=float, default=0.0, help=f"per-child memory cap (0: {CAP_FRACTION} x MemAvailable)"
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    p.add_argument("--variants", default="full,chunked", help="chunked alone: no comparison, no ratio")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="without full or a fused mode: no ratios")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -243,23 +266,25 @@ def main() -> int:
         args.cap_gib = CAP_FRACTION * total
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     torch.set_num_threads(args.threads)
-    worst = check_equal(args)
+    worst, same = check_equal(args)
     print(
-        f"chunked vs full, largest difference / tensor's largest entry (log-prob, entropy, d hidden, d weight): {worst:.2e}"
+        f"fused vs full, largest difference / tensor's largest entry (log-prob, entropy, d hidden, d weight): "
+        f"{worst:.2e}; fused-keep vs fused-recompute: {'bit-identical' if same else 'DIFFERENT'}"
     )
-    if worst > 1e-6:
-        print("FAILED: chunked differs from full by more than 1e-6")
+    if worst > 1e-6 or not same:
+        print("FAILED: a fused mode differs from full by more than 1e-6, or the two modes differ")
         return 1
     chunk = args.chunk or chunk_tokens(args.vocab)
+    r_variant = "fused-keep" if keeps_logits("auto", args.tokens, args.vocab, torch.float32) else "fused-recompute"
     print(
         f"{args.tokens} tokens, hidden {args.hidden}, vocab {args.vocab} on {args.device}: fp32 logits would be "
-        f"{args.tokens * args.vocab * 4 / 2**30:.2f} GiB, the weight {args.vocab * args.hidden * 4 / 2**30:.2f} GiB; "
-        f"chunks of {chunk} tokens, {args.threads} threads, best of {args.rounds} rounds, "
-        f"each pass capped at {args.cap_gib:.1f} GiB\n"
+        f"{args.tokens * args.vocab * 4 / 2**30:.2f} GiB (logits_memory auto: {r_variant.split('-')[1]}), "
+        f"the weight {args.vocab * args.hidden * 4 / 2**30:.2f} GiB; chunks of {chunk} tokens, {args.threads} "
+        f"threads, best of {args.rounds} rounds, each pass capped at {args.cap_gib:.1f} GiB\n"
     )
     results = run_table(args, variants)
     if variants == list(VARIANTS):
-        print_ratios(results)
+        print_ratios(results, r_variant)
     return 0
 
 

@@ -213,6 +213,11 @@ class ActorConfig:
     # it runs, slowly (no bf16 matrix units). The reference policy follows the actor
     precision: Literal["fp32", "bf16"] = "fp32"
     recompute: Recompute = "none"  # activation recompute (Recompute above); ref: never
+    # the log-prob head's logits in training (docs/engine.md, "The log-prob head"): "keep" each
+    # micro-batch's [tokens, vocab / tp] in the model's dtype from forward for backward (3 GEMMs,
+    # as the unfused output layer), "recompute" them in backward (one GEMM more, least memory),
+    # "auto" keep while they fit 2 GiB (logprob.KEEP_LOGITS_BYTES). Numbers are the same
+    logits_memory: Literal["auto", "keep", "recompute"] = "auto"
     seed: int = 0
 
 

@@ -2,8 +2,8 @@
 
 An SFT run also reads: model (the checkpoint or preset to start from), actor.parallel, actor.optim
 (lr, Adam, clipping, the distributed optimizer), actor.micro_batch_size,
-max_tokens_per_micro_batch, pack_sequences, precision, recompute, offload and seed, cluster, and
-the trainer keys output_dir, experiment_name, log_every, loggers (and wandb, mlflow), val_every, save_every,
+max_tokens_per_micro_batch, pack_sequences, precision, recompute, logits_memory, offload and seed,
+cluster, and the trainer keys output_dir, experiment_name, log_every, loggers (and wandb, mlflow), val_every, save_every,
 max_checkpoints, resume, balance_batch, stop_grace_s, export_hf and seed. It starts no rollout
 engine and reads no other section (docs/configuration.md, "Supervised fine-tuning").
 """

@@ -125,6 +125,7 @@ def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
         recompute=cfg.actor.recompute,
         routing_replay=cfg.actor.moe.routing_replay,
         host_optimizer=cfg.actor.offload.host_optimizer,
+        logits_memory=cfg.actor.logits_memory,
     )
 
 

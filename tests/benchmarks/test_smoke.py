@@ -206,9 +206,10 @@ def test_bench_convert(pair):
 
 
 def test_bench_logprob(pair):
-    """Chunked vs full log-prob head at 64 tokens x 4096 (chunks of 16): equal, then measured."""
+    """Fused (both modes) vs full log-prob head at 64 tokens x 4096 (chunks of 16): equal, then measured."""
     out = pair.output("test_bench_logprob")
-    assert_lines(out, "| pass | variant | added peak MiB |", "| forward | full |", "| train+entropy | chunked |")
+    assert_lines(out, "| pass | variant | added peak MiB |", "| forward | full |", "| train+entropy | fused-keep |")
+    assert_lines(out, "bit-identical", "time ratio fused-recompute / full", "time ratio fused-keep / full")
     assert out.strip().splitlines()[-1].startswith("peak memory ratio "), out[-2000:]
 
 

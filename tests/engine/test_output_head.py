@@ -5,7 +5,7 @@ part of the sequence under sequence parallel; its ColumnParallelLinear output la
 embedding weight when tied) and the head turns it into log-probs and entropy without logits.
 Here a ColumnParallelLinear over TP=1 and TP=2 gloo ranks, sequence parallel off and on, with
 its own weight and with a tied one passed as `output_weight`, temperature 0.7 and chunks of 3
-tokens. Reference: one process, plain torch in fp32: logits = hidden @ W^T over the whole
+tokens, the logits kept for backward and made again (actor.logits_memory: the same bits). Reference: one process, plain torch in fp32: logits = hidden @ W^T over the whole
 vocabulary, log_softmax, autograd. Tolerance 1e-6 relative to each tensor's largest entry
 (normwise, as in test_logprob.py); d hidden is compared where the output layer's own backward
 leaves it: each rank's sequence slice (SP) or the all-reduced whole (no SP).
@@ -57,7 +57,7 @@ def _on_rank(rank, tp):
     hidden, weight, labels, w_lp, w_ent = _inputs()
     shard = weight.chunk(tp)[rank]
     results = []
-    for sp, tied in CASES[tp]:
+    for (sp, tied), logits_memory in [(case, mode) for case in CASES[tp] for mode in ("keep", "recompute")]:
         config = TransformerConfig(
             num_layers=1,
             hidden_size=HID,
@@ -80,7 +80,7 @@ def _on_rank(rank, tp):
             with torch.no_grad():
                 w.copy_(shard)
         x = (hidden.chunk(tp)[rank] if sp else hidden).clone().requires_grad_(True)
-        head = PolicyHead(TEMPERATURE)
+        head = PolicyHead(TEMPERATURE, logits_memory=logits_memory)
         out = head.output_processor(
             hidden_states=x, output_layer=layer, output_weight=w if tied else None, config=config, labels=None
         )
@@ -101,7 +101,9 @@ def test_policy_head_on_megatron_output_layer_equals_full_computation(tp):
     for i, (sp, tied) in enumerate(CASES[tp]):
         case = f"tp={tp} sp={sp} tied={tied}"
         for rank, results in enumerate(ranks):
-            lp, ent, dh, dw, own_weight_untouched = results[i]
+            kept, made = results[2 * i], results[2 * i + 1]
+            assert all(torch.equal(a, b) for a, b in zip(kept[:4], made[:4])), case
+            lp, ent, dh, dw, own_weight_untouched = kept
             assert _close_norm(lp, ref_lp) and _close_norm(ent, ref_ent), case
             assert _close_norm(dh, ref_dh.chunk(tp)[rank] if sp else ref_dh), case
             assert _close_norm(dw, ref_dw.chunk(tp)[rank]), case

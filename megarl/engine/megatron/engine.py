@@ -61,6 +61,7 @@ class EngineSpec:
     recompute: str = "none"  # actor/critic.recompute: none | selective | full (model.recompute_args)
     routing_replay: bool = False  # actor.moe.routing_replay: replay the rows' routed_experts (routing_replay.py)
     host_optimizer: float = 0.0  # actor.offload.host_optimizer: the share of Adam's state and step on the host
+    logits_memory: str = "auto"  # actor.logits_memory: the log-prob head's logits kept for backward or made again
 
 
 # A head maps the last stage's model output on this rank and the local labels [b, s] to
@@ -214,7 +215,7 @@ class MegatronEngine:
         """(log p(label), entropy) per position from the output layer fused into the chunked head
         (output_head.py). entropy_grad=False: entropy as a metric (detached); with_entropy=False:
         (log p(label),)."""
-        return PolicyHead(temperature, entropy_grad, with_entropy)
+        return PolicyHead(temperature, entropy_grad, with_entropy, self.spec.logits_memory)
 
     def _run(self, batch: Batch, loss_fn: LossFn | None, head: Head, forward_only: bool):
         """One pass of megatron's pipeline schedule over `batch` split into micro-batches.

@@ -8,11 +8,21 @@ recomputes each chunk's probabilities from them.
 
 Two sources of a chunk's logits: given logits [N, V_local] (`vocab_parallel_logprob_entropy`),
 or the output layer itself (`fused_linear_logprob_entropy`): hidden [N, h] @ weight[V_local, h]^T
-one chunk at a time, in forward and again in backward, where each chunk's d/d logits goes
-straight into d hidden and d weight. The fused form never holds logits for more than one chunk:
-for a 152k vocabulary that is the difference between several fp32 [tokens, vocab] tensors per
-micro-batch and a few [chunk, vocab] ones (benchmarks/bench_logprob.py). Its price is one more
-GEMM in training (the recomputed logits): the loss's gradient is not known in forward.
+one chunk at a time, where each chunk's d/d logits goes straight into d hidden and d weight.
+Backward needs each chunk's logits again (the loss's gradient is not known in forward); two ways
+to have them:
+
+- recompute (least memory): make them again in backward, one more GEMM over [tokens x vocab x
+  hidden] than the unfused layer runs. No logits for more than one chunk exist: for a 152k
+  vocabulary that is the difference between several fp32 [tokens, vocab] tensors per micro-batch
+  and a few [chunk, vocab] ones (benchmarks/bench_logprob.py).
+- keep_logits: forward writes each chunk's GEMM into one [tokens, vocab_local] tensor in the
+  model's dtype (the bytes the plain output layer would have held, none of the softmax's fp32
+  intermediates) and backward reads it: three GEMMs, as unfused. The same GEMM on the same chunk
+  as recompute, so both give the same bits. Only where a gradient is wanted: a pass without one
+  (no_grad, or no input requiring grad) keeps nothing.
+
+`keeps_logits` is the policy behind the actor's `logits_memory: auto`.
 """
 
 from __future__ import annotations
@@ -28,9 +38,26 @@ import torch.distributed as dist
 CHUNK_BYTES = 128 * 2**20
 
 
+# Kept logits per micro-batch (tokens x vocab_local x the model dtype's bytes) up to which
+# logits_memory "auto" keeps them: 2 GiB is 7k tokens of a 152k vocabulary in bf16 at TP=1 (3.5k
+# in fp32), where the unfused head held 18 bytes per entry (20 GiB at 8k tokens in bf16).
+KEEP_LOGITS_BYTES = 2 * 2**30
+LOGITS_MEMORY = ("auto", "keep", "recompute")
+
+
 def chunk_tokens(vocab_local: int) -> int:
     """Tokens per chunk for this rank's vocabulary slice."""
     return max(1, CHUNK_BYTES // (4 * vocab_local))
+
+
+def keeps_logits(logits_memory: str, tokens: int, vocab_local: int, dtype: torch.dtype) -> bool:
+    """Whether a micro-batch of `tokens` keeps its logits for backward: logits_memory "keep",
+    "recompute", or "auto" (keep while they fit KEEP_LOGITS_BYTES)."""
+    if logits_memory not in LOGITS_MEMORY:
+        raise ValueError(f"logits_memory={logits_memory!r}: must be one of {', '.join(LOGITS_MEMORY)}")
+    if logits_memory == "auto":
+        return tokens * vocab_local * dtype.itemsize <= KEEP_LOGITS_BYTES
+    return logits_memory == "keep"
 
 
 def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -51,21 +78,29 @@ def _label_index(labels: torch.Tensor, vocab_start: int, v_local: int) -> tuple[
     return (labels - vocab_start).clamp(0, v_local - 1).unsqueeze(-1), in_slice
 
 
+def _scaled(logits: torch.Tensor, buf: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T in fp32: the logits themselves when that is what they are (read, never
+    written), else in buf."""
+    if logits.dtype == torch.float32 and temperature == 1.0:
+        return logits
+    buf.copy_(logits)
+    return buf.div_(temperature) if temperature != 1.0 else buf
+
+
 class _GivenLogits:
     """Logits [N, V_local] that exist whole (any float dtype); their gradient is the output."""
 
-    def __init__(self, tensors, overwrite: bool):
+    def __init__(self, tensors, o: _Options):
         (self.logits,) = tensors
-        self.overwrite = overwrite
+        self.overwrite = o.overwrite
         self.n, self.v_local = self.logits.shape
+        self.in_place = False  # backward's d/d logits need a work buffer of their own
+
+    def for_backward(self) -> tuple:
+        return (self.logits,)
 
     def scaled(self, buf: torch.Tensor, s: int, e: int, temperature: float) -> torch.Tensor:
-        """logits[s:e] / T in fp32: the logits themselves when that is what they are, else in buf."""
-        logits = self.logits[s:e]
-        if logits.dtype == torch.float32 and temperature == 1.0:
-            return logits
-        buf.copy_(logits)
-        return buf.div_(temperature) if temperature != 1.0 else buf
+        return _scaled(self.logits[s:e], buf, temperature)
 
     def begin_backward(self, needs) -> None:
         # the logits are dead once their gradient exists (a linear layer's backward needs its
@@ -82,13 +117,26 @@ class _GivenLogits:
 class _OutputLayer:
     """logits = hidden [N, h] @ weight [V_local, h]^T, made one chunk at a time in the model's
     precision (a bf16 GEMM, then fp32, as the output layer and the head did apart). d weight
-    sums over chunks in fp32: one rounding to the weight's dtype at the end, as one GEMM."""
+    sums over chunks in fp32: one rounding to the weight's dtype at the end, as one GEMM.
 
-    def __init__(self, tensors, overwrite: bool):
-        self.hidden, self.weight = tensors
+    keep_logits: forward makes the chunks into `kept` [N, V_local] (the model's dtype), and
+    backward, handed (hidden, weight, kept), reads them there instead of making them again. A
+    chunk's kept rows are dead once read, so backward works in them: fp32 ones hold d/d logits
+    (`in_place`: one fp32 work buffer fewer), bf16 ones its rounding for the GEMMs."""
+
+    def __init__(self, tensors, o: _Options):
+        self.hidden, self.weight, *kept = tensors
         self.n, self.v_local = self.hidden.shape[0], self.weight.shape[0]
         self.fp32 = self.hidden.dtype == torch.float32
         self._low = None  # [chunk, V_local] in the model's dtype, when that is not fp32
+        self.made = bool(kept)  # backward of a keep_logits pass: the logits exist
+        self.kept = kept[0] if kept else None
+        self.in_place = self.made and self.fp32
+        if o.keep_logits and not kept:
+            self.kept = torch.empty(self.n, self.v_local, dtype=self.hidden.dtype, device=self.hidden.device)
+
+    def for_backward(self) -> tuple:
+        return (self.hidden, self.weight) + (() if self.kept is None else (self.kept,))
 
     def _low_buf(self, rows: int) -> torch.Tensor:
         if self._low is None or self._low.shape[0] < rows:
@@ -96,6 +144,12 @@ class _OutputLayer:
         return self._low[:rows]
 
     def scaled(self, buf: torch.Tensor, s: int, e: int, temperature: float) -> torch.Tensor:
+        if self.in_place:
+            return self.kept[s:e].div_(temperature) if temperature != 1.0 else self.kept[s:e]
+        if self.made:
+            return _scaled(self.kept[s:e], buf, temperature)
+        if self.kept is not None:  # into the kept rows: the same GEMM, the same bits, as into buf
+            return _scaled(torch.mm(self.hidden[s:e], self.weight.t(), out=self.kept[s:e]), buf, temperature)
         if self.fp32:
             torch.mm(self.hidden[s:e], self.weight.t(), out=buf)
         else:
@@ -110,7 +164,8 @@ class _OutputLayer:
             self.d_weight = torch.zeros(self.weight.shape, dtype=torch.float32, device=self.weight.device)
 
     def add_grad(self, g: torch.Tensor, s: int, e: int) -> None:
-        g = g if self.fp32 else self._low_buf(e - s).copy_(g)
+        if not self.fp32:
+            g = (self.kept[s:e] if self.made else self._low_buf(e - s)).copy_(g)
         if self.d_hidden is not None:  # this rank's vocabulary's share; the TP all-reduce is the caller's
             torch.mm(g, self.weight, out=self.d_hidden[s:e])
         if self.d_weight is not None:
@@ -132,6 +187,7 @@ class _Options:
     chunk: int = 0
     with_entropy: bool = True
     overwrite: bool = False  # _GivenLogits: d/d logits into the logits' storage
+    keep_logits: bool = False  # _OutputLayer: the logits kept from forward for backward
 
     def __post_init__(self):
         if self.temperature == 0.0:  # greedy sampling: scored as sampled at T = 1
@@ -148,7 +204,7 @@ class _ChunkedLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, source, labels, o: _Options, *tensors):
-        src = source(tensors, o.overwrite)
+        src = source(tensors, o)
         n, v_local, device, chunks = src.n, src.v_local, labels.device, _chunks(src.n, o.chunk)
         tp = _tp_active(o.group)
         # log p(label), entropy, and the softmax's max and normaliser (what backward rebuilds p from)
@@ -173,7 +229,7 @@ class _ChunkedLogProb(torch.autograd.Function):
             if o.with_entropy:
                 entropy[s:e] = log_z - stacked[2] / stacked[0]
             row_max[s:e], sum_exp[s:e] = m, stacked[0]
-        ctx.save_for_backward(labels, entropy, row_max, sum_exp, *tensors)
+        ctx.save_for_backward(labels, entropy, row_max, sum_exp, *src.for_backward())
         ctx.meta = (source, o)
         ctx.set_materialize_grads(False)
         return log_prob, (entropy if o.with_entropy else None)
@@ -182,15 +238,17 @@ class _ChunkedLogProb(torch.autograd.Function):
     def backward(ctx, grad_log_prob, grad_entropy):
         labels, entropy, row_max, sum_exp, *tensors = ctx.saved_tensors
         source, o = ctx.meta
-        src = source(tensors, o.overwrite)
+        src = source(tensors, o)
         src.begin_backward(ctx.needs_input_grad[3:])
         v_local, chunks, temperature = src.v_local, _chunks(src.n, o.chunk), o.temperature
-        work = torch.empty(2, chunks[0][1] if chunks else 0, v_local, dtype=torch.float32, device=labels.device)
+        # work[0]: d/d logits, unless the source's own rows hold them; work[-1]: p
+        rows, buffers = chunks[0][1] if chunks else 0, 1 if src.in_place else 2
+        work = torch.empty(buffers, rows, v_local, dtype=torch.float32, device=labels.device)
         for s, e in chunks:
             g = src.scaled(work[0, : e - s], s, e, temperature)
-            g = torch.sub(g, row_max[s:e].unsqueeze(-1), out=work[0, : e - s])
+            g = torch.sub(g, row_max[s:e].unsqueeze(-1), out=g if src.in_place else work[0, : e - s])
             g.sub_(sum_exp[s:e].log().unsqueeze(-1))  # log p; shifted first, as forward, keeps the low bits
-            p = torch.exp(g, out=work[1, : e - s])
+            p = torch.exp(g, out=work[-1, : e - s])
             if grad_entropy is not None:  # g = -g_H p (log p + H)
                 g.add_(entropy[s:e].unsqueeze(-1)).mul_(p).mul_(-grad_entropy[s:e].unsqueeze(-1))
             else:
@@ -239,14 +297,21 @@ def vocab_parallel_logprob_entropy(
     return _apply(_GivenLogits, (logits.reshape(-1, v_local),), labels, lead, entropy_grad, options)
 
 
-def fused_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw):
+def fused_linear_logprob_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, keep_logits: bool = False, **kw
+):
     """vocab_parallel_logprob_entropy (the same keywords but overwrite_logits) of logits =
     hidden @ weight^T, without those logits.
 
     hidden: [..., h] (the final norm's output, the same on every TP rank); weight: [V_local, h],
     this rank's vocab slice of the output layer. Gradients reach both; d hidden is this rank's
-    share (sum it over TP, as a column-parallel linear's input gradient is)."""
+    share (sum it over TP, as a column-parallel linear's input gradient is). keep_logits: hold
+    the logits [tokens, V_local] in hidden's dtype from forward to backward instead of making
+    them again there (one GEMM fewer, the same numbers); ignored where no gradient is wanted.
+    Backward works in the kept logits, so a retained graph's second backward is refused."""
     entropy_grad = kw.pop("entropy_grad", True)
     kw["chunk"] = kw.get("chunk") or chunk_tokens(weight.shape[0])
+    # needs_input_grad says True under no_grad too: whether backward can run is decided here
+    kw["keep_logits"] = keep_logits and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     tensors = (hidden.reshape(-1, hidden.shape[-1]), weight)
     return _apply(_OutputLayer, tensors, labels, hidden.shape[:-1], entropy_grad, _Options(**kw))

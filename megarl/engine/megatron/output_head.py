@@ -10,6 +10,8 @@ logits; the head then makes the logits one chunk of tokens at a time (logprob.py
 unchanged: same parameter and name (checkpoints, weight export), and whatever else reads it
 (multi-token prediction, a plain forward) still gets logits. The weight is the output layer's,
 or the shared embedding's when the two are tied (GPTModel passes that one as `output_weight`).
+`logits_memory` (actor.logits_memory) says whether a training micro-batch keeps its logits for
+backward or has them made again there (logprob.keeps_logits).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megarl.engine.megatron.logprob import fused_linear_logprob_entropy
+from megarl.engine.megatron.logprob import fused_linear_logprob_entropy, keeps_logits
 
 
 class HeadInput(NamedTuple):
@@ -45,12 +47,17 @@ def output_region(hidden: torch.Tensor, output_layer) -> torch.Tensor:
 class PolicyHead:
     """engine.Head for the policy: (hidden, output weight) and labels [b, s] -> (log p(label),
     entropy) per position, each [b, s]; (log p(label),) alone when with_entropy is False.
-    entropy_grad=False: the entropy is a metric (detached). Pass `output_processor` to the model."""
+    entropy_grad=False: the entropy is a metric (detached). logits_memory: auto | keep | recompute
+    (logprob.keeps_logits; a pass without gradients keeps nothing). Pass `output_processor` to
+    the model."""
 
-    def __init__(self, temperature: float, entropy_grad: bool = True, with_entropy: bool = True):
+    def __init__(
+        self, temperature: float, entropy_grad: bool = True, with_entropy: bool = True, logits_memory: str = "auto"
+    ):
         self.temperature = temperature
         self.entropy_grad = entropy_grad
         self.with_entropy = with_entropy
+        self.logits_memory = logits_memory
 
     def output_processor(self, *, hidden_states, output_layer, output_weight, config, **_) -> HeadInput:
         """GPTModel._postprocess's hook: called on the last pipeline stage instead of the output layer."""
@@ -62,10 +69,12 @@ class PolicyHead:
         group = output.group if dist.get_world_size(output.group) > 1 else None
         vocab_start = dist.get_rank(output.group) * output.weight.shape[0] if group is not None else 0
         temperature = self.temperature if self.temperature != 0.0 else 1.0  # greedy: scored at T = 1
+        tokens = output.hidden.numel() // output.hidden.shape[-1]
         log_prob, entropy = fused_linear_logprob_entropy(
             output.hidden,
             output.weight,
             labels.t(),  # the hidden states are sequence-major; the results are transposed back
+            keep_logits=keeps_logits(self.logits_memory, tokens, output.weight.shape[0], output.hidden.dtype),
             vocab_start=vocab_start,
             group=group,
             temperature=temperature / output.logit_scale,  # (x * scale) / T
