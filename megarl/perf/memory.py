@@ -68,6 +68,8 @@ def head_bytes(tokens: float, vocab_local: float, bf16: bool, logits_memory: str
     kept = tokens * vocab_local * dtype
     keep = logits_memory == "keep" or (logits_memory == "auto" and kept <= HEAD_KEEP_LOGITS_BYTES)
     return work + (kept if keep else 0.0)
+
+
 # per parameter of the host optimizer's share, on the host: fp32 master, two fp32 moments, the
 # fp32 gradient copied from the device before the step
 HOST_OPTIMIZER_BYTES = 16
