@@ -361,7 +361,9 @@ def test_a_streamed_request_that_joins_a_running_batch_streams_its_answer(served
     assert all(c["output_ids"] == expected["output_ids"][: len(c["output_ids"])] for c in chunks)
     final = chunks[-1]
     assert final["output_ids"] == expected["output_ids"] and final["meta_info"]["finish_reason"]["type"] == "length"
-    assert final["meta_info"]["output_token_logprobs"] == expected["meta_info"]["output_token_logprobs"]
+    got, want = final["meta_info"]["output_token_logprobs"], expected["meta_info"]["output_token_logprobs"]
+    assert [t[1:] for t in got] == [t[1:] for t in want]  # joined: the batch shape differs, log-probs within TOL
+    torch.testing.assert_close(torch.tensor([t[0] for t in got]), torch.tensor([t[0] for t in want]), atol=TOL, rtol=0)
     assert final["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 9}]
     long.future.result(timeout=60)
 
