@@ -72,9 +72,6 @@ BASE_CONFIGS = {
 }
 # frameworks whose Megatron DDP overlaps gradient reduce-scatter / parameter all-gather with compute
 OVERLAPS_DP = {"nemo-rl", "megatron-bridge", "megatron-core"}
-# runs whose expert all-to-all overlaps compute, by their notes ("EP all-to-all overlapped with
-# compute (delay_wgrad_compute)"); the model zoo's EP32 row is the one without its 1F1B overlap
-OVERLAPS_A2A = {"mbridge-qwen3-235b-256xH100-fp8-pretrain"}
 NEMO_PROMPT_CAP = 512
 # frameworks whose published MoE recipes dispatch per destination node (flex dispatcher, HybridEP)
 NODE_DISPATCH = {"megatron-bridge"}
@@ -143,6 +140,14 @@ def forced_balance(run: dict) -> bool:
     """The source forced the expert load balanced (Megatron's moe_router_force_load_balancing)."""
     notes = " ".join(run.get("notes", "").split()).lower()
     return "forced expert balance" in notes or "forced balanced" in notes
+
+
+def overlaps_a2a(run: dict) -> bool:
+    """The source overlaps the expert all-to-all with compute (Megatron's
+    overlap_moe_expert_parallel_comm with delay_wgrad_compute): its notes say "all-to-all
+    overlapped with compute", as read from its recipe. The model zoo's EP32 row is the one
+    without its 1F1B overlap."""
+    return "all-to-all overlapped with compute" in " ".join(run.get("notes", "").split()).lower()
 
 
 def fp8_gemms(run: dict) -> bool:
@@ -377,7 +382,7 @@ def price(run: dict) -> Priced:
         response,
         host_optimizer=host,
         overlap_dp=run["framework"] in OVERLAPS_DP,
-        overlap_a2a=run["id"] in OVERLAPS_A2A,
+        overlap_a2a=overlaps_a2a(run),
         forced_balance=forced_balance(run),
         fp8=fp8_gemms(run),
         node_dispatch=node_dispatch(run),

@@ -85,19 +85,20 @@ class Efficiency:
 # fitted 2026-12-05 on the fit half of benchmarks/published_runs.yaml (benchmarks/_calibration.py:
 # least squares on log(predicted / measured), multi-start coordinate descent; `bench_plan.py
 # --calibration --fit` reruns it), with every run's weight sync priced as its source moved the
-# weights (per transport), the host optimizer, FP8 GEMMs at the FP8 peak and node-level expert
-# dispatch; the rest are stated. dp_overlap: the fit put the overlapping frameworks' hidden share of
-# data-parallel traffic at 0, which is also megarl's own (its engine does not overlap). gemm_fp8
-# moves only the FP8 runs (two in the fit half). decode_bw is low and prefill and routing_cv at their
-# bounds: the fit leans on them for time the model does not explain (RESULTS.md, "Planner calibration")
+# weights (per transport), the host optimizer, FP8 GEMMs at the FP8 peak, node-level expert
+# dispatch, elementwise traffic, a paged KV cache and a per-kernel decode roofline; the rest are
+# stated. dp_overlap: the fit put the overlapping frameworks' hidden share of data-parallel traffic
+# at 0, which is also megarl's own (its engine does not overlap). gemm_fp8 moves only the FP8 runs
+# (three in the fit half). decode_bw is low and routing_cv at its bound: the fit leans on them for
+# time the model does not explain (RESULTS.md, "Planner calibration")
 GPU_EFFICIENCY = Efficiency(
-    gemm=0.5684,
-    gemm_fp8=0.2332,
-    prefill=0.9,
-    decode_bw=0.3082,
-    link=0.5115,
-    step_overhead_s=0.01103,
-    tensor_s=0.59e-3,
+    gemm=0.5916,
+    gemm_fp8=0.2228,
+    prefill=0.4086,
+    decode_bw=0.2806,
+    link=0.5348,
+    step_overhead_s=0.01016,
+    tensor_s=0.6043e-3,
     dp_overlap=0.0,
     routing_cv=1.0,
 )
@@ -144,8 +145,12 @@ def generation_time(cfg, hf: dict, device: Device, rollout_mem, mean_response: f
     r = cfg.rollout
     rows = cfg.data.train_batch_size * r.n
     seqs = math.ceil(rows / r.num_servers)
-    running = max(1, int(min(r.max_batch_size, seqs) * rollout_mem.concurrency_fraction))
     prompt = cfg.data.max_prompt_length
+    # the KV cache is paged: a sequence holds its own tokens, not the cap's, so the batch the cache
+    # lets run follows the mean length (the memory check keeps the cap: rollout_memory)
+    concurrent = min(r.max_batch_size, seqs)
+    held = min(1.0, rollout_mem.kv_capacity / max(concurrent * (prompt + mean_response), 1))
+    running = max(1, int(concurrent * held))
     ctx = prompt + mean_response / 2  # mean context over a response's decode steps
     c = count_params(hf)
     pair = attention_flops_per_pair(hf)
@@ -153,15 +158,24 @@ def generation_time(cfg, hf: dict, device: Device, rollout_mem, mean_response: f
     prefill = (2 * c.matmul_active * prompt + pair * prompt * (prompt + 1) / 2) * seqs / (peak * eff.prefill)
     moe_layers, experts, k = _moe_layers(hf)
     weights = rollout_mem.weights * r.tp  # the engine's weights, all its devices
-    if moe_layers:  # routed experts a step touches: each is hit with probability 1 - (1 - k/E)^B
-        expert_share = (
-            sum(lp.experts * lp.expert for lp in map(lambda i: layer_params(hf, i), range(hf["num_hidden_layers"])))
-            / c.total
-        )
-        weights *= 1 - expert_share * (1 - k / experts) ** running
+    routed_share = routed_active = 0.0
+    if moe_layers:
+        per_layer = [layer_params(hf, i) for i in range(hf["num_hidden_layers"])]
+        routed_share = sum(lp.experts * lp.expert for lp in per_layer) / c.total
+        routed_active = sum(k * lp.expert for lp in per_layer if lp.experts)
+    # routed experts a step touches: each is hit with probability 1 - (1 - k/E)^B
+    routed = weights * routed_share * (1 - (1 - k / experts) ** running) if moe_layers else 0.0
+    dense = weights * (1 - routed_share)
     kv = running * ctx * rollout_mem.kv_per_token * (r.tp // r.dp)  # every attention rank reads its share
-    step_bytes = weights + kv
-    step_flops = running * (2 * c.matmul_active + pair * ctx)
+    # a roofline per kind of kernel, run one after another: the dense GEMMs (weights read once for
+    # the batch), the routed experts' GEMMs (a few tokens each: bound by their weights), attention
+    # over the cache (bound by the cache); each is as slow as the slower of its bytes and its FLOPs
+    bw, rate = r.tp * device.hbm_bw * eff.decode_bw, peak * eff.decode_compute
+    kernels = (
+        max(dense / bw, running * 2 * (c.matmul_active - routed_active) / rate)
+        + max(routed / bw, running * 2 * routed_active / rate)
+        + max(kv / bw, running * pair * ctx / rate)
+    )
     layers = hf["num_hidden_layers"]
     # two tensor-parallel all-reduces per layer: latency, and B hidden states each over the link
     link = (device.nvlink_bw if r.nnodes == 1 else device.net_bw) * eff.link
@@ -169,11 +183,7 @@ def generation_time(cfg, hf: dict, device: Device, rollout_mem, mean_response: f
     # the engine's tp ranks: a gather before them and a scatter after, each half an all-reduce's bytes
     reduce_bytes = running * hf["hidden_size"] * 2 * (2 if r.dp == 1 else 1) * (r.tp - 1) / r.tp
     comm = 2 * layers * (eff.collective_s * (1 if r.nnodes == 1 else 3) + reduce_bytes / link)
-    t_step = (
-        max(step_bytes / (r.tp * device.hbm_bw * eff.decode_bw), step_flops / (peak * eff.decode_compute))
-        + eff.step_overhead_s
-        + comm
-    )
+    t_step = kernels + eff.step_overhead_s + comm
     steps = max(r.max_new_tokens, seqs * mean_response / running + (r.max_new_tokens - mean_response))
     return prefill + steps * t_step + eff.phase_s
 

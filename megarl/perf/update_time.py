@@ -15,7 +15,7 @@ then the pipeline bubble (pp - 1) / (vpp * micro-batches) of the slowest stage's
 1F1B, Narayanan et al. 2021), the point-to-point traffic between stages (vpp times per
 micro-batch and direction: interleaving multiplies it), MoE all-to-all (dispatch + combine per MoE
 layer over the expert group ep * etp; per routed copy, or with node-level dispatch once per
-destination node, which group-limited routing bounds: `a2a_copies`), sequence-parallel gathers/scatters, context parallel's ring
+destination node its experts sit on: `a2a_copies`), sequence-parallel gathers/scatters, context parallel's ring
 of key/value chunks, the data-parallel gradient reduce-scatter and parameter all-gather per
 optimizer step, the optimizer step on the device or on the host (CPU Adam), and the offload
 traffic over PCIe. Communication that the engine overlaps with compute is charged only beyond
@@ -25,6 +25,7 @@ what the compute can hide (`exposed`).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 from dataclasses import replace
@@ -58,15 +59,56 @@ def _forward_flops(hf: dict, rows: int, length: float) -> float:
 
 
 def forward_seconds(cfg, hf: dict, device: Device, rows: int, length: float, eff) -> float:
-    """Device-seconds of one forward over `rows` rows at the GEMM efficiency. A run whose GEMMs are
-    FP8 (eff.fp8_gemms: a published run's precision, never megarl's own) prices its linear layers at
+    """Device-seconds of one forward over `rows` rows: the GEMMs at the GEMM efficiency, and the
+    memory-bound elementwise work between them (elementwise_seconds). A run whose GEMMs are FP8
+    (eff.fp8_gemms: a published run's precision, never megarl's own) prices its linear layers at
     the device's FP8 dense peak times eff.gemm_fp8; FP8 recipes (Transformer Engine's) keep the
     attention core in bf16, so that part stays at the bf16 rate."""
     linear, attention = _forward_parts(hf, rows, length)
     rate = device.peak_flops(_dtype(cfg, device)) * eff.gemm
+    streamed = elementwise_seconds(cfg, hf, device, rows * length)
     if not getattr(eff, "fp8_gemms", False):
-        return (linear + attention) / rate
-    return linear / (device.peak_flops("fp8") * eff.gemm_fp8) + attention / rate
+        return (linear + attention) / rate + streamed
+    return linear / (device.peak_flops("fp8") * eff.gemm_fp8) + attention / rate + streamed
+
+
+# memory-bound elementwise kernels (norms, residual adds, activations, token permutation) stream
+# at this fraction of the device's memory bandwidth (a large copy reaches ~90% on H100; launches,
+# small tensors and the allocator take the rest). Stated, not fitted
+ELEMENTWISE_BW = 0.8
+
+
+@functools.lru_cache(maxsize=64)
+def _elementwise_elements(hf_json: str) -> float:
+    """Activation elements a token's forward reads or writes outside the GEMMs and the attention
+    core, all layers: two norms (read + write: 4h) and two residual adds (two reads, a write: 6h)
+    a layer; a dense gated MLP's activation (reads gate and up, writes their product: 3 x ffn); an
+    MoE layer's per routed copy (k of them): the activation (3 x ffn), the permutation into expert
+    order (read + write: 2h) and the weighted combine back (a read per copy, a write: kh + h), and
+    its shared experts' activations."""
+    hf = json.loads(hf_json)
+    h, k = hf["hidden_size"], hf.get("num_experts_per_tok") or 0
+    total = 0.0
+    for i in range(hf["num_hidden_layers"]):
+        lp = layer_params(hf, i)
+        total += 10 * h
+        if lp.experts:
+            ffn = hf["moe_intermediate_size"]
+            total += k * (3 * ffn + 3 * h) + h + 3 * ffn * (hf.get("n_shared_experts") or 0)
+        else:
+            total += 3 * hf["intermediate_size"]
+    return total
+
+
+def elementwise_seconds(cfg, hf: dict, device: Device, tokens: float) -> float:
+    """Device-seconds of one forward's elementwise work over `tokens` tokens (_elementwise_elements,
+    at the activations' width, streamed at ELEMENTWISE_BW of the memory bandwidth). A backward
+    moves about twice a forward's bytes (the incoming gradient and the saved input read, the
+    outgoing gradient written), as its GEMMs do twice the FLOPs, so the update's pass count
+    applies to both. Small hidden sizes make it a larger share: on H100 in bf16 Qwen3-30B-A3B's
+    is ~30% of its GEMM time, DeepSeek-V3's ~10%."""
+    width = 2 if _dtype(cfg, device) == "bf16" else 4
+    return tokens * _elementwise_elements(_key(hf)) * width / (device.hbm_bw * ELEMENTWISE_BW)
 
 
 def _dtype(cfg, device: Device) -> str:
@@ -187,31 +229,47 @@ def optimizer_time(cfg, hf: dict, device: Device, train_mem, eff, steps: int) ->
     return steps * (on_device / device.hbm_bw + on_host)
 
 
-def nodes_reached(hf: dict, group: int, on_node: int) -> int:
-    """The most nodes one token's routed copies land on, out of the `group` expert ranks spread
-    `on_node` to a node. Ungrouped top-k: min(k, the group's nodes). Group-limited routing
-    (DeepSeek-V3's n_group / topk_group): a token picks topk_group of n_group expert groups first,
-    then its k experts inside them; experts sit on the expert ranks in order, so a routing group
-    spans ceil(nodes / n_group) nodes and a token reaches at most topk_group of those spans."""
+def remote_nodes(hf: dict, group: int, on_node: int) -> float:
+    """The expected number of other nodes one token's routed copies land on, out of the `group`
+    expert ranks spread `on_node` to a node (experts in order on the ranks, a node holding a
+    contiguous block of them). The router picks topk_group of n_group expert groups (DeepSeek-V3's
+    group-limited routing; ungrouped: one group, all experts), then k distinct experts among the
+    chosen groups'; both picks are taken as uniform (a balanced router). A node is missed when the
+    chosen groups leave it no expert or the k picks avoid the experts it holds; by symmetry every
+    node is hit with the same probability, so the expected count is (nodes - 1) x P(hit)."""
     k = hf.get("num_experts_per_tok") or 0
+    experts = _moe_layers(hf)[1]
     nodes = max(1, math.ceil(group / max(on_node, 1)))
-    n_group, topk_group = hf.get("n_group") or 0, hf.get("topk_group") or 0
-    if n_group and topk_group and topk_group < n_group:
-        nodes = min(nodes, topk_group * math.ceil(nodes / n_group))
-    return min(k, nodes)
+    if nodes <= 1 or not k or not experts:
+        return 0.0
+    n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if topk_group >= n_group:
+        n_group = topk_group = 1
+    per_group, per_node = experts / n_group, experts / nodes
+    # the groups node 0 overlaps, and how many of its experts sit in each
+    overlap = [min(per_node, (g + 1) * per_group) - g * per_group for g in range(n_group) if g * per_group < per_node]
+    candidates = round(topk_group * per_group)
+    miss = 0.0
+    for chosen in itertools.product((0, 1), repeat=len(overlap)):
+        t = sum(chosen)
+        if t > topk_group:
+            continue
+        p_groups = math.comb(n_group - len(overlap), topk_group - t) / math.comb(n_group, topk_group)
+        held = round(sum(o for o, c in zip(overlap, chosen) if c))
+        miss += p_groups * math.comb(candidates - held, k) / math.comb(candidates, k)
+    return (nodes - 1) * (1 - miss)
 
 
 def a2a_copies(hf: dict, group: int, on_node: int, node_dispatch: bool) -> tuple[float, float]:
     """(copies over NVLink, copies over the network) a rank sends per routed token, each way.
     Per routed copy (Megatron's alltoall dispatcher): k copies spread evenly over the group's
     ranks, those on the rank's node over NVLink, the rest over the network. Node-level dispatch
-    (DeepEP): a token crosses the network once per remote destination node, at most nodes_reached
-    of them, and fans out to its experts' ranks over that node's NVLink."""
+    (DeepEP): a token crosses the network once per remote node its experts sit on (remote_nodes,
+    on average) and fans out to its experts' ranks over that node's NVLink."""
     k = hf.get("num_experts_per_tok") or 0
-    remote = (group - on_node) / group
     if not node_dispatch or group <= on_node:
-        return k * (on_node - 1) / group, k * remote
-    return k * (on_node - 1) / on_node, nodes_reached(hf, group, on_node) * remote
+        return k * (on_node - 1) / group, k * (group - on_node) / group
+    return k * (on_node - 1) / on_node, remote_nodes(hf, group, on_node)
 
 
 def _link(device: Device, group_fits_node: bool, eff) -> float:
