@@ -260,10 +260,6 @@ class RolloutMemory:
     def peak(self) -> float:
         return self.pool + self.reserve
 
-    @property
-    def concurrency_fraction(self) -> float:
-        return min(1.0, self.kv_capacity / max(self.kv_needed, 1))
-
 
 def rollout_memory(cfg, hf: dict, device: Device) -> RolloutMemory:
     hf = _as_dict(hf)

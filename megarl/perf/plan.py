@@ -141,7 +141,8 @@ def _kv_notes(rollout) -> list[str]:
     return [
         f"the KV cache holds {rollout.kv_capacity:,} tokens per engine, "
         f"{rollout.kv_capacity / max(rollout.kv_needed, 1):.0%} of the {rollout.kv_needed:,} "
-        "that rollout.max_batch_size full-length sequences need: the engine runs fewer at once"
+        "that rollout.max_batch_size full-length sequences need: sequences that run long run fewer at "
+        "once (the time is planned with as many as fit at the mean length)"
     ]
 
 
