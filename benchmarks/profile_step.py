@@ -186,7 +186,7 @@ def run(args, output_dir: Path) -> dict:
         while _steps_done(metrics) < args.warmup:
             if proc.poll() is not None:
                 raise SystemExit(f"profile_step: the run ended before step {args.warmup}; log: {log.name}")
-            time.sleep(0.2)
+            time.sleep(0.02)
         pids = {pid: kind_of(_cmdline(pid), pid == proc.pid) for pid in [proc.pid, *_children(proc.pid)]}
         # Ray's processes are children of the driver (a local cluster); workers of the raylet
         start_step, t0 = _steps_done(metrics), time.perf_counter()
@@ -220,10 +220,16 @@ def run(args, output_dir: Path) -> dict:
                             ),
                         )
                     )
-        while _steps_done(metrics) < args.steps - 1 and proc.poll() is None:
-            time.sleep(0.2)
-        end_step, wall = _steps_done(metrics), time.perf_counter() - t0
-        cpu1 = {pid: _cpu_seconds(pid) for pid in pids}
+        # each process's CPU time is read on every tick, its last reading kept: a run whose last
+        # steps take less than a tick ends, and its Ray workers with it, before the loop sees it
+        cpu1 = dict(cpu0)
+        while True:
+            done = _steps_done(metrics)
+            cpu1.update({pid: t for pid in pids if (t := _cpu_seconds(pid)) is not None})
+            if done >= args.steps - 1 or proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        end_step, wall = done, time.perf_counter() - t0
         for _, _, _, spy in spies:
             spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         for _, _, _, spy in spies:

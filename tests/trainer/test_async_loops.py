@@ -61,7 +61,7 @@ def async_runs(tmp_path_factory):
         one = MetricsLogger(None, 4, stream=io.StringIO(), jsonl_path=out / "one.jsonl")
         trainer = Trainer(rt, one)
         trainer.source = one_rows = _Counting(trainer.source)
-        _, killed = run_while_killing(rt.fleet, 0, trainer.fit)  # the engine dies generating step 1
+        _, killed = run_while_killing(rt.fleet, 0, trainer.fit)  # the engine dies holding step 1's requests
         one.close()
         state2 = json.loads((rt.run_dir / "checkpoints/step_000002/trainer_state.json").read_text())
         rt.cfg.trainer.mode, rt.cfg.trainer.save_every = "fully_async", 0
@@ -249,7 +249,7 @@ def test_routing_replay_in_both_async_modes_and_the_probe_replays_the_engines_ex
 
 
 def test_an_engine_killed_mid_generation_loses_no_row_in_either_async_mode(async_runs):
-    """The only engine is SIGKILLed while it generates (one_step_off: step 1's batch on the rollout
+    """The only engine is SIGKILLed while it holds requests (one_step_off: step 1's batch on the rollout
     thread; fully_async: as the producer sends its first requests after the resume): restarted, given
     the actor's weights, the failed requests are sent again, and every step trains each of its
     prompts' n rows exactly once, each prompt in one step only."""
