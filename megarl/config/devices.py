@@ -15,6 +15,7 @@ DEVICE_TYPES: dict[str, str] = {
     "H100 PCIe": "H100 PCIe",
     "H200": "H200",
     "B200": "B200",
+    "B300": "B300",
     "H20": "H20",
     "A100": "A100",
 }
@@ -26,6 +27,7 @@ _ALIASES = {
     "h100pcie": "H100 PCIe",
     "h200": "H200",
     "b200": "B200",
+    "b300": "B300",
     "h20": "H20",
     "a100": "A100",
     "a100-80gb": "A100",
@@ -33,7 +35,7 @@ _ALIASES = {
 
 # torch.cuda.get_device_name -> datasheet entry; first match wins, so the specific names come first.
 # Real names: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200",
-# "NVIDIA GH200 480GB", "NVIDIA B200", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe".
+# "NVIDIA GH200 480GB", "NVIDIA B200", "NVIDIA B300 SXM6 AC", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe".
 CUDA_NAME_RULES: list[tuple[tuple[str, ...], str]] = [
     (("H100", "PCIE"), "H100 PCIe"),
     (("H100", "NVL"), "H100 NVL"),
@@ -41,6 +43,7 @@ CUDA_NAME_RULES: list[tuple[tuple[str, ...], str]] = [
     (("H200",), "H200"),  # also GH200: the same Hopper compute
     (("H20",), "H20"),
     (("B200",), "B200"),
+    (("B300",), "B300"),
     (("A100",), "A100"),
 ]
 

@@ -394,7 +394,7 @@ class ClusterConfig:
     num_rollout_devices: int | None = None  # disaggregated rollout pool; None = num_servers * tp
     devices_per_node: int | None = None  # None: every pool fits on one node (a laptop)
     # the accelerator the pools are made of, for the memory check before start (`megarl plan`'s
-    # --devices names it too): H100, H100 PCIe, H200, H20, B200, A100 or CPU. None: this
+    # --devices names it too): H100, H100 PCIe, H200, H20, B200, B300, A100 or CPU. None: this
     # machine's (its first CUDA device, else CPU); on a cluster joined from a CPU-only head node,
     # set it, or the check is skipped with a note
     device_type: str | None = None

@@ -4,13 +4,16 @@
 nvidia-smi reports the card's total, bandwidths per GPU and per direction); the planner applies
 its stated efficiencies to them (megarl/perf/steptime.py), never assumes the datasheet is reached.
 FLOP/s per dtype come from megarl/perf/peak.py's table (its comment names the datasheets): dense
-FP8 is H100 SXM 1,979 TF, H20 296 TF, B200 4.5 PF, read only to price published FP8 runs
+FP8 is H100 SXM 1,979 TF, H20 296 TF, B200 and B300 4.5 PF, read only to price published FP8 runs
 (megarl trains in bf16).
 
 - H100 SXM: 81,559 MiB HBM3, 3.35 TB/s; NVLink 4 900 GB/s bidirectional (450 per direction);
   PCIe Gen5 x16 64 GB/s; one 400 Gb/s ConnectX-7 NIC per GPU in DGX/HGX nodes (50 GB/s).
 - H200: 143,771 MiB HBM3e, 4.8 TB/s; links as H100 SXM.
 - B200: 183,359 MiB HBM3e, 8 TB/s; NVLink 5 1.8 TB/s bidirectional; PCIe Gen5; 400 Gb/s per GPU.
+- B300 (HGX): 288 GB HBM3e, of which the runtime reports ~275 GiB (281,600 MiB, rounded: the
+  exact figure is not in a datasheet), 8 TB/s; NVLink 5 as B200; PCIe Gen6 x16 (128 GB/s);
+  one 800 Gb/s ConnectX-8 SuperNIC per GPU (100 GB/s).
 - H20: 97,871 MiB HBM3, 4.0 TB/s; NVLink 900 GB/s bidirectional; PCIe Gen5; 400 Gb/s per GPU
   (the GPU of verl's published DeepSeek-V3 and Qwen3-30B-A3B runs).
 - A100 80GB SXM: 81,920 MiB HBM2e, 2.04 TB/s; NVLink 3 600 GB/s bidirectional; PCIe Gen4 32 GB/s;
@@ -74,6 +77,7 @@ GPUS: dict[str, Device] = {
     "H100 PCIe": _gpu("H100 PCIe", 81559, 2.0, 300, 50, 64),
     "H200": _gpu("H200", 143771, 4.8, 450, 50, 64),
     "B200": _gpu("B200", 183359, 8.0, 900, 50, 64),
+    "B300": _gpu("B300", 281600, 8.0, 900, 100, 128),
     "H20": _gpu("H20", 97871, 4.0, 450, 50, 64),
     "A100": _gpu("A100", 81920, 2.04, 300, 25, 32),
 }

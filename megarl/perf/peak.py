@@ -28,6 +28,8 @@ T = 1e12
 #   FP8 3,958* (same GH100 compute as H100 SXM, more and faster memory). GH200 likewise.
 # - B200: HGX B200 specifications, per GPU (1,000 W): FP32 75, TF32 2.2 PF*, BF16 4.5 PF*,
 #   FP8 9 PF*. (The 1,200 W B200 inside GB200 is faster: 2.5 PF BF16 dense; not listed here.)
+# - B300 (Blackwell Ultra): HGX B300 specifications, 8 GPUs: FP32 600, TF32 18 PF*, BF16 36 PF*,
+#   FP8 72 PF*, i.e. per GPU the HGX B200 figures (its gains are dense FP4 and memory).
 # - H20 (96 GB, the export Hopper part): "NVIDIA H20" product brief: FP32 44, TF32 74, BF16 148,
 #   FP8 296 (dense); verl's flops_counter uses the same 148 for its MFU.
 # - A100 (SXM4 and PCIe, 40 and 80 GB): "NVIDIA A100 Tensor Core GPU" datasheet: FP32 19.5,
@@ -38,6 +40,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5},
     "H200": {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp8": 1979.0},
     "B200": {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp8": 4500.0},
+    "B300": {"fp32": 75.0, "tf32": 1125.0, "bf16": 2250.0, "fp8": 4500.0},
     "H20": {"fp32": 44.0, "tf32": 74.0, "bf16": 148.0, "fp8": 296.0},
     "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
 }
