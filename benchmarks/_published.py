@@ -43,8 +43,9 @@ workload. What the yaml leaves open is filled by stated rules, the same for ever
 
 Split (chosen before any held-out error was seen): within each kind (rl_step, train_step,
 weight_sync), runs alternate fit, holdout, fit, ... in file order; an entry whose notes say to use
-it as a check and not to fit it is held out and skipped by the alternation. Appending runs never
-moves an earlier run between the halves.
+it as a check and not to fit it is held out and skipped by the alternation (slime's inferred sync,
+and the rows entered after the constants were fitted, priced once with them frozen). Appending runs
+never moves an earlier run between the halves.
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ def load_runs() -> list[dict]:
 def check_only(run: dict) -> bool:
     notes = " ".join(run.get("notes", "").split()).lower()
     return "as a check" in notes and "not to fit" in notes
+
+
+def entered_after_fit(run: dict) -> bool:
+    """A check entered after the constants were fitted and priced once with them frozen (its notes
+    say "entered after the fit"); a check, so held out and never fitted."""
+    return "entered after the fit" in " ".join(run.get("notes", "").split()).lower()
 
 
 def split(runs: list[dict]) -> dict[str, str]:

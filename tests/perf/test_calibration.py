@@ -40,7 +40,7 @@ def test_every_published_run_is_priced_or_excluded_with_its_reason(prepared):
 
 
 def test_split_follows_its_rule_and_appending_runs_moves_nothing():
-    from _published import check_only, load_runs, split
+    from _published import check_only, entered_after_fit, load_runs, split
 
     runs = load_runs()
     halves = split(runs)
@@ -48,8 +48,16 @@ def test_split_follows_its_rule_and_appending_runs_moves_nothing():
         order = [r["id"] for r in runs if r["kind"] == kind and not check_only(r)]
         assert [halves[i] for i in order] == ["fit" if n % 2 == 0 else "holdout" for n in range(len(order))]
         assert {"fit", "holdout"} <= {halves[r["id"]] for r in runs if r["kind"] == kind}
-    assert [r["id"] for r in runs if check_only(r)] == ["slime-qwen3-30b-a3b-sync-8xH100-colocated"]
-    assert halves["slime-qwen3-30b-a3b-sync-8xH100-colocated"] == "holdout"
+    assert [r["id"] for r in runs if check_only(r)] == [
+        "slime-qwen3-30b-a3b-sync-8xH100-colocated",
+        *(r["id"] for r in runs if entered_after_fit(r)),
+    ]
+    assert [r["id"] for r in runs if entered_after_fit(r)] == [
+        "mbridge-dsv3-256xB300-mxfp8-pretrain",
+        "mbridge-qwen3-30b-a3b-8xB300-mxfp8-pretrain",
+        "mbridge-qwen3-235b-256xB300-mxfp8-pretrain",
+    ]
+    assert {halves[r["id"]] for r in runs if check_only(r)} == {"holdout"}
     extra = {**runs[0], "id": "appended-run"}
     assert {k: v for k, v in split([*runs, extra]).items() if k != "appended-run"} == halves
 
@@ -66,7 +74,9 @@ def test_framework_traits_come_from_the_notes():
         "mbridge-dsv3-256xB200-mxfp8-pretrain",
         "mbridge-qwen3-30b-a3b-8xB200-mxfp8-pretrain",
         "mbridge-qwen3-235b-256xB200-mxfp8-pretrain",
-    }  # the model zoo's EP32 row is the one without its 1F1B overlap
+        "mbridge-qwen3-30b-a3b-8xB300-mxfp8-pretrain",
+        "mbridge-qwen3-235b-256xB300-mxfp8-pretrain",
+    }  # the model zoo's EP32 row; the B300 DeepSeek-V3 recipe has no overlap is the one without its 1F1B overlap
 
 
 def test_fp8_and_node_dispatch_come_from_the_runs_precision_notes_and_recipes():
@@ -130,6 +140,8 @@ def test_bench_plan_calibration_ends_with_the_held_out_error_line():
     lines = done.stdout.strip().splitlines()
     assert re.fullmatch(r"calibration: mean abs error \d+% \(held-out, per run, \d+ runs\)", lines[-1]), lines[-1]
     assert lines[-2].startswith("fit half: mean abs error")
+    late = r"of the held-out, entered after the fit: mean abs error \d+% over 3 runs"
+    assert re.fullmatch(late, lines[-3]), lines[-3]
     assert "| published run | metric | split |" in done.stdout
 
 

@@ -244,6 +244,7 @@ def test_gpu_peaks_from_the_table(monkeypatch):
     with pytest.raises(ValueError, match="NVIDIA GeForce RTX 4090"):
         peak.device_peak_flops("cuda:3", "bf16")
     assert peak.gpu_table_entry("NVIDIA H200") == "H200" and peak.gpu_table_entry("NVIDIA B200") == "B200"
+    assert peak.gpu_table_entry("NVIDIA B300 SXM6 AC") == "B300"
 
 
 def test_mfu():

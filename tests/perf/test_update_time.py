@@ -160,11 +160,14 @@ def test_fp8_runs_price_their_linear_gemms_at_the_fp8_peak():
     from megarl.perf.steptime import GPU_EFFICIENCY
     from megarl.perf.update_time import forward_seconds
 
-    assert {d: parse_devices(f"1x{d}")[1].peak_flops("fp8") for d in ("H100", "H20", "B200")} == {
+    assert {d: parse_devices(f"1x{d}")[1].peak_flops("fp8") for d in ("H100", "H20", "B200", "B300")} == {
         "H100": 1979e12,  # datasheet dense figures (megarl/perf/peak.py states the sources)
         "H20": 296e12,
         "B200": 4500e12,
+        "B300": 4500e12,  # HGX B300: B200's FP8 and BF16; it gains dense FP4, memory and network
     }
+    b200, b300 = parse_devices("1xB200")[1], parse_devices("1xB300")[1]
+    assert (b300.net_bw, b300.memory > b200.memory) == (2 * b200.net_bw, True)  # 800 Gb/s NICs, 288 GB
     cfg, hf = _load("qwen3-30b-a3b")
     _, dev = parse_devices("16xH100")
     rows, length = 64, 4096.0
