@@ -119,15 +119,20 @@ def load_runs() -> list[dict]:
     return yaml.safe_load(RUNS_FILE.read_text())["runs"]
 
 
+def _notes(run: dict) -> str:
+    """The run's notes as one lower-case line (the yaml folds them over several)."""
+    return " ".join(run.get("notes", "").split()).lower()
+
+
 def check_only(run: dict) -> bool:
-    notes = " ".join(run.get("notes", "").split()).lower()
+    notes = _notes(run)
     return "as a check" in notes and "not to fit" in notes
 
 
 def entered_after_fit(run: dict) -> bool:
     """A check entered after the constants were fitted and priced once with them frozen (its notes
     say "entered after the fit"); a check, so held out and never fitted."""
-    return "entered after the fit" in " ".join(run.get("notes", "").split()).lower()
+    return "entered after the fit" in _notes(run)
 
 
 def split(runs: list[dict]) -> dict[str, str]:
@@ -145,7 +150,7 @@ def split(runs: list[dict]) -> dict[str, str]:
 
 def forced_balance(run: dict) -> bool:
     """The source forced the expert load balanced (Megatron's moe_router_force_load_balancing)."""
-    notes = " ".join(run.get("notes", "").split()).lower()
+    notes = _notes(run)
     return "forced expert balance" in notes or "forced balanced" in notes
 
 
@@ -154,7 +159,7 @@ def overlaps_a2a(run: dict) -> bool:
     overlap_moe_expert_parallel_comm with delay_wgrad_compute): its notes say "all-to-all
     overlapped with compute", as read from its recipe. The model zoo's EP32 row is the one
     without its 1F1B overlap."""
-    return "all-to-all overlapped with compute" in " ".join(run.get("notes", "").split()).lower()
+    return "all-to-all overlapped with compute" in _notes(run)
 
 
 def fp8_gemms(run: dict) -> bool:
