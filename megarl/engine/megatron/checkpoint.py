@@ -111,6 +111,7 @@ def save(engine, path: str, rng: bool = True, extra: dict | None = None, sharded
         optimizer=OPTIM_SHARDING if with_optimizer else None,
         model_path=engine.spec.model_path,
         rng=rng,
+        lora=_lora_meta(engine),
         **(extra or {}),
     )
     if rank == 0:
@@ -161,11 +162,17 @@ def load(engine, path: str, load_optimizer: bool = True) -> dict:
             f"{path} holds no optimizer state (saved by a forward-only engine); load it with "
             "load_optimizer=False to take the weights and start the optimizer fresh"
         )
+    _check_lora(meta, engine, path)
     same_layout = meta["layout"] == layout(engine) and meta.get("rng", True)
     state = _sharded_state_dict(engine, with_optimizer, rng=same_layout, is_loading=True)
     loaded = dist_checkpointing.load(state, path)
-    for i, chunk in enumerate(engine.bare_chunks()):
-        chunk.load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
+    if engine.spec.lora is not None:
+        from megarl.engine.megatron import lora_io
+
+        lora_io.load_sharded(engine.bare_chunks(), loaded["model"])
+    else:
+        for i, chunk in enumerate(engine.bare_chunks()):
+            chunk.load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
     if with_optimizer:
         engine.optimizer.load_state_dict(_optimizer_state(state["optimizer"], loaded["optimizer"]))
     if same_layout:
@@ -174,6 +181,28 @@ def load(engine, path: str, load_optimizer: bool = True) -> dict:
 
 
 # ------------------------------------------------------------------------------------ state
+
+
+def _lora_meta(engine) -> dict | None:
+    spec = engine.spec.lora
+    if spec is None:
+        return None
+    return dict(rank=spec.rank, alpha=spec.alpha, target_modules=list(spec.target_modules), base=engine.spec.model_path)
+
+
+def _check_lora(meta: dict, engine, path: str) -> None:
+    """A LoRA checkpoint holds adapters for a named base; a full one holds every weight."""
+    saved, mine = meta.get("lora"), _lora_meta(engine)
+    if (saved is None) != (mine is None):
+        what = "LoRA adapters" if saved is not None else "full weights"
+        raise CheckpointError(
+            f"{path} holds {what}, but this engine {'has' if mine else 'has no'} actor.lora; resume with the "
+            "same actor.lora setting it was saved with"
+        )
+    if saved is not None:
+        differ = {k: (saved[k], mine[k]) for k in ("rank", "alpha", "target_modules") if saved[k] != mine[k]}
+        if differ:
+            raise CheckpointError(f"{path}: actor.lora differs from the checkpoint's (saved, now): {differ}")
 
 
 def _content_metadata() -> dict:
@@ -190,11 +219,16 @@ def _sharded_state_dict(engine, with_optimizer: bool, rng: bool, is_loading: boo
     # the bare GPTModels hold the same Parameter objects DDP and the optimizer refer to. One entry
     # per virtual pipeline chunk: the nesting is this run's own (tensors are found by their global
     # sharded keys), so a checkpoint saved with one VPP size loads into another.
-    state = {
-        "model": {
-            f"chunk{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(engine.bare_chunks())
+    if engine.spec.lora is not None:  # the adapters only: the frozen base is named (model_path), not copied
+        from megarl.engine.megatron import lora_io
+
+        state = {"model": lora_io.sharded_state_dict(engine.bare_chunks())}
+    else:
+        state = {
+            "model": {
+                f"chunk{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(engine.bare_chunks())
+            }
         }
-    }
     if with_optimizer:
         state["optimizer"] = engine.optimizer.sharded_state_dict(
             state["model"], is_loading=is_loading, metadata=metadata

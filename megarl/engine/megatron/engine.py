@@ -30,6 +30,7 @@ from megarl.engine.megatron import value_head as vh
 from megarl.engine.megatron.context_parallel import gather_from_cp, split_for_cp
 from megarl.engine.megatron.cpu import compat as cpu_compat
 from megarl.engine.megatron.grad_guard import grads_finite
+from megarl.engine.megatron.lora import LoraSpec
 from megarl.engine.megatron.model import make_bridge, pipeline_split_args, precision_dtype, recompute_args
 from megarl.engine.megatron.offload import PARTS, HostCopy, offload_groups
 from megarl.engine.megatron.optimizer import build_optimizer
@@ -62,6 +63,7 @@ class EngineSpec:
     routing_replay: bool = False  # actor.moe.routing_replay: replay the rows' routed_experts (routing_replay.py)
     host_optimizer: float = 0.0  # actor.offload.host_optimizer: the share of Adam's state and step on the host
     logits_memory: str = "auto"  # actor.logits_memory: the log-prob head's logits kept for backward or made again
+    lora: LoraSpec | None = None  # actor.lora: adapters on the targeted linears, the base frozen (lora.py)
 
 
 # A head maps the last stage's model output on this rank and the local labels [b, s] to
@@ -131,6 +133,10 @@ class MegatronEngine:
         elif self.spec.load_hf:
             load_hf_weights(self.bridge, chunks, self.spec.model_path)
         rows.place(chunks, dtype)
+        if self.spec.lora is not None:
+            from megarl.engine.megatron import lora
+
+            lora.attach(self.bridge, chunks, self.spec.lora, self.spec.seed)
         if training:
             chunks = self._wrap_ddp(chunks)
             self.optimizer = build_optimizer(
@@ -379,16 +385,33 @@ class MegatronEngine:
     def offloaded(self) -> set[str]:
         return set(self._offloaded)
 
+    def _named(self):
+        """Each weight of this rank by global name, LoRA adapters merged in (None: the parameters)."""
+        if self.spec.lora is None:
+            return None
+        from megarl.engine.megatron.lora import merged_tensors
+        from megarl.engine.megatron.weights import global_tensors
+
+        return merged_tensors(self.bare_chunks(), global_tensors(self.bare_chunks()), adapted_only=False)
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) for every weight; a collective: call it on every rank."""
-        return export_hf_weights(self.bridge, self.bare_chunks())
+        return export_hf_weights(self.bridge, self.bare_chunks(), self._named())
 
     def export_owned_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What this rank sends in the distributed transport (weights.export_owned_hf_weights)."""
-        return export_owned_hf_weights(self.bridge, self.bare_chunks())
+        return export_owned_hf_weights(self.bridge, self.bare_chunks(), self._named())
 
     def sends_owned_weights(self) -> bool:
-        return sends_owned_weights(self.bare_chunks())
+        return sends_owned_weights(self.bare_chunks(), self._named())
+
+    def sync_source(self):
+        """What a weight sync reads: the engine, or with LoRA only the adapted weights, merged."""
+        if self.spec.lora is None:
+            return self
+        from megarl.engine.megatron.lora_io import AdaptedWeights
+
+        return AdaptedWeights(self)
 
     def local_pieces(self) -> list:
         """The HF boxes this rank produces from its own shards (shards.local_hf_pieces)."""

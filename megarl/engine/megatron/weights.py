@@ -69,7 +69,8 @@ def global_tensors(models) -> list[tuple[str, torch.Tensor]]:
     out = []
     for model in models:
         tensors = {**model.state_dict(), **dict(model.named_parameters())}
-        out.extend((g, tensors[local]) for local, g in local_to_global_names(model).items())
+        # LoRA adapters (lora.py) are not weights of the model: they are merged into the ones they adapt
+        out.extend((g, tensors[local]) for local, g in local_to_global_names(model).items() if ".lora." not in local)
     return out
 
 
@@ -203,12 +204,14 @@ def _gather_ep(tensors: list[tuple[str, torch.Tensor]], num_experts: int):
         offset += n
 
 
-def _full_mcore_tensors(bridge, models) -> Iterator[tuple[str, torch.Tensor]]:
-    """This PP stage's parameters (all its virtual stages) as full (TP- and EP-gathered) mcore
-    tensors, in parameter order: each run of consecutive expert tensors is EP-gathered in chunks
-    (_expert_chunks), so the order stays that of the parameters."""
+def _full_mcore_tensors(bridge, models, named=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """This PP stage's parameters (all its virtual stages; `named`: those (global name, local
+    tensor) instead) as full (TP- and EP-gathered) mcore tensors, in parameter order: each run of
+    consecutive expert tensors is EP-gathered in chunks (_expert_chunks), so the order stays that of
+    the parameters."""
     num_experts = models[0].config.num_moe_experts or 0
-    full = ((name, _gather_tp(bridge, name, local)) for name, local in global_tensors(models))
+    named = global_tensors(models) if named is None else named
+    full = ((name, _gather_tp(bridge, name, local)) for name, local in named)
     for expert, run in itertools.groupby(full, key=lambda item: _is_expert(item[0])):
         if not expert:
             yield from ((name, tensor.detach()) for name, tensor in run)
@@ -232,8 +235,9 @@ def _expert_chunks(run) -> Iterator[list[tuple[str, torch.Tensor]]]:
 
 
 @torch.no_grad()
-def export_hf_weights(bridge, models) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, full tensor) for the whole model, on every rank.
+def export_hf_weights(bridge, models, named=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for the whole model (`named`: for those of this rank's
+    (global name, local tensor), the same selection on every rank), on every rank.
 
     Pipeline stages take turns: stage s announces its names and shapes (those of all its virtual
     stages), then broadcasts each tensor from its rank in this rank's PP group.
@@ -243,7 +247,7 @@ def export_hf_weights(bridge, models) -> Iterator[tuple[str, torch.Tensor]]:
     pp_rank = ps.get_pipeline_model_parallel_rank()
     pp_group = ps.get_pipeline_model_parallel_group()
     for stage in range(pp_size):
-        mine = list(_full_mcore_tensors(bridge, models)) if stage == pp_rank else None
+        mine = list(_full_mcore_tensors(bridge, models, named)) if stage == pp_rank else None
         if pp_size > 1:
             meta = [[(n, tuple(t.shape), t.dtype) for n, t in mine] if mine is not None else None]
             src = dist.get_global_rank(pp_group, stage)
@@ -257,7 +261,7 @@ def export_hf_weights(bridge, models) -> Iterator[tuple[str, torch.Tensor]]:
             yield from zip(hf_names, hf_tensors)
 
 
-def _owned_params(models) -> list[tuple[str, torch.Tensor, bool]]:
+def _owned_params(models, named=None) -> list[tuple[str, torch.Tensor, bool]]:
     """(global name, live tensor, expert?) of the parameters this rank takes part in sending in the
     distributed transport: dense ones on the data-parallel-0 replica of its stage, experts on the
     expert-data-parallel-0 replica. Dense first, then experts (as slime): a rank that helps gather
@@ -265,22 +269,22 @@ def _owned_params(models) -> list[tuple[str, torch.Tensor, bool]]:
     ps = _mesh()
     dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     experts = ps.get_expert_data_parallel_rank() == 0
-    names = [(g, t, _is_expert(g)) for g, t in global_tensors(models)]
+    names = [(g, t, _is_expert(g)) for g, t in (global_tensors(models) if named is None else named)]
     return [n for n in names if not n[2] and dense] + [n for n in names if n[2] and experts]
 
 
-def sends_owned_weights(models) -> bool:
+def sends_owned_weights(models, named=None) -> bool:
     """Whether export_owned_hf_weights yields anything on this rank (no communication)."""
-    return any(_tp_split(g)[1] == 0 for g, _, _ in _owned_params(models))
+    return any(_tp_split(g)[1] == 0 for g, _, _ in _owned_params(models, named))
 
 
 @torch.no_grad()
-def export_owned_hf_weights(bridge, models) -> Iterator[tuple[str, torch.Tensor]]:
+def export_owned_hf_weights(bridge, models, named=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) of what this rank owns: its stage's dense weights on the TP-0 rank of
     the data-parallel-0 replica, each EP rank's own experts on its expert-TP-0 rank. Tensors are
     gathered over TP / expert-TP as the stream is consumed (bucket by bucket), nothing crosses
     pipeline stages or EP ranks, and no rank ever holds more than its stage's share."""
-    for global_name, local, _ in _owned_params(models):
+    for global_name, local, _ in _owned_params(models, named):
         tensor = _gather_tp(bridge, global_name, local)
         if _tp_split(global_name)[1] != 0:
             continue  # a gather helper: its TP-0 peer sends
