@@ -164,6 +164,19 @@ class RolloutISConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA on the actor (PEFT's, docs/lora.md): rank-`rank` adapters on the targeted linear layers,
+    the base frozen (no gradients or optimizer state for it); rank 0: off. target_modules take
+    PEFT's names (a module's dotted name or its last parts: q_proj, v_proj, gate_proj, ...;
+    "all-linear": every attention and MLP linear, experts included)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, in training
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
 class OffloadConfig:
     """What leaves the device between calls (colocation): host memory, pinned on GPU machines.
     Parameters come back for every forward, gradients and optimizer state only for updates."""
@@ -208,6 +221,7 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     loss_agg_mode: LossAggMode = "token-mean"
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # parameters and activations: fp32, or bf16 with fp32 master weights, gradients reduced in fp32
     # and log-probs computed in fp32 (Megatron's mixed precision). bf16 is the GPU setting; on CPU
     # it runs, slowly (no bf16 matrix units). The reference policy follows the actor

@@ -30,6 +30,7 @@ from megarl.config.schema import RunConfig
 from megarl.config.validate_algorithm import check_algorithm, check_dapo
 from megarl.config.validate_cluster import check_device_type
 from megarl.config.validate_data import check_data, check_task
+from megarl.config.validate_lora import check_lora
 from megarl.config.validate_losses import check_losses, resolve_ref
 from megarl.config.validate_model import check_model_paths, read_model_config
 from megarl.config.validate_offload import check_offload
@@ -78,6 +79,7 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
         model_config = read_model_config(cfg)
     check_parallel(cfg, model_config)
     check_offload(cfg)
+    check_lora(cfg, model_config)
     check_device_type(cfg)
     check_batch_sizes(cfg)
     check_task(cfg)

@@ -32,6 +32,9 @@ Training rank (Megatron, worst pipeline stage):
   this replaced held 18 bytes per token and vocab entry / tp (bf16 logits, their fp32 copy and three
   fp32 intermediates; measured on an H100, benchmarks/bench_gpu_plan.py).
 - a runtime reserve per process (hardware.py): context, communication buffers, fragmentation.
+- with actor.lora, gradients and optimizer state are the adapters' only (perf/lora.py); the
+  parameters are the base's plus theirs, and the reference policy costs nothing (it is the
+  actor's base with the adapters off).
 
 Rollout device: the engine's weights (attention over tp / dp with DP attention, MLP and experts
 over tp, vocabulary over tp), its KV cache (2 * kv_heads * head_dim per layer and token, heads over
@@ -47,6 +50,7 @@ from dataclasses import dataclass, replace
 
 from megarl.perf.flops import _as_dict, layer_params
 from megarl.perf.hardware import Device
+from megarl.perf.lora import lora_stage_params
 
 # SGLang picks mem_fraction_static by tp size and GPU memory (0.79-0.88 on 80 GB cards); the
 # planner assumes this when rollout.mem_fraction_static is not set
@@ -212,8 +216,13 @@ def train_memory(cfg, hf: dict, device: Device, section: str = "actor") -> Train
     row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     best, most_host = None, 0.0
     stages = stage_params(hf, p, value_head=section == "critic")
+    lora = getattr(sec, "lora", None)
+    adapters = lora_stage_params(hf, p, lora) if lora is not None and lora.rank else None
     for s, st in enumerate(stages):
         params = (st.dense + st.expert) * pbytes
+        if adapters is not None:  # LoRA: the frozen base has no gradient or optimizer state
+            params += sum(adapters[s]) * pbytes
+            st = replace(st, dense=adapters[s][0], expert=adapters[s][1])
         grads = (st.dense + st.expert) * 4
         state = (st.dense / dp_dense + st.expert / dp_expert) if dist else st.dense + st.expert
         optimizer = opt_bytes * state * (1 - host_share)
@@ -241,7 +250,10 @@ def train_memory(cfg, hf: dict, device: Device, section: str = "actor") -> Train
 
 
 def reference_params_bytes(cfg, hf: dict) -> float:
-    """A forward-only reference rank: the actor's layout, parameters only."""
+    """A forward-only reference rank: the actor's layout, parameters only. With LoRA none: the
+    reference is the actor's own frozen base, its adapters switched off."""
+    if cfg.actor.lora.rank:
+        return 0.0
     p = cfg.actor.parallel
     pbytes = 2 if cfg.actor.precision == "bf16" else 4
     return max((s.dense + s.expert) * pbytes for s in stage_params(hf, p))

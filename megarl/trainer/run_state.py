@@ -107,6 +107,10 @@ def export_hf(loop: DurableLoop) -> None:
         f"exported the policy as a Hugging Face model: {out} "
         f"({info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB)"
     )
+    if loop.cfg.actor.lora.rank:  # and its adapters alone, as PEFT loads them onto the base
+        out = loop.rt.run_dir / "lora"
+        info = loop.rt.actor.export_lora(str(out))
+        loop.logger.note(f"exported the LoRA adapters as a PEFT folder: {out} ({info['bytes'] / 2**20:.2f} MiB)")
 
 
 def data_identity(loop: DurableLoop) -> dict:

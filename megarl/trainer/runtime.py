@@ -18,6 +18,7 @@ from megarl.controller.shm_leftovers import record_ranks, remove_recorded_leftov
 from megarl.engine.megatron.actor import ActorLossSpec, MegatronActor
 from megarl.engine.megatron.critic import CriticLossSpec, MegatronCritic
 from megarl.engine.megatron.engine import EngineSpec
+from megarl.engine.megatron.lora import LoraSpec
 from megarl.procs.net import get_node_ip
 from megarl.trainer.reward_workers import reward_model_path, start_reward_workers
 
@@ -126,7 +127,15 @@ def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
         routing_replay=cfg.actor.moe.routing_replay,
         host_optimizer=cfg.actor.offload.host_optimizer,
         logits_memory=cfg.actor.logits_memory,
+        lora=lora_spec(cfg.actor.lora),
     )
+
+
+def lora_spec(lora) -> LoraSpec | None:
+    """actor.lora as the engine's LoRA spec; None when off (rank 0)."""
+    if lora.rank == 0:
+        return None
+    return LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=tuple(lora.target_modules), dropout=lora.dropout)
 
 
 def critic_engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:

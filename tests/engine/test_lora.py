@@ -2,10 +2,11 @@
 
 Random adapters (B non-zero, so every adapter changes the output) on every attention and MLP
 linear of the tiny Qwen3-MoE (experts included) and the tiny dense Qwen3, under TP=2 with
-sequence parallel (fused QKV and gate/up split over ranks) and EP=2 (experts' adapters on their
+sequence parallel (fused QKV and gate/up split over ranks; the dense model without it) and EP=2 (experts' adapters on their
 own ranks). Tolerances (fp32 Megatron against float64 references):
 - log-probs: 1e-5 absolute (observed ~3e-7);
-- adapter gradients of the mean response NLL: 1e-5 absolute against a largest of ~0.3;
+- adapter gradients of the mean response NLL: 2e-5 of the largest gradient (0.3 .. 1.2; observed
+  up to 1.1e-5 of it: fp32 rounding of the dense model's lm_head adapter);
 - merged HF weights against peft's merge_and_unload: 1e-6 absolute;
 - PEFT folder, checkpoint TP=2 -> EP=2 and adapter state round trips: exact.
 """
@@ -20,11 +21,12 @@ import torch
 from tests._dist import run_ranks
 from tests.engine.test_megatron_engine import SEQ_ROWS, make_rows
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the output head too (untied): the log-prob head reads W + scale B A
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 RANK, ALPHA = 4, 8.0
 
 
-def _engine(path, tp=1, ep=1, distributed_optimizer=False, targets=TARGETS):
+def _engine(path, tp=1, ep=1, distributed_optimizer=False, targets=TARGETS, sequence_parallel=True):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec, MegatronEngine
     from megarl.engine.megatron.lora import LoraSpec
@@ -32,7 +34,7 @@ def _engine(path, tp=1, ep=1, distributed_optimizer=False, targets=TARGETS):
     engine = MegatronEngine(
         EngineSpec(
             model_path=path,
-            parallel=ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1),
+            parallel=ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1 and sequence_parallel),
             optim=OptimConfig(lr=1e-2, adam_eps=1e-2, clip_grad=0.0, use_distributed_optimizer=distributed_optimizer),
             micro_batch_size=2,
             seed=1,
@@ -131,7 +133,8 @@ def _ranks(rank, paths, ckpt_dir, peft_dir):
     out["ep2"] = _run(_engine(paths["moe"], ep=2), adapters)
     ps.destroy_model_parallel()
 
-    dense = _engine(paths["dense"], tp=2)
+    # without sequence parallel: the adapters' other collectives (h reduced over TP, not scattered)
+    dense = _engine(paths["dense"], tp=2, sequence_parallel=False)
     out["dense_adapters"] = _random_adapters(dense, seed=4)
     out["dense_tp2"] = _run(dense, out["dense_adapters"])
     return out
@@ -156,20 +159,20 @@ def results(paths) -> list[dict]:
 
 
 # ------------------------------------------------------------------ references
-def _peft_model(path, adapters: dict):
+def _peft_model(path, adapters: dict, targets=TARGETS):
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path).double()
-    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS)))
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(targets)))
     missing = set_peft_model_state_dict(model, {k: v.double() for k, v in adapters.items()}).unexpected_keys
     assert not missing, missing
     return model
 
 
-def _reference(path, adapters: dict):
+def _reference(path, adapters: dict, targets=TARGETS):
     """float64 log-probs of the rows and the adapters' gradients of the mean response NLL."""
-    model = _peft_model(path, adapters)
+    model = _peft_model(path, adapters, targets)
     logps, nll, tokens = [], 0.0, 0
     for p, r in SEQ_ROWS:
         logp = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0], -1)
@@ -189,9 +192,14 @@ def _reference(path, adapters: dict):
     return out, grads, model
 
 
-def _close(got: dict, want: dict, atol: float) -> float:
+def _close(got: dict, want: dict) -> float:
+    """The largest absolute difference between two dicts of tensors with the same keys."""
     assert set(got) == set(want), set(got) ^ set(want)
     return max((got[k].double() - want[k].double()).abs().max().item() for k in got)
+
+
+def _largest(tensors: dict) -> float:
+    return max(v.abs().max().item() for v in tensors.values())
 
 
 @pytest.fixture(scope="module")
@@ -205,30 +213,30 @@ def test_lora_log_probs_and_gradients_equal_hf_peft(results, moe_reference, layo
     want_logp, want_grads, _ = moe_reference
     got = results[0][layout]
     assert (got["log_probs"].double() - want_logp).abs().max() < 1e-5
-    assert len(want_grads) == 2 * 2 * (4 + 4 * 3)  # 2 layers x (q, k, v, o + 4 experts x 3) x (A, B)
+    assert len(want_grads) == 2 * (2 * (4 + 4 * 3) + 1)  # (A, B) x (2 layers x (q, k, v, o + 4 experts x 3) + lm_head)
     assert max(v.abs().max() for v in want_grads.values()) > 0.05
-    assert _close(got["grads"], want_grads, 1e-5) < 1e-5
+    assert _close(got["grads"], want_grads) < 2e-5 * _largest(want_grads)
     assert got["base_unchanged"]
-    assert _close(got["stepped"], results[0]["adapters"], 0) > 1e-3  # the adapters did move
+    assert _close(got["stepped"], results[0]["adapters"]) > 1e-3  # the adapters did move
 
 
 def test_dense_lora_under_tp2_equals_hf_peft(results, paths):
     want_logp, want_grads, _ = _reference(paths["dense"], results[0]["dense_adapters"])
     got = results[0]["dense_tp2"]
     assert (got["log_probs"].double() - want_logp).abs().max() < 1e-5
-    assert _close(got["grads"], want_grads, 1e-5) < 1e-5
+    assert _close(got["grads"], want_grads) < 2e-5 * _largest(want_grads)
 
 
 def test_the_distributed_optimizer_holds_only_adapters(results):
     # the same Adam step as TP=2's plain optimizer from the same adapters and gradients
-    assert _close(results[0]["ep2/distributed_step"], results[0]["tp2"]["stepped"], 1e-6) < 1e-6
+    assert _close(results[0]["ep2/distributed_step"], results[0]["tp2"]["stepped"]) < 1e-6
     opt = results[0]["ep2/optimizer"]
     assert opt["trainable"] and all(".lora.parts." in n for n in opt["trainable"])
     assert opt["optimizer_is_adapters"]
     # rank 0 of EP=2 holds 2 of the 4 experts: 2 layers x (q,k,v,o + 2 experts x 3 MLP linears)
     per_adapter = {"q": 64 * 4 + 64 * 4, "k": 64 * 4 + 32 * 4, "v": 64 * 4 + 32 * 4, "o": 64 * 4 + 64 * 4}
     experts = 2 * 3 * (64 * 4 + 64 * 4)
-    assert opt["adapter_numel"] == 2 * (sum(per_adapter.values()) + experts)
+    assert opt["adapter_numel"] == 2 * (sum(per_adapter.values()) + experts) + (64 * 4 + 64 * 4)  # + lm_head
 
 
 def test_checkpoint_ep2_resumes_into_tp2_with_adapters_only(results, paths):
@@ -266,7 +274,7 @@ def test_merged_export_equals_peft_merge(results, paths):
     merged = _peft_model(paths["moe"], results[0]["tp2/saved"]).merge_and_unload().state_dict()
     got = results[0]["tp2/merged"]
     assert set(got) <= set(merged)
-    assert _close(got, {k: merged[k] for k in got}, 1e-6) < 1e-6
+    assert _close(got, {k: merged[k] for k in got}) < 1e-6
     from safetensors.torch import load_file
 
     base = load_file(f"{paths['moe']}/model.safetensors")

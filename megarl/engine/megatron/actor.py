@@ -159,7 +159,7 @@ class MegatronActor(Worker):
         self.actor.initialize()
         self.actor_offload = OffloadPolicy(self.actor, self.offload_config)
         self.actor_offload.release()
-        if self.with_ref:
+        if self.with_ref and self.engine_spec.lora is None:
             # forward-only: nothing to recompute (Megatron recomputes only in training mode anyway)
             ref_spec = dataclasses.replace(self.engine_spec, optim=None, recompute="none")
             self.ref = MegatronEngine(ref_spec)
@@ -181,10 +181,16 @@ class MegatronActor(Worker):
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch, temperature: float = 1.0) -> Batch | None:
-        if self.ref is None:
+        if not self.with_ref:
             raise RuntimeError(
                 "compute_ref_log_prob: this actor group was built without a reference policy (ref.enabled=false)"
             )
+        if self.ref is None:  # LoRA: the reference is the frozen base, the actor with its adapters off
+            from megarl.engine.megatron.lora import disabled
+
+            with self.actor_offload.forward(release_after=False), disabled(self.actor.bare_chunks()):
+                out = self.actor.compute_log_prob(batch, temperature, with_entropy=False)
+            return None if out is None else Batch({"ref_log_probs": out["log_probs"]})
         with self.ref_offload_policy.forward():
             out = self.ref.compute_log_prob(batch, temperature, with_entropy=False)  # nothing reads it
         return None if out is None else Batch({"ref_log_probs": out["log_probs"]})
@@ -265,7 +271,10 @@ class MegatronActor(Worker):
             self._transport_spec = spec
         with self.actor_offload.forward(), self._faulty_sync():  # the step is over: the actor leaves the device
             return self._transport.sync(
-                self.actor, weight_version, server_urls or spec.server_urls, restarted=server_urls is not None
+                self.actor.sync_source(),
+                weight_version,
+                server_urls or spec.server_urls,
+                restarted=server_urls is not None,
             )
 
     @register(dispatch=Dispatch.RANK_ZERO)
@@ -330,6 +339,16 @@ class MegatronActor(Worker):
         restored (rank 0's view)."""
         with self.actor_offload.update():
             return self.actor.load_checkpoint(path, load_optimizer)
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def export_lora(self, out_dir: str) -> dict:
+        """The policy's LoRA adapters as a PEFT folder at `out_dir` (rank 0 writes), for the base at
+        the engine's model path. Returns rank 0's summary."""
+        from megarl.engine.megatron.lora_io import write_peft_folder
+
+        with self.actor_offload.forward():
+            spec = self.engine_spec
+            return write_peft_folder(self.actor.bare_chunks(), spec.lora, spec.model_path, out_dir, self.rank == 0)
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def device_peak_flops(self, dtype: str) -> float:

@@ -32,11 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megarl.config.validate_lora import SUPPORTED, matches
 from megarl.engine.megatron.shards import _index_tensor
 from megarl.engine.megatron.weights import _is_tp_partitioned, _tp_split, local_to_global_names
-
-ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer except the output head
-UNSUPPORTED = ("lm_head",)  # the log-prob head reads the output weight directly: no hook runs
 
 
 @dataclass(frozen=True)
@@ -49,13 +47,6 @@ class LoraSpec:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
-
-
-def matches(module_name: str, targets) -> bool:
-    """PEFT's rule: a target names a module by its full dotted name or by its last components."""
-    if ALL_LINEAR in targets:
-        return not any(module_name == u or module_name.endswith("." + u) for u in UNSUPPORTED)
-    return any(module_name == t or module_name.endswith("." + t) for t in targets)
 
 
 def _layout(bridge, global_name: str, param: torch.Tensor, dim: int, size: int, rank: int):
@@ -153,6 +144,24 @@ class LoraAdapter(torch.nn.Module):
             h = tpm.reduce_from_tensor_model_parallel_region(h, group=g)
         return F.linear(h, b) * self.scale
 
+    def weight_delta(self) -> torch.Tensor:
+        """scale * B @ A in the local weight's layout, differentiable: for a layer whose weight is
+        read directly (the output layer under the log-prob head), not through its forward. A's
+        gradient is summed over TP (each rank's B rows contribute): here, or with sequence
+        parallel by Megatron's finalize step (A is marked for it)."""
+        from megatron.core.tensor_parallel import mappings as tpm
+
+        assert self.kind == "column"
+        rows = []
+        for part in self.parts:
+            a = part.lora_A
+            if self.tp > 1 and not self.sequence_parallel:
+                a = tpm.copy_to_tensor_model_parallel_region(a, group=self.group)
+            rows.append(part.lora_B @ a)
+        pos = torch.cat([p.pos for p in self.parts])
+        base = rows[0].new_zeros(self.out_local, rows[0].shape[1])
+        return base.index_copy(0, pos, torch.cat(rows)) * self.scale
+
     def delta(self, weight: torch.Tensor) -> torch.Tensor:
         """scale * B @ A in the layout of this rank's shard of `weight` (fp32)."""
         if self.kind == "row":
@@ -214,7 +223,7 @@ def _parts(bridge, global_name, layer, kind, spec: LoraSpec, seed: int) -> list[
     if not targeted:
         return []
     module = targeted[0][0].removesuffix(".weight")
-    if any(module.endswith("." + u) or module == u for u in UNSUPPORTED):
+    if module.rsplit(".", 1)[-1] not in SUPPORTED:  # validation refuses it first (validate_lora.py)
         raise NotImplementedError(f"actor.lora.target_modules: {module} cannot carry an adapter yet")
     if kind == "row" and len(layout) > 1:
         raise NotImplementedError(f"actor.lora: {global_name} is a fused row-parallel layer; not supported yet")

@@ -62,6 +62,9 @@ class PolicyHead:
     def output_processor(self, *, hidden_states, output_layer, output_weight, config, **_) -> HeadInput:
         """GPTModel._postprocess's hook: called on the last pipeline stage instead of the output layer."""
         weight = output_layer.weight if output_weight is None else output_weight
+        lora = getattr(output_layer, "lora", None)  # LoRA on lm_head (lora.py): the head reads W + scale B A
+        if lora is not None and lora.enabled and output_weight is None:
+            weight = weight + lora.weight_delta().to(weight.dtype)
         scale = config.mup_output_mult if config.use_mup else 1.0  # GPTModel._scale_logits
         return HeadInput(output_region(hidden_states, output_layer), weight, output_layer.tp_group, scale)
 
