@@ -60,10 +60,10 @@ def test_planner_counts_adapters_as_peft_does(targets):
         routers = sum(4 * (64 + 4) for n, m in model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "weight"))
         trainable -= routers
     lora = Lora(rank=4, target_modules=targets)
-    (dense, expert), = lora_stage_params(TINY_QWEN3_MOE, ParallelConfig(), lora)
+    ((dense, expert),) = lora_stage_params(TINY_QWEN3_MOE, ParallelConfig(), lora)
     assert dense + expert == trainable
     # under EP=2 a rank holds half the experts' adapters, the rest whole
-    (dense2, expert2), = lora_stage_params(TINY_QWEN3_MOE, ParallelConfig(ep=2), lora)
+    ((dense2, expert2),) = lora_stage_params(TINY_QWEN3_MOE, ParallelConfig(ep=2), lora)
     assert (dense2, expert2) == (dense, expert / 2)
 
 
