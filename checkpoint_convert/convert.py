@@ -204,9 +204,13 @@ def mcore_to_hf(
 
     mcore = os.path.abspath(mcore)
     try:
-        checkpoint.read_metadata(mcore)
+        saved = checkpoint.read_metadata(mcore)
     except checkpoint.CheckpointError as e:
         raise ConvertError(str(e)) from None
+    if saved.get("lora"):  # adapters only: merged onto the base they name
+        from checkpoint_convert.lora_export import lora_to_hf
+
+        return lora_to_hf(mcore, out, saved, hf_config, overwrite)
     config_dir = resolve_hf_config(mcore, hf_config)
     config = hf_files.load_config(config_dir)
     out_dtype = _dtype(dtype or str(getattr(config, "torch_dtype", None) or "float32"))
