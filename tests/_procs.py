@@ -56,6 +56,19 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def run_cli(*args) -> subprocess.CompletedProcess:
+    """`megarl ARGS` to completion (output captured as text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "megarl.cli", *map(str, args)], cwd=ROOT, capture_output=True, text=True
+    )
+
+
+def assert_runs_identical(whole, cut, steps: int) -> None:
+    """`megarl compare-runs` finds the two run dirs' metrics identical over `steps` steps."""
+    out = run_cli("compare-runs", whole, cut)
+    assert out.returncode == 0 and f"identical: {steps} steps" in out.stdout, out.stdout + out.stderr
+
+
 def _start(args: list[str], run_id: str, **kw) -> subprocess.Popen:
     env = {**os.environ, MARKER: run_id, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(

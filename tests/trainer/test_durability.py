@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from tests._procs import ROOT, _assert_nothing_left, _marked, _start, _tree, _wait_for_line
+from tests._procs import ROOT, _assert_nothing_left, _marked, _start, _tree, _wait_for_line, assert_runs_identical
 
 STEPS = 6
 RUN = [
@@ -109,14 +109,7 @@ def test_resumed_run_equals_the_uninterrupted_run_step_for_step(runs):
     assert "resumed from" in runs["resumed_out"] and "resumed from" in runs["again_out"]
     lines = (runs["cut"] / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == list(range(1, STEPS + 1))  # no step twice
-    out = subprocess.run(
-        [sys.executable, "-m", "megarl.cli", "compare-runs", str(runs["whole"]), str(runs["cut"])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"identical: {STEPS} steps" in out.stdout
+    assert_runs_identical(runs["whole"], runs["cut"], STEPS)
     # the comparison is not vacuous: training moved the numbers it compares
     records = [json.loads(x) for x in lines]
     assert len({r["actor/pg_loss"] for r in records}) > 1 and records[0]["bridge/bytes"] > 0

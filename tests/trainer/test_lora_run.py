@@ -7,14 +7,12 @@ uninterrupted run step for step; the end-of-run exports (merged HF folder, PEFT 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 
 import pytest
 import torch
 
-from tests._procs import ROOT, _start
+from tests._procs import _start, assert_runs_identical, run_cli
 from tests.trainer.test_durability import _finish, _tensors
 
 STEPS = 6
@@ -62,13 +60,7 @@ def test_a_resumed_lora_run_equals_the_uninterrupted_one(runs):
     assert "resumed from" in runs["resumed"]
     cut = _records(runs["cut"])
     assert [r["step"] for r in cut] == list(range(1, STEPS + 1))
-    out = subprocess.run(
-        [sys.executable, "-m", "megarl.cli", "compare-runs", str(runs["whole"]), str(runs["cut"])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0 and f"identical: {STEPS} steps" in out.stdout, out.stdout + out.stderr
+    assert_runs_identical(runs["whole"], runs["cut"], STEPS)
     ckpt = json.loads(
         (runs["cut"] / "checkpoints" / f"step_{STEPS // 2:06d}" / "actor" / "megarl_ckpt.json").read_text()
     )
@@ -94,22 +86,7 @@ def test_peft_folder_on_the_base_equals_the_merged_export(runs):
 
 
 def test_megarl_export_of_a_lora_checkpoint_equals_the_end_of_run_export(runs, tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megarl.cli",
-            "export",
-            str(runs["cut"]),
-            "--step",
-            str(STEPS),
-            "--out",
-            str(tmp_path / "hf"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    out = run_cli("export", runs["cut"], "--step", STEPS, "--out", tmp_path / "hf")
     assert out.returncode == 0, out.stdout + out.stderr
     mine, final = _tensors(tmp_path / "hf"), _tensors(runs["cut"] / "hf")
     assert mine.keys() == final.keys()

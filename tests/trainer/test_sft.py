@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._procs import ROOT, _assert_nothing_left, _start, _wait_for_line
+from tests._procs import ROOT, _assert_nothing_left, _start, _wait_for_line, assert_runs_identical
 
 CONFIG = "configs/sft-quickstart.yaml"
 STEPS = 40
@@ -81,13 +81,7 @@ def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one_bit_for_bit(runs
     assert stop_line and f"/{STEPS}; checkpoint" in stop_line[0], runs["stopped_out"][-2000:]
     k = int(stop_line[0].split("after step ")[1].split("/")[0])
     assert 20 <= k < STEPS and f"resumed from {runs['cut']}/checkpoints/step_{k:06d}" in runs["resumed_out"]
-    out = subprocess.run(
-        [sys.executable, "-m", "megarl.cli", "compare-runs", str(runs["whole"]), str(runs["cut"])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0 and f"identical: {STEPS} steps" in out.stdout, out.stdout + out.stderr
+    assert_runs_identical(runs["whole"], runs["cut"], STEPS)
     whole, cut = _tensors(runs["whole"] / "hf"), _tensors(runs["cut"] / "hf")
     assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
     initial = _tensors(runs["whole"] / "init_model")  # the comparison is not vacuous: SFT moved them
