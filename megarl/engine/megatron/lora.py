@@ -212,7 +212,16 @@ def attach(bridge, models: list, spec: LoraSpec, seed: int) -> dict[str, list[st
     for model in models:
         for pname, param in model.named_parameters():
             param.requires_grad_(".lora." in pname)
+        if getattr(model, "embedding", None) is not None:
+            model.embedding.register_forward_hook(_input_requires_grad)
     return attached
+
+
+def _input_requires_grad(module, args, output):
+    """The frozen embedding's output requires grad: a recomputed layer (actor.recompute=full,
+    Megatron's reentrant checkpoint) whose inputs need no gradient would give its adapters none
+    (PEFT's enable_input_require_grads, for the same reason)."""
+    return output.requires_grad_(True)
 
 
 def _parts(bridge, global_name, layer, kind, spec: LoraSpec, seed: int) -> list[LoraPart]:
