@@ -10,6 +10,7 @@ from megarl.config.loader import ConfigError, check_types
 from megarl.config.schema import RunConfig
 from megarl.config.validate_cluster import check_device_type
 from megarl.config.validate_data import check_files
+from megarl.config.validate_lora import check_lora
 from megarl.config.validate_model import check_model_paths, read_model_config
 from megarl.config.validate_offload import check_offload
 from megarl.config.validate_parallel import check_layout, check_nodes, data_parallel_size, resolve_sequence_parallel
@@ -34,6 +35,7 @@ def validate_sft(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_nodes(cfg)
     check_device_type(cfg)
     check_offload(cfg)
+    check_lora(cfg, model_config)
     check_sft(cfg, model_config)
     check_loggers(cfg)
     out = copy.deepcopy(cfg)

@@ -81,3 +81,16 @@ def test_lora_memory_has_no_base_gradients_or_optimizer_state():
     assert b.params > a.params  # the base plus the adapters
     assert b.grads < a.grads / 3 and b.optimizer < a.optimizer / 3
     assert reference_params_bytes(full, TINY) > 0 and reference_params_bytes(lora, TINY) == 0
+
+
+def test_sft_validates_lora_too():
+    from pathlib import Path
+
+    from megarl.config.loader import ConfigError, load_config
+    from megarl.config.validate_sft import validate_sft
+    from tests.config.test_config import TINY
+
+    sft = Path(__file__).resolve().parents[2] / "configs" / "sft-quickstart.yaml"
+    cfg = load_config(sft, ["actor.lora.rank=8", f"{KEY}=[nope]"])
+    with pytest.raises(ConfigError, match="'nope' matches no linear layer"):
+        validate_sft(cfg, TINY)

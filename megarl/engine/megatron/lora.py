@@ -209,6 +209,11 @@ def attach(bridge, models: list, spec: LoraSpec, seed: int) -> dict[str, list[st
             _mark(layer.lora, layer)
             layer.register_forward_hook(_hook)
             attached.update({p.hf_module: [f"{name}.lora.parts.{i}" for i in range(len(parts))] for p in parts})
+    if not attached:  # the optimizer would have nothing to hold on this rank
+        raise ValueError(
+            f"actor.lora.target_modules={list(spec.target_modules)} adapts no layer of this rank's pipeline "
+            "stage; target a module every stage has (e.g. all-linear)"
+        )
     for model in models:
         for pname, param in model.named_parameters():
             param.requires_grad_(".lora." in pname)
