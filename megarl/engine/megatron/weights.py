@@ -39,8 +39,12 @@ def local_to_global_names(model) -> dict[str, str]:
     `...experts.linear_fc1.weight{global_expert_id}` (EP offset) that mbridge maps to HF.
     """
     ps = _mesh()
+    # a vision-language model's pipelined decoder is its language model's (vlm.py); its vision
+    # tower's layers sit whole on the first stage and keep their indices
+    lm = getattr(model, "language_model", model)
+    layers = "language_model.decoder.layers." if lm is not model else "decoder.layers."
     layer_offset = (
-        {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)} if hasattr(model, "decoder") else {}
+        {i: layer.layer_number - 1 for i, layer in enumerate(lm.decoder.layers)} if hasattr(lm, "decoder") else {}
     )
     ep_size, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     names = {}
@@ -48,9 +52,9 @@ def local_to_global_names(model) -> dict[str, str]:
         if "_extra_state" in name:
             continue
         g = name
-        if "decoder.layers." in g:
-            idx = int(g.split("decoder.layers.")[1].split(".")[0])
-            g = g.replace(f"decoder.layers.{idx}.", f"decoder.layers.{layer_offset[idx]}.", 1)
+        if layers in g:
+            idx = int(g.split(layers)[1].split(".")[0])
+            g = g.replace(f"{layers}{idx}.", f"{layers}{layer_offset[idx]}.", 1)
         g = local_expert_to_grouped(g)
         expert = grouped_expert_index(g)
         if expert is not None and ep_size > 1:
