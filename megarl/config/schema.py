@@ -68,6 +68,9 @@ class DataConfig:
     prompt_key: str = "prompt"
     max_prompt_length: int = 32  # tokens after the chat template
     overlong_prompts: Literal["error", "filter"] = "error"  # longer prompts: refused, or dropped and counted
+    # a row's `images` (megarl/data/images.py) that do not decode or that the model cannot take:
+    # refused naming the row, or the row dropped and counted
+    bad_images: Literal["error", "filter"] = "error"
     train_batch_size: int = 16  # prompts per step (rows = this * rollout.n)
     shuffle: bool = True
     seed: int = 0

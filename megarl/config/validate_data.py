@@ -100,12 +100,12 @@ def check_custom_cls(spec: str | None) -> None:
 def check_task(cfg: RunConfig) -> None:
     """data.task: a built-in procedural task or rg:<a reasoning-gym dataset> (used when a file is null)."""
     task = cfg.data.task
-    if task in ("digits", "arith", "arith_tool", "add20"):
+    if task in ("digits", "arith", "arith_tool", "add20", "shapes"):
         return
     _require(
         task.startswith("rg:") and len(task) > 3,
         "data.task",
-        f"data.task={task!r} must be digits, arith, arith_tool, add20 or rg:<reasoning-gym dataset> "
+        f"data.task={task!r} must be digits, arith, arith_tool, add20, shapes or rg:<reasoning-gym dataset> "
         "(e.g. rg:basic_arithmetic)",
     )
     if cfg.data.train_files is None or (cfg.data.val_files is None and cfg.data.num_val > 0):

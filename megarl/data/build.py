@@ -19,13 +19,15 @@ def as_paths(files: str | list[str] | None) -> list[str]:
     return [] if files is None else [files] if isinstance(files, str) else list(files)
 
 
-def build_datasets(data_cfg, tokenizer, work_dir: str | Path):
+def build_datasets(data_cfg, tokenizer, work_dir: str | Path, image_limits=None):
     """Train and val datasets from a DataConfig; procedural tasks are written under work_dir.
 
     train: an RLDataset (one file, several files' rows together, or `task` generated), or with
     data.train_weights a MixedDataset (mix.py) of one RLDataset per file. val: one RLDataset of
     every val file's rows, generated (seed + 1) when val_files is null and num_val > 0, else None.
     With data.custom_cls its class makes each file's rows, and the rows of a split without files.
+    `image_limits` (data/images.py ImageLimits): what a vision-language model's images must meet;
+    None for a model without a vision tower, whose datasets then refuse rows with images.
     """
     custom = load_class(data_cfg.custom_cls) if data_cfg.custom_cls is not None else None
     args = (tokenizer, data_cfg.max_prompt_length, data_cfg.prompt_key, data_cfg.overlong_prompts)
@@ -35,7 +37,7 @@ def build_datasets(data_cfg, tokenizer, work_dir: str | Path):
             return custom_dataset(
                 custom, data_cfg.custom_cls, None if path is None else str(path), tokenizer, data_cfg, split
             )
-        return RLDataset.from_file(path, *args)
+        return RLDataset.from_file(path, *args, images=image_limits, bad_images=data_cfg.bad_images)
 
     work = Path(work_dir)
     stem = data_cfg.task.replace(":", "_")  # rg:countdown -> rg_countdown_train.parquet

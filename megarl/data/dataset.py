@@ -28,6 +28,7 @@ import numpy as np
 
 from megarl.data.batch import Batch
 from megarl.data.errors import DatasetError  # noqa: F401  (raised here, and importable from here)
+from megarl.data.images import ImageLimits, check_images
 
 REWARD_STYLES = ("rule", "model")
 OVERLONG = ("error", "filter")
@@ -94,6 +95,27 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> dict:
     return {**row, prompt_key: [dict(m) for m in messages], "extra_info": extra}
 
 
+def _images_ok(row: dict, where: str, limits: ImageLimits | None, bad: str, prompt_key: str) -> bool:
+    """Whether the row's images (if any) are ones the model takes; a bad one raises DatasetError
+    (bad == "error") or drops the row (logged, counted). A model without a vision tower (limits
+    None) takes none: its rows would train on the text alone, silently."""
+    if row.get("images") is None or len(row["images"]) == 0:
+        return True
+    if limits is None:
+        raise DatasetError(
+            f"{where}: the row has images, but the model takes no images (it has no vision tower); "
+            "use a vision-language model or rows without images"
+        )
+    try:
+        check_images(row, where, limits, prompt_key)
+    except DatasetError as exc:
+        if bad == "error":
+            raise
+        log.warning("dropped a row whose images the model cannot take (data.bad_images=filter): %s", exc)
+        return False
+    return True
+
+
 def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of the chat-templated prompt, ending with the assistant turn marker."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -113,16 +135,22 @@ class RLDataset:
         prompt_key: str = "prompt",
         source: str = "<rows>",
         overlong: str = "error",
+        images: ImageLimits | None = None,
+        bad_images: str = "error",
     ):
-        if overlong not in OVERLONG:
-            raise DatasetError(f"overlong={overlong!r} must be one of {OVERLONG}")
+        if overlong not in OVERLONG or bad_images not in OVERLONG:
+            raise DatasetError(f"overlong={overlong!r} and bad_images={bad_images!r} must be one of {OVERLONG}")
         self.source = source
         self.prompt_key = prompt_key
         self.rows: list[dict] = []
         filtered: list[str] = []  # "row i (n tokens)" of the prompts dropped for their length
+        self.num_bad_images = 0
         for index, raw in enumerate(rows):
             where = f"{source} row {index}"
             row = validate_row(raw, where, prompt_key)
+            if not _images_ok(row, where, images, bad_images, prompt_key):
+                self.num_bad_images += 1
+                continue
             ids = tokenize_prompt(tokenizer, row[prompt_key])
             if len(ids) > max_prompt_length:
                 if overlong == "error":
@@ -155,9 +183,16 @@ class RLDataset:
 
     @classmethod
     def from_file(
-        cls, path: str | Path, tokenizer, max_prompt_length: int, prompt_key: str = "prompt", overlong: str = "error"
+        cls,
+        path: str | Path,
+        tokenizer,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        overlong: str = "error",
+        **images,
     ) -> RLDataset:
-        return cls(read_rows(path), tokenizer, max_prompt_length, prompt_key, Path(path).name, overlong)
+        """`images`: RLDataset's `images` and `bad_images`."""
+        return cls(read_rows(path), tokenizer, max_prompt_length, prompt_key, Path(path).name, overlong, **images)
 
     @classmethod
     def concat(cls, parts: list[RLDataset]) -> RLDataset:

@@ -22,6 +22,8 @@ configs/agent-arith-tool.yaml); scored as arith, plus 0.1 for a wrong integer (d
 "megarl/arith_tool"). Its transcripts solved with one python call (make_arith_tool_chats, the chat
 task of the same name: sft.task) are the agent's SFT cold start.
 
+`shapes`: "<image>colour?" about a generated image, for vision-language models (visual_task.py).
+
 `rg:<name>`: any reasoning-gym dataset (rg:basic_arithmetic, rg:chain_sum, rg:countdown, ...),
 generated with its default configuration; its rows and its scorer (data_source
 "reasoning_gym/<name>") are megarl.data.reasoning_gym_task.
@@ -36,6 +38,7 @@ from pathlib import Path
 
 from megarl.data.reasoning_gym_task import TASK_PREFIX as REASONING_GYM_PREFIX
 from megarl.data.reasoning_gym_task import make_reasoning_gym_rows
+from megarl.data.visual_task import make_shapes_rows
 
 DIGITS_DATA_SOURCE = "megarl/digits"
 DIGITS_LENGTH = 3
@@ -181,6 +184,7 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "arith": make_arith_rows,
     "arith_tool": make_arith_tool_rows,
     "add20": make_add20_rows,
+    "shapes": make_shapes_rows,  # rows with images (visual_task.py)
 }
 CHAT_TASKS: dict[str, Callable[..., list[dict]]] = {"arith_tool": make_arith_tool_chats}  # sft.task
 SPLIT_TASKS = {"add20"}  # finite question spaces: their validation questions are held out of training

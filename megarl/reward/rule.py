@@ -115,6 +115,14 @@ def digits_score(solution_str: str, ground_truth: str, extra_info: dict) -> floa
     return hits / len(ground_truth)
 
 
+@register_scorer("megarl/shapes")
+def shapes_score(solution_str: str, ground_truth: str, extra_info: dict) -> float:
+    """1 when the response, leading spaces stripped, starts with the colour's letter, else 0."""
+    if not ground_truth:
+        raise RewardError("megarl/shapes row has an empty ground_truth")
+    return float(solution_str.lstrip().startswith(ground_truth))
+
+
 _INTEGER = re.compile(r"-?\d[\d,]*")
 
 

@@ -84,7 +84,7 @@ def test_config_accepts_the_tasks_and_names_a_bad_one():
 
     for task in [*TASKS, "rg:basic_arithmetic", "rg:countdown"]:
         validate(load_config(None, [f"data.task={task}"]))
-    with pytest.raises(ConfigError, match=r"data\.task='nope' must be digits, arith, arith_tool, add20 or rg:"):
+    with pytest.raises(ConfigError, match=r"data\.task='nope' must be digits, arith, arith_tool, add20, shapes or rg:"):
         validate(load_config(None, ["data.task=nope"]))
     with pytest.raises(ConfigError, match=r"data\.task='rg:nope': reasoning-gym has no dataset 'nope'"):
         validate(load_config(None, ["data.task=rg:nope"]))
@@ -92,7 +92,8 @@ def test_config_accepts_the_tasks_and_names_a_bad_one():
 
 def test_unknown_task_is_named():
     with pytest.raises(
-        ValueError, match=r"unknown procedural task 'nope'; known tasks: \['add20', 'arith', 'arith_tool', 'digits'\]"
+        ValueError,
+        match=r"unknown procedural task 'nope'; known tasks: \['add20', 'arith', 'arith_tool', 'digits', 'shapes'\]",
     ):
         generate_task("nope", 3)
 

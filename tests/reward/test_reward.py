@@ -269,6 +269,7 @@ def contract_cases() -> dict:
     """data_source -> (a right response, ground truth, extra_info), from megarl's own task rows
     where it has them, else a math answer."""
     from megarl.data.tasks import make_arith_rows, make_arith_tool_rows, make_digits_rows, make_reasoning_gym_rows
+    from megarl.data.visual_task import make_shapes_rows
 
     cases = {}
     for row in (
@@ -276,6 +277,7 @@ def contract_cases() -> dict:
         + make_arith_rows(1, seed=3)
         + make_arith_tool_rows(1, seed=3)
         + make_reasoning_gym_rows("basic_arithmetic", 1, seed=3)
+        + make_shapes_rows(1, seed=3)
     ):
         truth = row["reward_model"]["ground_truth"]
         right = f"<answer>{truth}</answer>" if row["data_source"].startswith("reasoning_gym/") else truth
