@@ -15,6 +15,7 @@ from megarl.bridge.transport import WeightTransport
 def make_transport(spec: BridgeSpec, rank: int = 0, world_size: int = 1, address: str = "127.0.0.1") -> WeightTransport:
     # imported here: `import megarl.bridge` (for BridgeSpec) stays as light as it was, and a
     # process loads only the transport it uses
+    from megarl.bridge.adapter import AdapterTransport
     from megarl.bridge.disk import DiskTransport
     from megarl.bridge.distributed import DistributedTransport
     from megarl.bridge.reshard import ReshardTransport
@@ -25,5 +26,6 @@ def make_transport(spec: BridgeSpec, rank: int = 0, world_size: int = 1, address
         "disk": DiskTransport,
         "distributed": DistributedTransport,
         "reshard": ReshardTransport,
+        "adapter": AdapterTransport,
     }
     return kinds[spec.transport](spec, rank, world_size, address)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-TRANSPORTS = ("tensor", "disk", "distributed", "reshard")
+TRANSPORTS = ("tensor", "disk", "distributed", "reshard", "adapter")
 
 
 @dataclass(frozen=True)

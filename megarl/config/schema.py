@@ -334,8 +334,9 @@ class RolloutConfig:
 class BridgeConfig:
     # tensor: colocated shared-memory / CUDA-IPC handles; disk: safetensors files; distributed:
     # SGLang's update groups (every PP stage / expert owner broadcasts full tensors); reshard: each
-    # rollout rank receives exactly its shard, point to point (embedded engine only)
-    transport: Literal["tensor", "disk", "distributed", "reshard"] = "tensor"
+    # rollout rank receives exactly its shard, point to point (embedded engine only); adapter: with
+    # actor.lora, the adapters themselves, loaded by the engines as a LoRA adapter (docs/lora.md)
+    transport: Literal["tensor", "disk", "distributed", "reshard", "adapter"] = "tensor"
     bucket_size_mb: float = 64.0
     check_parity: bool = True  # compare server and trainer log-probs after a sync
     parity_atol: float = 1e-3  # max |logprob difference| the parity check accepts

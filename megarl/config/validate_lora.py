@@ -54,8 +54,19 @@ def _require(ok: bool, key: str, message: str) -> None:
 def check_lora(cfg: RunConfig, model_config: dict | None) -> None:
     lora, key = cfg.actor.lora, "actor.lora"
     _require(lora.rank >= 0, f"{key}.rank", f"{key}.rank={lora.rank} must be >= 0 (0: LoRA off)")
+    _require(
+        cfg.bridge.transport != "adapter" or lora.rank > 0,
+        "bridge.transport",
+        "bridge.transport=adapter sends LoRA adapters, and actor.lora is off; set actor.lora.rank or another transport",
+    )
     if lora.rank == 0:
         return
+    _require(
+        cfg.bridge.transport != "adapter" or cfg.trainer.mode != "fully_async",
+        "bridge.transport",
+        "bridge.transport=adapter with trainer.mode=fully_async is not supported yet (requests in flight would "
+        "name an adapter being replaced); use trainer.mode=sync or one_step_off, or bridge.transport=tensor",
+    )
     _require(lora.alpha > 0, f"{key}.alpha", f"{key}.alpha={lora.alpha} must be > 0 (the scale is alpha / rank)")
     _require(0 <= lora.dropout < 1, f"{key}.dropout", f"{key}.dropout={lora.dropout} must be in [0, 1)")
     _require(bool(lora.target_modules), f"{key}.target_modules", f"{key}.target_modules is empty; name the modules")

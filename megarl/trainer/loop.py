@@ -229,11 +229,16 @@ class Trainer:
 
         self.rt.fleet.finish_recovery(only_ready=True)  # engines restarted meanwhile rejoin first
         try:
-            return self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version)) or {}
+            stats = self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version)) or {}
         except WorkerError:
             if not self.rt.fleet.recover(wait=True):
                 raise  # every engine is alive: the failure is not a dead engine's
-            return self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version)) or {}
+            stats = self.rt.actor.sync_weights(self._bridge_spec(), str(self.weight_version)) or {}
+        if self.cfg.bridge.transport == "adapter":  # the engines hold the policy as a LoRA adapter now
+            from megarl.bridge.adapter import ADAPTER_NAME
+
+            self.rt.rollout.use_lora_adapter(ADAPTER_NAME)
+        return stats
 
     def _resync(self, urls: list[str]) -> None:
         """A restarted engine gets the actor's weights, labelled with their version, before it

@@ -204,6 +204,7 @@ def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[li
                 colocated=cfg.cluster.placement == "colocated",
                 mem_fraction_static=r.mem_fraction_static,
                 routed_experts=cfg.actor.moe.routing_replay,
+                **_lora_launch(cfg),
                 log_path=str(
                     run_dir / (f"rollout_server_{e}.log" if r.nnodes == 1 else f"rollout_server_{e}_node{k}.log")
                 ),
@@ -216,6 +217,18 @@ def engine_node_specs(cfg: RunConfig, model_path: str, run_dir: Path) -> list[li
         ]
         for e in range(r.num_servers)
     ]
+
+
+def _lora_launch(cfg: RunConfig) -> dict:
+    """The engines' LoRA launch options: with bridge.transport=adapter they load the policy's
+    adapter at run time (SGLang needs its rank and target modules up front)."""
+    lora = cfg.actor.lora
+    if cfg.bridge.transport != "adapter":
+        return {}
+    targets = (
+        ("all",) if "all-linear" in lora.target_modules else tuple(t.rsplit(".", 1)[-1] for t in lora.target_modules)
+    )
+    return {"lora_rank": lora.rank, "lora_target_modules": targets}
 
 
 def build_fleet(cfg: RunConfig, plan, pools: dict, model_path: str, run_dir: Path):

@@ -20,6 +20,9 @@ LORA_CONFIGS = [
     (["actor.lora.rank=-1"], "actor.lora.rank", "must be >= 0"),
     (["actor.lora.rank=8", "actor.lora.dropout=1.0"], "actor.lora.dropout", "must be in [0, 1)"),
     (["actor.lora.rank=8", "bridge.transport=reshard"], "bridge.transport", "use tensor, distributed or disk"),
+    (["bridge.transport=adapter"], "bridge.transport", "actor.lora is off"),
+    (["actor.lora.rank=8", "bridge.transport=adapter", "trainer.mode=fully_async"], "bridge.transport", "fully_async"),
+    (["actor.lora.rank=8", "bridge.transport=adapter"], None, None),
     (["actor.lora.rank=8", "actor.parallel.etp=2", "actor.parallel.ep=1"], "actor.parallel.etp", "etp=1"),
     # allowed: PEFT's dotted suffixes, all-linear and the untied head; experts left out under etp=2
     (["actor.lora.rank=8", "actor.lora.target_modules=[self_attn.q_proj,all-linear,lm_head]"], None, None),

@@ -1,5 +1,6 @@
 """LoRA through the trainer (configs/quickstart-lora.yaml, shortened): every sync sends only the
-adapted tensors, merged, and the engines' log-probs still equal the trainer's; a run stopped at a
+adapted tensors, merged, and the engines' log-probs still equal the trainer's; sending the adapters
+themselves (bridge.transport=adapter) gives the same run; a run stopped at a
 checkpoint (adapters and their optimizer state, the base named) and resumed equals the
 uninterrupted run step for step; the end-of-run exports (merged HF folder, PEFT folder) and
 `megarl export` of the checkpoint agree."""
@@ -36,7 +37,14 @@ def runs(tmp_path_factory):
     cut = [*RUN, f"trainer.output_dir={root}/cut", f"trainer.save_every={STEPS // 2}"]
     _finish(_start(["train", *cut, f"trainer.total_steps={STEPS // 2}"], uuid.uuid4().hex))
     resumed = _finish(_start(["train", *cut, f"trainer.total_steps={STEPS}"], uuid.uuid4().hex))
-    return {"whole": root / "whole" / "quickstart-lora", "cut": root / "cut" / "quickstart-lora", "resumed": resumed}
+    adapter = [*RUN, f"trainer.total_steps={STEPS}", f"trainer.output_dir={root}/adapter", "bridge.transport=adapter"]
+    _finish(_start(["train", *adapter, "trainer.export_hf=false"], uuid.uuid4().hex))
+    return {
+        "whole": root / "whole" / "quickstart-lora",
+        "cut": root / "cut" / "quickstart-lora",
+        "adapter": root / "adapter" / "quickstart-lora",
+        "resumed": resumed,
+    }
 
 
 def _records(run_dir) -> list[dict]:
@@ -54,6 +62,19 @@ def test_syncs_send_only_the_adapted_tensors_and_parity_holds(runs):
         assert r["bridge/bytes"] == sum(v.numel() * v.element_size() for v in adapted.values())
         assert r["rollout/logprob_diff_max"] <= 1e-4
     assert len({r["actor/pg_loss"] for r in records}) > 1
+
+
+def test_syncing_the_adapters_themselves_equals_syncing_merged_weights(runs):
+    """bridge.transport=adapter: the engine loads the adapters (/load_lora_adapter_from_tensors) and
+    merges them with the trainer's arithmetic, so the run is the merged-weight run step for step,
+    while each sync moves the adapters' bytes only."""
+    merged, adapter = _records(runs["whole"]), _records(runs["adapter"])
+    peft = _tensors(runs["whole"] / "lora")  # the adapters' tensors (their values differ by step, not their sizes)
+    for m, a in zip(merged, adapter, strict=True):
+        assert (a["reward/mean"], a["actor/pg_loss"]) == (m["reward/mean"], m["actor/pg_loss"]), a["step"]
+        assert a["rollout/logprob_diff_max"] <= 1e-4
+        assert a["bridge/tensors"] == len(peft)
+        assert a["bridge/bytes"] == sum(v.numel() * v.element_size() for v in peft.values()) < m["bridge/bytes"]
 
 
 def test_a_resumed_lora_run_equals_the_uninterrupted_one(runs):

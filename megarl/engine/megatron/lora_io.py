@@ -186,6 +186,14 @@ class AdaptedWeights:
     def sends_owned_weights(self) -> bool:
         return _sends_owned(self.engine.bare_chunks(), self._named())
 
+    def export_adapter(self) -> tuple[dict, dict]:
+        """(adapter_config.json, every adapter tensor full and PEFT-named) on every rank: what the
+        adapter transport sends. A collective."""
+        models, spec = self.engine.bare_chunks(), self.engine.spec
+        state = adapter_state(models)
+        modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in state})
+        return adapter_config(spec.lora, spec.model_path, modules), state
+
     def local_pieces(self):
         raise NotImplementedError(
             "bridge.transport=reshard does not send LoRA-merged weights yet; use tensor, distributed or disk"

@@ -13,15 +13,14 @@ has two ways of getting there, chosen by the constructor flag `batched`:
   behind sglang-router: the router balances individual requests over its workers, but dispatches a
   batched request to a single worker.
 
-Connection errors, timeouts and 5xx answers are retried with exponential backoff, per HTTP request
-(so a batched request is retried whole); after `max_retries` retries the call raises
-`RolloutRequestError` naming the URL, the prompts and the sampling params. A 4xx is the caller's
+Connection errors, timeouts and 5xx answers are retried with exponential backoff, per HTTP request (a
+batched request is retried whole); after `max_retries` retries the call raises `RolloutRequestError`
+naming the URL, the prompts and the sampling params. A 4xx is the caller's
 mistake and raises at once with the server's message. An answer with the wrong number of outputs
 raises too. No request is ever dropped silently.
 
-The public methods are synchronous (the controller is plain Python); they run on a private event
-loop thread, so they also work when called from inside another event loop. `agenerate` is the
-awaitable form for async callers (the agent loop).
+The public methods are synchronous (the controller is plain Python); they run on a private event loop
+thread, so they also work inside another event loop. `agenerate` is the awaitable form (the agent loop).
 
 `api_key` (default: the MEGARL_ROLLOUT_API_KEY environment variable, the one the embedded server
 reads, so a run sets it once for every process) is sent as `Authorization: Bearer KEY` on every
@@ -93,7 +92,7 @@ class RolloutClient(WeightCalls):
     ):
         if max_batch_prompts is not None and max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts={max_batch_prompts} must be >= 1 (or None: never split)")
-        self.base_url = base_url.rstrip("/")
+        self.base_url, self.lora_path = base_url.rstrip("/"), None  # lora_path: the adapter requests name
         self.batched, self.max_batch_prompts = batched, max_batch_prompts
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self._timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
@@ -179,6 +178,9 @@ class RolloutClient(WeightCalls):
         return body
 
     # ---- generation ---------------------------------------------------------------------------
+    def _adapter(self) -> dict:  # SGLang's lora_path, once bridge.transport=adapter loaded one
+        return {} if self.lora_path is None else {"lora_path": self.lora_path}
+
     def generate(
         self,
         input_ids: list[list[int]],
@@ -234,7 +236,7 @@ class RolloutClient(WeightCalls):
         return [out for outputs in per_prompt for out in outputs]
 
     async def _generate_one(self, index, ids, params, fields, rid) -> list[GenerateOutput]:
-        payload = {"input_ids": ids, "sampling_params": params, **fields}
+        payload = {"input_ids": ids, "sampling_params": params, **fields, **self._adapter()}
         if rid is not None:
             payload["rid"] = rid
         what = f"prompt {index} ({len(ids)} tokens, rid={rid}, sampling_params={params})"
@@ -277,7 +279,7 @@ class RolloutClient(WeightCalls):
 
     async def _generate_chunk(self, prompts, params, n, fields, rids, what) -> list[GenerateOutput]:
         """One batched /generate; its retries resend the whole chunk."""
-        payload = {"input_ids": prompts, "sampling_params": params, **fields}
+        payload = {"input_ids": prompts, "sampling_params": params, **fields, **self._adapter()}
         if rids is not None:
             payload["rid"] = rids
         body = await self._json("POST", "/generate", payload, what)
@@ -321,6 +323,7 @@ class RolloutClient(WeightCalls):
             "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
             "logprob_start_len": list(starts),
             **_fields(True, return_routed_experts),
+            **self._adapter(),
         }
         body = await self._json("POST", "/generate", payload, f"scoring {len(sequences)} sequences")
         items = body if isinstance(body, list) else [body]
@@ -393,12 +396,6 @@ class RolloutClient(WeightCalls):
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         self._run(self._json("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}))
-
-    def pause_generation(self, mode: str = "abort") -> dict:
-        return self._run(self._json("POST", "/pause_generation", {"mode": mode}))
-
-    def continue_generation(self) -> dict:
-        return self._run(self._json("POST", "/continue_generation", {}))
 
 
 async def _gather_or_cancel(coros: list) -> list:

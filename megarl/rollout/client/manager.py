@@ -88,6 +88,7 @@ class RolloutManager:
         self.batched, self.max_rounds, self.agent = batched, max_rounds, agent
         self._clients: dict[tuple[str, bool], RolloutClient] = {}
         self.last_stats: dict[str, float] = {}
+        self.lora_path: str | None = None  # the LoRA adapter every request names (use_lora_adapter)
 
     @property
     def clients(self) -> list[RolloutClient]:
@@ -236,7 +237,17 @@ class RolloutManager:
         key = (url, batched)
         if key not in self._clients:
             self._clients[key] = RolloutClient(url, batched=batched, **self._client_options)
+        self._clients[key].lora_path = self.lora_path
         return self._clients[key]
+
+    def use_lora_adapter(self, name: str | None) -> None:
+        """From now on every request names LoRA adapter `name` (SGLang's lora_path; None: the base),
+        the clients made later too."""
+        self.lora_path = name
+        for client in self._clients.values():
+            client.lora_path = name
+        if self.fleet is not None:  # its clients score the parity probe's rows
+            self.fleet.use_lora_adapter(name)
 
     def _client_retries(self) -> int:
         return sum(c.retries for c in self._clients.values())

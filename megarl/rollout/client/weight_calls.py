@@ -1,6 +1,7 @@
-"""RolloutClient's weight-update and memory calls, SGLang's endpoints one method each: tensor
-payloads, disk, update groups (distributed broadcast and megarl's reshard), the commit and abort
-of staged updates, and releasing / resuming the engine's memory.
+"""RolloutClient's weight-update and memory calls, SGLang's endpoints one method each: pausing and
+continuing generation around an update, tensor payloads, disk, update groups (distributed broadcast
+and megarl's reshard), the commit and abort of staged updates, LoRA adapters, and releasing /
+resuming the engine's memory.
 
 A mixin: the transport (`_run`, `_control`, `_json`, retries) is RolloutClient's (client.py).
 """
@@ -19,6 +20,13 @@ class WeightCalls:
     # _control(path, payload, retry) posts and checks {"success", "message"}.
     _run: Callable[..., Any]
     _control: Callable[..., Awaitable[dict]]
+    _json: Callable[..., Awaitable[Any]]
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self._run(self._json("POST", "/pause_generation", {"mode": mode}))
+
+    def continue_generation(self) -> dict:
+        return self._run(self._json("POST", "/continue_generation", {}))
 
     def update_weights_from_tensor(
         self,
@@ -47,6 +55,28 @@ class WeightCalls:
                 },
             )
         )
+
+    def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict,
+        serialized_named_tensors: list[str] | str,
+        *,
+        load_format: str | None = None,
+    ) -> dict:
+        """A PEFT adapter (its adapter_config.json and one weights_codec payload of its PEFT-named
+        tensors per TP rank) loaded as `lora_name`; requests select it with lora_path."""
+        payloads = [serialized_named_tensors] if isinstance(serialized_named_tensors, str) else serialized_named_tensors
+        body = {"lora_name": lora_name, "config_dict": config_dict, "serialized_named_tensors": payloads}
+        return self._run(self._control("/load_lora_adapter_from_tensors", {**body, "load_format": load_format}))
+
+    def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
+        """Label the weights the server holds (SGLang aborts in-flight requests by default; not here)."""
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        return self._run(self._control("/update_weight_version", body))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return self._run(self._control("/unload_lora_adapter", {"lora_name": lora_name}))
 
     def update_weights_from_disk(
         self,

@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from megarl.rollout.engine.lora import EngineLora
 from megarl.rollout.engine.protocol import GenerationRequest, InvalidRequest, WeightsUnavailable
 from megarl.rollout.engine.rows import Row as _Row
 from megarl.rollout.engine.rows import finished_result
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "in_place", "retract")
 
 
-class GenerationEngine(EngineWeights, Scheduler):
+class GenerationEngine(EngineWeights, EngineLora, Scheduler):
     def __init__(
         self,
         model_path: str,

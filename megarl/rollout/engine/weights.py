@@ -167,3 +167,21 @@ class EngineWeights:
     def _canonical_names(self, names) -> set[str]:
         by_identity = {id(p): n for n, p in self.model.named_parameters()}
         return {by_identity[id(self._tensors_by_name[n])] for n in names if id(self._tensors_by_name[n]) in by_identity}
+
+
+def read_checkpoint_tensors(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """`names` from the safetensors files of the checkpoint at `model_path` (KeyError naming the
+    first one that none of them holds)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    wanted, found = set(names), {}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in wanted.intersection(f.keys()):
+                found[name] = f.get_tensor(name)
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise KeyError(f"{missing[0]} is in none of the safetensors files of {model_path}")
+    return found

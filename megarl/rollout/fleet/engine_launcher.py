@@ -45,6 +45,10 @@ class EngineNodeSpec:
     colocated: bool = False  # SGLang: --enable-memory-saver so it can release memory
     mem_fraction_static: float | None = None  # SGLang: --mem-fraction-static (None: its default)
     routed_experts: bool = False  # SGLang: --enable-return-routed-experts (actor.moe.routing_replay)
+    # SGLang: --enable-lora --max-lora-rank --lora-target-modules (bridge.transport=adapter): the
+    # adapter's rank and the HF module names it adapts (("all",): every module SGLang supports)
+    lora_rank: int = 0
+    lora_target_modules: tuple[str, ...] = ()
     log_path: str = "rollout_server.log"
     startup_timeout_s: float = 300.0
     env: dict = field(default_factory=dict)

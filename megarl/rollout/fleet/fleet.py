@@ -80,6 +80,7 @@ class RolloutFleet:
         self._clients: dict[tuple, RolloutClient] = {}  # (url, options): kept_client
         self._recovery = threading.RLock()  # recover / finish_recovery, from any thread
         self._clients_lock = threading.Lock()  # kept_client from the loop, _detach from a recovery
+        self.lora_path: str | None = None  # the LoRA adapter its clients' requests name
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> RolloutFleet:
@@ -200,9 +201,18 @@ class RolloutFleet:
             return self._clients[key]
 
     def client(self, url: str, **kwargs) -> RolloutClient:
-        return RolloutClient(
+        client = RolloutClient(
             url, api_key=self.api_key, timeout_s=kwargs.pop("timeout_s", self.request_timeout_s), **kwargs
         )
+        client.lora_path = self.lora_path
+        return client
+
+    def use_lora_adapter(self, name: str | None) -> None:
+        """Requests through this fleet's clients name LoRA adapter `name` (RolloutManager's)."""
+        self.lora_path = name
+        with self._clients_lock:
+            for client in self._clients.values():
+                client.lora_path = name
 
     def abort_all_requests(self) -> None:
         """Best effort: every engine aborts what it queues and runs, so its callers get answers at

@@ -61,6 +61,8 @@ class SGLangServerSpec:
     mem_fraction_static: float | None = None
     enable_memory_saver: bool = False  # colocated: weights and KV cache can be released and resumed
     enable_return_routed_experts: bool = False  # MoE routing replay: meta_info.routed_experts on request
+    max_lora_rank: int = 0  # > 0: --enable-lora, adapters up to this rank loaded at run time
+    lora_target_modules: tuple[str, ...] = ()
     base_gpu_id: int = 0
     dtype: str = "auto"
     random_seed: int | None = None
@@ -101,6 +103,9 @@ _FIELD_OF_FLAG = {
     "--trust-remote-code": "trust_remote_code",
     "--skip-server-warmup": "skip_server_warmup",
     "--log-level": "log_level",
+    "--enable-lora": "max_lora_rank",
+    "--max-lora-rank": "max_lora_rank",
+    "--lora-target-modules": "lora_target_modules",
 }
 
 
@@ -218,6 +223,9 @@ def server_argv(spec: SGLangServerSpec, python: str | None = None) -> list[str]:
         argv.append("--enable-memory-saver")
     if spec.enable_return_routed_experts:
         argv.append("--enable-return-routed-experts")
+    if spec.max_lora_rank:
+        argv += ["--enable-lora", "--max-lora-rank", str(spec.max_lora_rank), "--lora-target-modules"]
+        argv += list(spec.lora_target_modules)
     argv += ["--base-gpu-id", str(spec.base_gpu_id), "--dtype", spec.dtype]
     if spec.random_seed is not None:
         argv += ["--random-seed", str(spec.random_seed)]

@@ -47,6 +47,8 @@ class SGLangServerProcess(RolloutServerProcess):
             api_key_config=self._key_file,
             mem_fraction_static=n.mem_fraction_static,
             enable_return_routed_experts=n.routed_experts,
+            max_lora_rank=n.lora_rank,
+            lora_target_modules=n.lora_target_modules,
         )
         return server_argv(spec)
 

@@ -276,6 +276,8 @@ def parse_generate(body: Any, engine) -> GenerateCall:
             f"{count} prompts x n={n} is {count * n} samples, over the {MAX_SAMPLES_PER_CALL} one "
             "/generate may ask for; split the batch into several calls"
         )
+    if body.get("lora_path") is not None:  # merged into the weights: only the loaded adapter is served
+        engine.check_lora_path(body["lora_path"])
     rids = _rids(body.get("rid"), count, single)
     return_lp = _per_prompt(body.get("return_logprob"), count, "return_logprob", False)
     start = _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len", -1)

@@ -107,8 +107,8 @@ GENERATE_FIELDS: dict[str, Field] = {
     "watermark": _off("watermarking is not implemented by this engine"),
     "multi_item_delimiter_indices": _off("multi-item scoring is not implemented by this engine"),
     "session_params": _off("continual-prompting sessions are not kept by this engine"),
-    "lora_path": _off("LoRA adapters are not loaded by this engine"),
-    "lora_id": _off("LoRA adapters are not loaded by this engine"),
+    "lora_path": Field(HONOURED),  # the loaded adapter's name (engine/lora.py) or null
+    "lora_id": _off("adapters are named by lora_path here (SGLang's TokenizerManager fills lora_id in)"),
     "custom_logit_processor": _off("custom logit processors would run client code in the server"),
     "require_reasoning": _off("only hybrid reasoning models honour it", False),
     "max_thinking_tokens": _off("thinking budgets need a reasoning parser this engine does not have"),

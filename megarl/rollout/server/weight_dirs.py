@@ -38,17 +38,18 @@ def _inside(path: str, roots: list[str]) -> bool:
     return any(path == root or path.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
 
 
-def confine(model_path: str, allowed: list[str]) -> str:
+def confine(model_path: str, allowed: list[str], key: str = "model_path") -> str:
     """The real path of `model_path` if it and its *.safetensors files lie under an allowed
-    directory; PathNotAllowed (naming the allowed directories, not where a link points) otherwise."""
+    directory; PathNotAllowed (naming `key`, the body field, and the allowed directories, not where
+    a link points) otherwise."""
     roots = [os.path.realpath(d) for d in allowed]
     real = os.path.realpath(model_path)
     where = f"allowed directories: {', '.join(allowed)} (the server's {WEIGHT_DIRS_FLAG} or {WEIGHT_DIRS_ENV})"
     if not _inside(real, roots):
-        raise PathNotAllowed(f"model_path {model_path!r} is outside the {where}")
+        raise PathNotAllowed(f"{key} {model_path!r} is outside the {where}")
     if os.path.isdir(real):
         for file in sorted(Path(real).glob("*.safetensors")):
             target = os.path.realpath(file)
             if not _inside(target, roots):
-                raise PathNotAllowed(f"{file.name} in model_path {model_path!r} links outside the {where}")
+                raise PathNotAllowed(f"{file.name} in {key} {model_path!r} links outside the {where}")
     return real

@@ -78,3 +78,19 @@ def test_an_unknown_flag_is_refused_by_sglangs_parser():
     """The parser is strict, so the checks above could fail: a misspelt flag exits."""
     with pytest.raises(SystemExit):
         upstream.parse_server_args(["--model-path", "/m", "--tp-sise", "2"])
+
+
+def _lora_args(tmp_path, *overrides):
+    """SGLang's parse of the one engine's command line of quickstart-lora with `overrides`."""
+    cfg = load_config(ROOT / "configs" / "quickstart-lora.yaml", ["rollout.backend=sglang", *overrides])
+    for _, argv in _commands(cfg, tmp_path, api_key="contract-key"):  # the key file lives while iterating
+        return upstream.parse_server_args(argv[3:])
+
+
+def test_adapter_sync_flags_parse_with_sglangs_parser(tmp_path):
+    """bridge.transport=adapter: LoRA on, the adapter's rank and target modules, as SGLang reads them."""
+    args = _lora_args(tmp_path, "bridge.transport=adapter")
+    assert args.enable_lora is True and args.max_lora_rank == 16 and list(args.lora_target_modules) == ["all"]
+    args = _lora_args(tmp_path, "bridge.transport=adapter", "actor.lora.target_modules=[q_proj,v_proj,lm_head]")
+    assert set(args.lora_target_modules) == {"q_proj", "v_proj", "lm_head"}
+    assert not _lora_args(tmp_path, "bridge.transport=tensor").enable_lora

@@ -157,6 +157,36 @@ def test_routing_replay_turns_on_sglangs_routed_experts_capture(tmp_path):
         assert nodes and all(n.routed_experts is replay for n in nodes)
 
 
+def test_adapter_sync_launches_sglang_with_lora_enabled(tmp_path):
+    """bridge.transport=adapter: SGLang loads the policy's adapter at run time, so it starts with LoRA
+    on, the adapter's rank and its target modules (flags of SGLang's own parser)."""
+    from megarl.config.loader import load_config
+    from megarl.trainer.runtime import engine_node_specs
+
+    root = Path(__file__).resolve().parents[3]
+    for transport, want in (
+        ("tensor", None),
+        ("adapter", ["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "all"]),
+    ):
+        cfg = load_config(root / "configs/quickstart-lora.yaml", [f"bridge.transport={transport}"])
+        [[node]] = engine_node_specs(cfg, "/m", tmp_path)
+        spec = SGLangServerSpec(
+            model_path="/m", max_lora_rank=node.lora_rank, lora_target_modules=node.lora_target_modules
+        )
+        argv = server_argv(spec, python="py")
+        if want is None:
+            assert "--enable-lora" not in argv
+        else:
+            start = argv.index("--enable-lora")
+            assert argv[start : start + len(want)] == want
+    named = server_argv(
+        SGLangServerSpec(model_path="/m", max_lora_rank=8, lora_target_modules=("q_proj", "v_proj")), python="py"
+    )
+    assert named[named.index("--lora-target-modules") + 1 :][:2] == ["q_proj", "v_proj"]
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        validate(SGLangServerSpec(model_path="/m", extra_args=("--max-lora-rank", "8")))
+
+
 def test_dp_attention_flag():
     spec = SGLangServerSpec(
         model_path="/m", tp_size=8, dp_size=4, enable_dp_attention=True, nnodes=2, dist_init_addr="h:1"

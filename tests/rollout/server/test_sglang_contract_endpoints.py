@@ -193,7 +193,6 @@ NOT_SERVED = {
         "/parse_function_call /separate_reasoning /v1/loads /v1/classify /v1/embeddings /v1/rerank /tokenize "
         "/detokenize /v1/tokenize /v1/detokenize"
     ),
-    "LoRA adapters are not loaded by this engine": "/load_lora_adapter /load_lora_adapter_from_tensors /unload_lora_adapter",
     "sessions are not kept by this engine": "/open_session /close_session",
     "hierarchical / external KV caches: this engine keeps no cache between batches": (
         "/hicache/storage-backend /hicache/storage-backend/clear /get_hicache_l3_cache_layout "

@@ -137,6 +137,9 @@ HONOURED_VALUES = {
     "return_prompt_token_ids": {"return_prompt_token_ids": True},
     "return_routed_experts": {"return_routed_experts": True},
     "routed_experts_start_len": {"return_routed_experts": True, "routed_experts_start_len": 2},
+    # the per-prompt form, naming no adapter (none is loaded here; tests/rollout/server/test_lora_adapter.py
+    # loads one and names it)
+    "lora_path": {"lora_path": [None]},
 }
 
 
