@@ -19,6 +19,14 @@ def tiny_model_path(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-qwen3-moe", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm_path(tmp_path_factory) -> str:
+    """A random-init tiny Qwen2.5-VL HF checkpoint shared by the whole session (read-only)."""
+    from megarl.models.tiny_vlm import build_tiny_vlm_checkpoint
+
+    return str(build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm") / "tiny-qwen2.5-vl", seed=0))
+
+
 # The slow tier: modules that start Ray clusters, Megatron ranks, TP engines or server processes,
 # ~10 s to ~3 min each. `bash scripts/test.sh --quick` runs everything else; the whole suite (the
 # README's test command and CI's) runs both.

@@ -11,10 +11,8 @@ recognise by name), so a dropped or swapped mapping shows.
 The token ids are the checkpoint's own, not Qwen's released 151652..151656: Megatron's positions
 come from the config (engine/megatron/vlm.py), which keeps the vocabulary, and so the tests, small.
 
-Images become model inputs the way transformers' Qwen2.5-VL processor makes them: its image
-processor (built here without a hub) turns each image into patches `pixel_values` [sum(t*h*w),
-3 * 2 * 14 * 14] and `image_grid_thw` [n, 3]; each image's single `<|image_pad|>` in the prompt
-becomes prod(grid) / merge^2 pads, the tokens its features replace.
+Images become model inputs as models/vision.py makes them (the image processor built without a hub
+here, `image_processor`, is saved with the checkpoint).
 """
 
 from __future__ import annotations
@@ -27,6 +25,17 @@ import torch
 
 from megarl.models.tiny import CHARS, CHAT_TEMPLATE, SPECIAL_TOKENS
 from megarl.models.tiny_archs import _COMMON, perturb_constant_tensors
+from megarl.models.vision import encode_prompt, image_processor
+
+__all__ = [
+    "PRESET",
+    "TOKEN_IDS",
+    "build_tiny_vlm_checkpoint",
+    "build_tokenizer",
+    "encode_prompt",
+    "hf_config",
+    "image_processor",
+]
 
 PRESET = "tiny-qwen2.5-vl"
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -127,59 +136,3 @@ def build_tiny_vlm_checkpoint(
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
-
-
-def image_processor(config, min_pixels: int = 56 * 56, max_pixels: int = 448 * 448):
-    """transformers' Qwen2-VL image processor for `config`'s vision tower, built without a hub.
-    Images are resized to multiples of patch * merge (28) pixels a side, their area kept within
-    [min_pixels, max_pixels]."""
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-
-    v = config.vision_config
-    return Qwen2VLImageProcessor(
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        patch_size=v.patch_size,
-        temporal_patch_size=v.temporal_patch_size,
-        merge_size=v.spatial_merge_size,
-    )
-
-
-def _as_array(image):
-    """An RGB image [H, W, 3] as a uint8 numpy array (a torch uint8 tensor or a PIL image)."""
-    import numpy as np
-
-    array = image.numpy() if isinstance(image, torch.Tensor) else np.asarray(image.convert("RGB"))
-    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
-        raise ValueError(
-            f"image of shape {tuple(array.shape)} and dtype {array.dtype}: expected uint8 [H, W, 3] "
-            "(a torch tensor or a PIL image)"
-        )
-    return array
-
-
-def encode_prompt(prompt_ids: list[int], images: list, config, processor=None) -> dict[str, torch.Tensor]:
-    """Model inputs of a prompt with images: `input_ids` [1, s] (each image_token_id of
-    `prompt_ids`, one per image in order, expanded to the image's prod(grid) / merge^2 pads),
-    `pixel_values` and `image_grid_thw` (None without images). `processor`: image_processor(config)
-    unless given."""
-    placeholders = sum(1 for t in prompt_ids if t == config.image_token_id)
-    if placeholders != len(images):
-        raise ValueError(
-            f"prompt_ids hold {placeholders} image placeholders (id {config.image_token_id}) for "
-            f"{len(images)} images: put one per image where it belongs"
-        )
-    if not images:
-        return {"input_ids": torch.tensor([prompt_ids]), "pixel_values": None, "image_grid_thw": None}
-    processor = processor or image_processor(config)
-    encoded = processor(images=[_as_array(i) for i in images], return_tensors="pt", input_data_format="channels_last")
-    merge = config.vision_config.spatial_merge_size
-    counts = iter((encoded["image_grid_thw"].prod(dim=1) // merge**2).tolist())
-    ids = []
-    for t in prompt_ids:
-        ids.extend([t] * next(counts) if t == config.image_token_id else [t])
-    return {
-        "input_ids": torch.tensor([ids]),
-        "pixel_values": encoded["pixel_values"],
-        "image_grid_thw": encoded["image_grid_thw"],
-    }

@@ -22,19 +22,14 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
+from tests._images import random_image as _image
 
 PERTURBED = "vision_model.decoder.layers.0.self_attention.linear_qkv.bias"
 
 
-def _image(h: int, w: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.fixture(scope="module")
-def path(tmp_path_factory) -> str:
-    from megarl.models.tiny_vlm import build_tiny_vlm_checkpoint
-
-    return str(build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm") / "tiny-qwen2.5-vl", seed=0))
+def path(tiny_vlm_path) -> str:
+    return tiny_vlm_path
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +185,7 @@ def test_the_comparison_catches_vision_and_position_errors(results, hf_model, pr
 
 
 def test_positions_equal_hugging_face_batched_and_packed(hf_model, prompts):
-    from megarl.engine.megatron.vlm import mrope_position_ids
+    from megarl.models.vision import mrope_position_ids
 
     cfg = hf_model.config
     merge = cfg.vision_config.spatial_merge_size
@@ -215,11 +210,11 @@ def test_positions_equal_hugging_face_batched_and_packed(hf_model, prompts):
 
 
 def test_prompt_and_positions_refuse_a_wrong_image_count(prompts, hf_model):
-    from megarl.engine.megatron.vlm import mrope_position_ids
     from megarl.models.tiny_vlm import encode_prompt
+    from megarl.models.vision import mrope_position_ids
 
     cfg = hf_model.config
-    with pytest.raises(ValueError, match="image placeholders"):
+    with pytest.raises(ValueError, match="image placeholder"):
         encode_prompt([5, cfg.image_token_id, 6], [], cfg)
     one = prompts["one_image"]
     with pytest.raises(ValueError, match="image_grid_thw lists 2 images"):

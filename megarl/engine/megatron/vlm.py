@@ -33,6 +33,7 @@ from megarl.engine.megatron.inputs import place
 from megarl.engine.megatron.model import _local_spec_mixin
 from megarl.engine.megatron.output_head import PolicyHead
 from megarl.engine.megatron.weights import load_hf_weights
+from megarl.models.vision import mrope_position_ids
 
 MODEL_TYPE = "qwen2_5_vl"
 _LM = "language_model.decoder.layers.{layer_number}."
@@ -45,67 +46,6 @@ _MLP_NORMS = {  # mbridge routes every name containing "mlp" to the MLP mapping
     _LM + "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
     _VIT + "pre_mlp_layernorm.weight": ["visual.blocks.{layer_number}.norm2.weight"],
 }
-
-
-# ---------------------------------------------------------------- positions
-def mrope_position_ids(
-    input_ids: torch.Tensor,
-    image_grid_thw: torch.Tensor | None,
-    image_token_id: int,
-    spatial_merge_size: int,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Qwen2.5-VL's 3-D rotary positions [3, b, s] of `input_ids` [b, s] (Hugging Face's
-    get_rope_index, for images). Text counts up on all three axes; an image's prod(grid) /
-    merge^2 pad tokens take (0, row, column) of its merged grid, offset by the position the next
-    text token would have had; the text after it continues from the image's largest position + 1.
-    `image_grid_thw` [n, 3] lists the images in token order, rows first. `cu_seqlens`: every row
-    is a packed stream of these sequences, each starting from position 0."""
-    grids = [] if image_grid_thw is None else [tuple(int(x) for x in g) for g in image_grid_thw.tolist()]
-    out = torch.empty((3, *input_ids.shape), dtype=torch.long)
-    used = 0
-    bounds = [0, input_ids.shape[1]] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
-    for b, row in enumerate(input_ids.tolist()):
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            out[:, b, start:end], used = _sequence_positions(
-                row[start:end], grids, used, image_token_id, spatial_merge_size
-            )
-    if used != len(grids):
-        raise ValueError(
-            f"image_grid_thw lists {len(grids)} images but input_ids hold the image tokens of {used}: "
-            f"each image needs its prod(grid) / {spatial_merge_size}^2 tokens of id {image_token_id}"
-        )
-    return out.to(input_ids.device)
-
-
-def _sequence_positions(ids: list[int], grids: list, used: int, image_token_id: int, merge: int):
-    """(positions [3, len(ids)] of one sequence, images used so far)."""
-    pieces, next_pos, i = [], 0, 0
-    while i < len(ids):
-        if ids[i] != image_token_id:
-            end = ids.index(image_token_id, i) if image_token_id in ids[i:] else len(ids)
-            pieces.append(torch.arange(next_pos, next_pos + end - i).expand(3, -1))
-            next_pos, i = next_pos + end - i, end
-            continue
-        if used == len(grids):
-            raise ValueError(f"input_ids hold more images than the {len(grids)} of image_grid_thw")
-        t, h, w = grids[used][0], grids[used][1] // merge, grids[used][2] // merge
-        n = t * h * w
-        if ids[i : i + n] != [image_token_id] * n:
-            raise ValueError(
-                f"image {used} (grid {list(grids[used])}) needs {n} consecutive image tokens "
-                f"(id {image_token_id}); input_ids hold fewer at its place"
-            )
-        grid = torch.stack(
-            [
-                torch.zeros(n, dtype=torch.long),
-                torch.arange(h).repeat_interleave(w).repeat(t),
-                torch.arange(w).repeat(t * h),
-            ]
-        )
-        pieces.append(grid + next_pos)
-        next_pos, i, used = next_pos + int(grid.max()) + 1, i + n, used + 1
-    return (torch.cat(pieces, dim=1) if pieces else torch.empty(3, 0, dtype=torch.long)), used
 
 
 # ---------------------------------------------------------------- configs and bridge

@@ -89,8 +89,11 @@ class Qwen2_5VLImageModel(Qwen2_5VLModel):
     model, as they would to a GPTModel."""
 
     def __init__(self, *args, spatial_merge_size: int, **kwargs):
+        from megatron.core.enums import ModelType
+
         super().__init__(*args, **kwargs)
         self.spatial_merge_size = spatial_merge_size  # for the positions of image tokens (vlm.py)
+        self.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules ask a model (as GPTModel says)
 
     def forward(
         self,
