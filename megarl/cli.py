@@ -145,6 +145,11 @@ def _preset_model_config(cfg) -> dict | None:
 
     if cfg.model.preset == smollm2.PRESET:
         return smollm2.SMOLLM2_135M
+    from megarl.models import tiny_vlm
+
+    if cfg.model.preset == tiny_vlm.PRESET:
+        text = {"num_hidden_layers": cfg.model.num_hidden_layers} if cfg.model.num_hidden_layers else None
+        return tiny_vlm.hf_config(text).to_dict()
     return {**PRESETS[cfg.model.preset], **preset_overrides(cfg.model)}
 
 
@@ -180,8 +185,9 @@ def _backend_unavailable(cfg) -> str | None:
 
 def _model_config(cfg) -> dict:
     from megarl.config.validate import read_model_config
+    from megarl.config.validate_vision import text_view
 
-    return read_model_config(cfg) or _preset_model_config(cfg)
+    return text_view(read_model_config(cfg) or _preset_model_config(cfg))
 
 
 def plan(cfg, devices: str | None, response_len: float | None, json_out: bool = False) -> int:

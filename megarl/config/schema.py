@@ -40,6 +40,7 @@ class ModelConfig:
         "tiny-qwen3",
         "tiny-llama",
         "tiny-deepseek-v3",
+        "tiny-qwen2.5-vl",
         "smollm2-135m-instruct",
     ] = "tiny-qwen3-moe"
     seed: int = 0  # init seed for a preset built from scratch

@@ -47,6 +47,7 @@ from megarl.config.validate_reward import check_reward_function, check_reward_mo
 from megarl.config.validate_rollout import check_rollout, resolve_rollout
 from megarl.config.validate_trackers import check_loggers
 from megarl.config.validate_trainer import check_loop_mode, resolved_rollout_is, reuses_rollout_log_probs
+from megarl.config.validate_vision import check_vision, text_view
 
 # importable from here as before: the package, the CLI and the engine use them
 __all__ = ["data_parallel_size", "read_model_config", "resolve", "stage_layers", "validate"]
@@ -77,6 +78,8 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_reward_function(cfg)
     if model_config is None:
         model_config = read_model_config(cfg)
+    check_vision(cfg, model_config)
+    model_config = text_view(model_config)  # a vision-language model's text sizes, at the top
     check_parallel(cfg, model_config)
     check_offload(cfg)
     check_lora(cfg, model_config)

@@ -16,6 +16,7 @@ from megarl.config.validate_offload import check_offload
 from megarl.config.validate_parallel import check_layout, check_nodes, data_parallel_size, resolve_sequence_parallel
 from megarl.config.validate_ranges import check_ranges
 from megarl.config.validate_trackers import check_loggers
+from megarl.config.validate_vision import is_vision_language
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -31,6 +32,11 @@ def validate_sft(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_model_paths(cfg)
     if model_config is None:
         model_config = read_model_config(cfg)
+    _require(
+        not is_vision_language(model_config),
+        "model.path",
+        "megarl sft trains text models; a vision-language model's SFT (rows with images) is not supported yet",
+    )
     check_layout("actor", cfg.actor.parallel, cfg.cluster.num_actor_ranks, model_config)
     check_nodes(cfg)
     check_device_type(cfg)

@@ -28,7 +28,7 @@ import numpy as np
 
 from megarl.data.batch import Batch
 from megarl.data.errors import DatasetError  # noqa: F401  (raised here, and importable from here)
-from megarl.data.images import ImageLimits, check_images
+from megarl.data.images import IMAGE_MARKER, ImageLimits, check_images
 
 REWARD_STYLES = ("rule", "model")
 OVERLONG = ("error", "filter")
@@ -95,29 +95,36 @@ def validate_row(row: dict, where: str, prompt_key: str = "prompt") -> dict:
     return {**row, prompt_key: [dict(m) for m in messages], "extra_info": extra}
 
 
-def _images_ok(row: dict, where: str, limits: ImageLimits | None, bad: str, prompt_key: str) -> bool:
-    """Whether the row's images (if any) are ones the model takes; a bad one raises DatasetError
-    (bad == "error") or drops the row (logged, counted). A model without a vision tower (limits
-    None) takes none: its rows would train on the text alone, silently."""
+def _row_images(row: dict, where: str, limits: ImageLimits | None, bad: str, prompt_key: str) -> list | None:
+    """The row's images decoded (RGB PIL; [] without images), or None when they are ones the
+    model cannot take and bad == "filter" (logged; the caller counts and drops the row); with bad
+    == "error" such a row raises DatasetError. A model without a vision tower (limits None) takes
+    none: its rows would train on the text alone, silently."""
     if row.get("images") is None or len(row["images"]) == 0:
-        return True
+        return []
     if limits is None:
         raise DatasetError(
             f"{where}: the row has images, but the model takes no images (it has no vision tower); "
             "use a vision-language model or rows without images"
         )
     try:
-        check_images(row, where, limits, prompt_key)
+        return check_images(row, where, limits, prompt_key)
     except DatasetError as exc:
         if bad == "error":
             raise
         log.warning("dropped a row whose images the model cannot take (data.bad_images=filter): %s", exc)
-        return False
-    return True
+        return None
 
 
-def tokenize_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the chat-templated prompt, ending with the assistant turn marker."""
+def tokenize_prompt(tokenizer, messages: list[dict], image_placeholder: str | None = None) -> list[int]:
+    """Token ids of the chat-templated prompt, ending with the assistant turn marker.
+    `image_placeholder`: the text of the model's tokens for one image, put in place of each
+    IMAGE_MARKER (a vision-language model's prompts; its rollout engine expands them)."""
+    if image_placeholder is not None and any(IMAGE_MARKER in m["content"] for m in messages):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return [
+            int(i) for i in tokenizer.encode(text.replace(IMAGE_MARKER, image_placeholder), add_special_tokens=False)
+        ]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers return an encoding
         ids = ids["input_ids"]
@@ -148,10 +155,11 @@ class RLDataset:
         for index, raw in enumerate(rows):
             where = f"{source} row {index}"
             row = validate_row(raw, where, prompt_key)
-            if not _images_ok(row, where, images, bad_images, prompt_key):
+            decoded = _row_images(row, where, images, bad_images, prompt_key)
+            if decoded is None:
                 self.num_bad_images += 1
                 continue
-            ids = tokenize_prompt(tokenizer, row[prompt_key])
+            ids = tokenize_prompt(tokenizer, row[prompt_key], images.placeholder if images is not None else None)
             if len(ids) > max_prompt_length:
                 if overlong == "error":
                     raise DatasetError(
@@ -161,7 +169,9 @@ class RLDataset:
                     )
                 filtered.append(f"row {index} ({len(ids)} tokens)")
                 continue
-            self.rows.append({**row, "raw_prompt_ids": ids})
+            entry = {**row, "raw_prompt_ids": ids}
+            entry.pop("images", None)  # a vision-language model's rows hold theirs decoded, [] for none
+            self.rows.append(entry if images is None else {**entry, "images": decoded})
         self.num_filtered = len(filtered)
         if filtered:
             log.warning(
@@ -219,7 +229,8 @@ class PromptBatches:
     Epoch e uses the permutation drawn from (seed, e); step s is batch s % steps_per_epoch of
     epoch s // steps_per_epoch. Each batch carries non-tensor columns raw_prompt_ids,
     raw_prompt, data_source, ground_truth, reward_style, extra_info and uid (unique per prompt
-    per epoch: "e<epoch>-r<row>").
+    per epoch: "e<epoch>-r<row>"), and for a vision-language model's dataset `images` (each row's
+    decoded images, [] for none).
     """
 
     def __init__(
@@ -279,6 +290,8 @@ def prompt_batch(rows: list[dict], prompt_key: str, uids: list[str], meta: dict)
             "reward_style": [r["reward_model"]["style"] for r in rows],
             "extra_info": [r["extra_info"] for r in rows],
             "uid": uids,
+            # a vision-language model's datasets: every row's decoded images, [] for none
+            **({"images": [r["images"] for r in rows]} if rows and "images" in rows[0] else {}),
         },
         meta=meta,
     )

@@ -27,6 +27,9 @@ class ImageLimits:
 
     min_side: int = 1
     max_pixels: int = 4096 * 4096
+    # the text of the model's tokens for one image (Qwen2.5-VL: "<|vision_start|><|image_pad|>
+    # <|vision_end|>"), put in place of each IMAGE_MARKER when the prompt is tokenized
+    placeholder: str | None = None
 
 
 def decode_image(value, where: str):
@@ -98,3 +101,15 @@ def encode_png(pixels: np.ndarray) -> dict:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
     return {"bytes": buf.getvalue(), "path": None}
+
+
+def image_data_entry(image) -> str:
+    """An image as one entry of SGLang's `image_data`: base64 of its PNG file (lossless, so the
+    engine's pixels are the trainer's)."""
+    import base64
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    (image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image))).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-VISION_MODEL_TYPES = ("qwen2_5_vl",)
+from megarl.config.validate_vision import VISION_MODEL_TYPES
+
 # the rows' non-tensor column of a vision-language model's image inputs: per row a dict
 # {pixel_values, image_grid_thw} (process_images), or None for a row without images
 MM_COLUMN = "multi_modal_inputs"
@@ -197,3 +198,29 @@ def rope_delta(positions: torch.Tensor) -> int:
     """How far a sequence's next text position runs ahead of its token count: max(positions) + 1 -
     len, for one sequence's [3, len] positions (0 without images)."""
     return int(positions.max()) + 1 - positions.shape[-1] if positions.numel() else 0
+
+
+class PromptImages:
+    """A vision-language checkpoint's way from (prompt ids with one pad per image, images) to the
+    model's inputs: the expanded ids, and the row's {pixel_values, image_grid_thw} (MM_COLUMN).
+    What the trainer computes for its own passes is what a rollout engine computes from the same
+    ids and images, so the log-probs of both score the same tokens."""
+
+    def __init__(self, model_path: str):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        spec = VisionSpec.of(config)
+        if spec is None:
+            raise ValueError(
+                f"{model_path}: model_type {config.model_type!r} has no vision tower; rows with images need one"
+            )
+        self.spec, self.processor = spec, load_image_processor(model_path, config)
+
+    def model_inputs(self, prompt_ids: list[int], images: list) -> tuple[list[int], dict | None]:
+        """(expanded ids, the row's MM_COLUMN entry or None without images)."""
+        if not images:
+            return expand_image_pads(prompt_ids, None, self.spec.image_token_id, 1), None
+        pixel_values, grid = process_images(images, self.processor)
+        ids = expand_image_pads(prompt_ids, grid, self.spec.image_token_id, self.spec.spatial_merge_size)
+        return ids, {"pixel_values": pixel_values, "image_grid_thw": grid}

@@ -39,6 +39,7 @@ import torch
 from megarl.algo.kl import make_kl_controller
 from megarl.bridge.spec import BridgeSpec
 from megarl.data.batch import Batch
+from megarl.models.vision import MM_COLUMN
 from megarl.reward import take_counts
 from megarl.reward.model import RowScorer
 from megarl.reward.overlong import overlong_penalty
@@ -391,6 +392,8 @@ class Trainer:
         keys += ["routed_experts"] if "routed_experts" in rows else []  # actor.moe.routing_replay
         keys += ["rollout_versions"] if "rollout_versions" in rows and "rollout_log_probs" in keys else []
         view = Batch({k: rows[k] for k in keys})
+        if MM_COLUMN in rows:  # a vision-language model's images (engine/megatron/vision_inputs.py)
+            view[MM_COLUMN] = rows[MM_COLUMN]
         if len(view) % self.dp_size:
             raise ValueError(
                 f"{len(view)} rows do not split over {self.dp_size} data-parallel "

@@ -22,7 +22,10 @@ class StepMfu:
     @classmethod
     def for_run(cls, model_path: str, actor_group, cfg, epochs: int | None = None) -> StepMfu:
         """`epochs`: passes over a step's rows in the update (None: actor.ppo_epochs; SFT: 1)."""
-        config = json.loads((Path(model_path) / "config.json").read_text())
+        from megarl.config.validate_vision import text_view
+
+        # a vision-language model: its language model's flops (the vision tower's are not counted)
+        config = text_view(json.loads((Path(model_path) / "config.json").read_text()))
         peak = actor_group.device_peak_flops("bf16" if cfg.actor.precision == "bf16" else "fp32")
         return cls(config, len(actor_group.mesh), peak, cfg.actor.ppo_epochs if epochs is None else epochs)
 

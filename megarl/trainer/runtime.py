@@ -103,6 +103,11 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
 
     if cfg.model.preset == smollm2.PRESET:
         return str(smollm2.materialize())
+    from megarl.models import tiny_vlm
+
+    if cfg.model.preset == tiny_vlm.PRESET:  # a vision-language model: its text part's depth
+        text = {"num_hidden_layers": cfg.model.num_hidden_layers} if cfg.model.num_hidden_layers else None
+        return str(tiny_vlm.build_tiny_vlm_checkpoint(run_dir / "init_model", seed=cfg.model.seed, text=text))
     from megarl.models.tiny import build_tiny_checkpoint, preset_overrides
 
     return str(
@@ -297,12 +302,14 @@ def start_runtime(cfg: RunConfig, cluster=None):
         from transformers import AutoTokenizer
 
         from megarl.data.build import build_datasets
+        from megarl.trainer.vision import image_limits, prompt_images
 
         model_path = resolve_model_path(cfg, run_dir)
         reward_path = reward_model_path(cfg, run_dir)  # a classifier's (a preset is built now)
         clock.mark("model")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        train_data, val_data = build_datasets(cfg.data, tokenizer, run_dir / "data")
+        limits = image_limits(model_path, tokenizer)  # None: a text model
+        train_data, val_data = build_datasets(cfg.data, tokenizer, run_dir / "data", image_limits=limits)
         clock.mark("data")
         pools, resource, record = reserve_pools(plan, run_dir, cluster, stack, clock)
         fleet = build_fleet(cfg, plan, pools, model_path, run_dir)
@@ -318,7 +325,7 @@ def start_runtime(cfg: RunConfig, cluster=None):
         clock.mark("critic_and_reward_model")
         fleet.wait_started()
         clock.mark("engines_after_ranks")
-        rollout = _rollout_manager(cfg, fleet, tokenizer, stack)
+        rollout = _rollout_manager(cfg, fleet, tokenizer, stack, prompt_images(model_path) if limits else None)
         yield Runtime(
             cfg=cfg,
             run_dir=run_dir,
@@ -402,7 +409,7 @@ def worker_groups(
     return actor, critic
 
 
-def _rollout_manager(cfg: RunConfig, fleet, tokenizer, stack):
+def _rollout_manager(cfg: RunConfig, fleet, tokenizer, stack, vision=None):
     """The trainer's side of rollout over the fleet's engines (with the agent loop when configured)."""
     from megarl.rollout.agent.rollout import AgentRollout
     from megarl.rollout.client.manager import RolloutManager
@@ -413,6 +420,7 @@ def _rollout_manager(cfg: RunConfig, fleet, tokenizer, stack):
         max_retries=cfg.rollout.max_retries,
         api_key=fleet.api_key,
         agent=AgentRollout.from_config(cfg.rollout, tokenizer),
+        vision=vision,
     )
     stack.callback(rollout.close)
     return rollout

@@ -100,3 +100,27 @@ def test_shapes_reward_reads_the_first_letter():
 
     assert shapes_score(" r", "r", {}) == 1.0 and shapes_score("rg", "r", {}) == 1.0
     assert shapes_score("g", "r", {}) == 0.0 and shapes_score("", "r", {}) == 0.0
+
+
+def test_a_vision_model_s_prompt_holds_one_pad_per_image_and_batches_carry_the_images():
+    from megarl.data.dataset import PromptBatches
+    from megarl.models.tiny_vlm import TOKEN_IDS, build_tokenizer
+
+    tok = build_tokenizer()
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    data = _load(make_shapes_rows(8, seed=1), tok, images=ImageLimits(min_side=28, placeholder=placeholder))
+    ids = data.rows[0]["raw_prompt_ids"]
+    start, pad, end = TOKEN_IDS["vision_start_token_id"], TOKEN_IDS["image_token_id"], TOKEN_IDS["vision_end_token_id"]
+    assert ids.count(pad) == 1 and ids[ids.index(pad) - 1 : ids.index(pad) + 2] == [start, pad, end]
+    assert (
+        tok.decode(ids, skip_special_tokens=False).replace(placeholder, "<image>")
+        == "<|user|><image>colour?<|assistant|>"
+    )
+    batch = PromptBatches(data, 4, shuffle=False).batch_at(0)
+    assert [len(x) for x in batch["images"]] == [1] * 4
+    assert np.asarray(batch["images"][0][0]).shape == (SIDE, SIDE, 3)
+    # without a placeholder (a text model's tokenizer) the marker stays text and no pad appears
+    text_rows = [{**r, "images": None} for r in make_shapes_rows(2, seed=1)]
+    plain = _load(text_rows, tok)
+    assert pad not in plain.rows[0]["raw_prompt_ids"] and "images" not in plain.rows[0]
+    assert "images" not in PromptBatches(plain, 2, shuffle=False).batch_at(0)

@@ -8,7 +8,8 @@ order the model fills their pads in). Tolerances: log-probs vs Hugging Face in f
 absolute, at TP=2 with sequence parallel (packed) and TP=2 without packing; a training step's
 weights at TP=2 equal TP=1's to 1e-5 (fp32; Adam's first step moves a weight by lr = 1e-3, so a
 vision gradient lost or doubled on one rank shows). Swapping two rows' images moves their
-log-probs by more than 1e-3: the comparison sees the pixels.
+log-probs by more than 1e-3: the comparison sees the pixels. One response holds the image pad's
+id, which stays text (the rollout engine's reading; Megatron's forward refused the row before).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import pytest
 import torch
 
 from tests._dist import run_ranks
+from tests._images import hf_response_log_probs
 from tests._images import random_image as _image
 
-RESPONSES = [[20, 21, 22], [23, 24], [25, 26, 27, 28], [29, 30]]
+# the first response holds the image pad's id (53), as a policy may write it: text, not an image slot
+RESPONSES = [[20, 53, 22], [23, 24], [25, 26, 27, 28], [29, 30]]
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +83,15 @@ def make_rows(prompts, swap_images: bool = False):
 
 
 def hf_reference(path, prompts) -> torch.Tensor:
-    """[rows, R] float64 log-probs of each row's response tokens from Hugging Face's model."""
+    """[rows, R] float64 log-probs of each row's response tokens from Hugging Face's model, read
+    as the rollout engine reads a response holding the pad id (tests/_images.py)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).double().eval()
     out = torch.zeros(len(prompts), max(map(len, RESPONSES)), dtype=torch.float64)
-    with torch.no_grad():
-        for i, (p, r) in enumerate(zip(prompts, RESPONSES)):
-            ids = torch.cat([p["input_ids"], torch.tensor([r])], dim=1)
-            pixels = None if p["pixel_values"] is None else p["pixel_values"].double()
-            logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=p["image_grid_thw"]).logits[0]
-            start = p["input_ids"].shape[1] - 1
-            out[i, : len(r)] = torch.log_softmax(logits, -1)[start : start + len(r)].gather(
-                -1, torch.tensor(r)[:, None]
-            )[:, 0]
+    for i, (p, r) in enumerate(zip(prompts, RESPONSES)):
+        inputs = None if p["pixel_values"] is None else p
+        out[i, : len(r)] = hf_response_log_probs(model, p["input_ids"][0].tolist(), r, inputs)
     return out
 
 

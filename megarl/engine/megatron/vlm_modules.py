@@ -104,6 +104,7 @@ class Qwen2_5VLImageModel(Qwen2_5VLModel):
         packed_seq_params=None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
         **language_kwargs,
     ):
         if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] != 3:
@@ -112,7 +113,7 @@ class Qwen2_5VLImageModel(Qwen2_5VLModel):
                 f"Qwen2_5VLImageModel: position_ids {shape} must be the [3, b, s] rotary positions "
                 "of vlm.mrope_position_ids"
             )
-        embeddings = self._embed(input_ids, pixel_values, image_grid_thw) if self.pre_process else None
+        embeddings = self._embed(input_ids, pixel_values, image_grid_thw, image_mask) if self.pre_process else None
         return self.language_model(
             input_ids=None,
             position_ids=position_ids,
@@ -123,15 +124,17 @@ class Qwen2_5VLImageModel(Qwen2_5VLModel):
             **language_kwargs,
         )
 
-    def _embed(self, input_ids, pixel_values, image_grid_thw) -> torch.Tensor:
+    def _embed(self, input_ids, pixel_values, image_grid_thw, image_mask=None) -> torch.Tensor:
         """Token embeddings [s, b, h] with each image's features in place of its pad tokens, the
-        images in row-major token order (rows first), as Hugging Face places them."""
+        images in row-major token order (rows first), as Hugging Face places them. `image_mask`
+        [b, s]: where the pads are (default: every image_token_id); a response the policy wrote
+        may hold that id too, and is text."""
         from megatron.core import tensor_parallel
 
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)
         if image_grid_thw is not None and len(image_grid_thw) > 0:
             features = self.vision_model(vision_data=pixel_values, grid_thw=image_grid_thw)
-            pads = input_ids == self.image_token_id  # [b, s]
+            pads = input_ids == self.image_token_id if image_mask is None else image_mask  # [b, s]
             if int(pads.sum()) != features.shape[0]:
                 raise ValueError(
                     f"input_ids hold {int(pads.sum())} image tokens (id {self.image_token_id}) but the "

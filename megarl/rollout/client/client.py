@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
+from megarl.rollout.client.server_calls import ServerCalls
 from megarl.rollout.client.weight_calls import WeightCalls
 
 __all__ = ["GenerateOutput", "RolloutClient", "RolloutRequestError"]
@@ -72,7 +73,7 @@ class GenerateOutput:
         )
 
 
-class RolloutClient(WeightCalls):
+class RolloutClient(ServerCalls, WeightCalls):
     """`batched`: one /generate per call (servers) or one per prompt (routers); see the module doc.
     `max_batch_prompts`: in batched mode, split calls with more prompts into chunks of at most this
     many, sent concurrently (None: never split). `api_key`: see the module doc."""
@@ -205,20 +206,23 @@ class RolloutClient(WeightCalls):
         rids: list[str] | None = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int | None = None,
+        image_data: list[list[str] | None] | None = None,
     ) -> list[GenerateOutput]:
         """`routed_experts_start_len` (SGLang's field): the first token whose routing record is
-        returned, for every prompt (None: the server's default, 0)."""
+        returned, for every prompt (None: the server's default, 0). `image_data` (SGLang's field):
+        per prompt its images (base64-encoded files, in the order of the prompt's one image pad
+        each) or None; a vision-language server expands the pads itself."""
         fields = _fields(return_logprob, return_routed_experts)
         if routed_experts_start_len is not None:
             fields["routed_experts_start_len"] = routed_experts_start_len
-        coro = self._generate_all(input_ids, sampling_params, fields, rids)
+        coro = self._generate_all(input_ids, sampling_params, fields, rids, image_data)
         return await asyncio.wrap_future(self._submit(coro))
 
-    async def _generate_all(self, input_ids, sampling_params, fields, rids) -> list[GenerateOutput]:
+    async def _generate_all(self, input_ids, sampling_params, fields, rids, images=None) -> list[GenerateOutput]:
         if not isinstance(input_ids, list) or not all(isinstance(p, list) for p in input_ids):
             raise TypeError("input_ids must be a list of prompts, each a list of token ids")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(input_ids)
-        if len(params) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)):
+        if len(params) != len(input_ids) or any(x is not None and len(x) != len(input_ids) for x in (rids, images)):
             raise ValueError(
                 f"{len(input_ids)} prompts but {len(params)} sampling_params / "
                 f"{None if rids is None else len(rids)} rids"
@@ -226,10 +230,10 @@ class RolloutClient(WeightCalls):
         if not input_ids:
             return []
         if self.batched:
-            return await self._generate_batched(input_ids, sampling_params, params, fields, rids)
+            return await self._generate_batched(input_ids, sampling_params, params, fields, rids, images)
         per_prompt = await _gather_or_cancel(
             [
-                self._generate_one(i, ids, p, fields, None if rids is None else rids[i])
+                self._generate_one(i, ids, p, fields | _images(images, i, i + 1), None if rids is None else rids[i])
                 for i, (ids, p) in enumerate(zip(input_ids, params))
             ]
         )
@@ -249,7 +253,7 @@ class RolloutClient(WeightCalls):
             )
         return [GenerateOutput.from_response(item) for item in items]
 
-    async def _generate_batched(self, input_ids, sampling_params, params, fields, rids):
+    async def _generate_batched(self, input_ids, sampling_params, params, fields, rids, images=None):
         counts = sorted({_samples_per_prompt(p) for p in params})
         if len(counts) > 1:
             raise ValueError(
@@ -269,7 +273,7 @@ class RolloutClient(WeightCalls):
                     input_ids[start:end],
                     chunk_params,
                     counts[0],
-                    fields,
+                    fields | _images(images, start, end, batched=True),
                     None if rids is None else rids[start:end],
                     what,
                 )
@@ -355,48 +359,6 @@ class RolloutClient(WeightCalls):
             )
         return [GenerateOutput.from_response(item) for item in items]
 
-    # ---- control and inspection ---------------------------------------------------------------
-    def flush_cache(self) -> bool:
-        """True when flushed; False when the server refused because requests are still running."""
-        response = self._run(self._request("POST", "/flush_cache", None, "/flush_cache"))
-        return response.status_code == 200
-
-    def health(self) -> bool:
-        """One quick probe, no retries: is the server up and its scheduler alive?"""
-        return self._run(self._probe("/health", timeout_s=5.0))
-
-    def health_generate(self) -> bool:
-        """One probe, no retries: can the server generate a token right now?"""
-        return self._run(self._probe("/health_generate", timeout_s=60.0))
-
-    async def _probe(self, path: str, timeout_s: float) -> bool:
-        try:
-            return (await self._http.get(f"{self.base_url}{path}", timeout=timeout_s)).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def get_model_info(self) -> dict:
-        return self._run(self._json("GET", "/get_model_info"))
-
-    def get_server_info(self) -> dict:
-        return self._run(self._json("GET", "/get_server_info"))
-
-    def get_parallelism_config(self) -> dict:
-        """Which slice of each full HF tensor every engine rank holds (the embedded engine's layout)."""
-        return self._run(self._json("GET", "/get_parallelism_config"))
-
-    def get_weight_version(self) -> str | None:
-        return self._run(self._json("GET", "/get_weight_version"))["weight_version"]
-
-    def get_load(self) -> list[dict]:
-        """SGLang's /get_load: per data-parallel rank, num_reqs (running + queued),
-        num_waiting_reqs and num_tokens; a server answering one dict gets it wrapped in a list."""
-        load = self._run(self._json("GET", "/get_load"))
-        return load if isinstance(load, list) else [load]
-
-    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        self._run(self._json("POST", "/abort_request", {"rid": rid, "abort_all": abort_all}))
-
 
 async def _gather_or_cancel(coros: list) -> list:
     """asyncio.gather, but the first failure cancels the other requests: the call fails anyway, and
@@ -415,6 +377,14 @@ def _fields(return_logprob: bool, return_routed_experts: bool) -> dict:
     """The /generate body's flags; return_routed_experts only when asked, so other requests stay
     what they were for servers that predate the field."""
     return {"return_logprob": return_logprob, **({"return_routed_experts": True} if return_routed_experts else {})}
+
+
+def _images(images: list | None, start: int, end: int, batched: bool = False) -> dict:
+    """The `image_data` field of prompts start..end-1 (a list per prompt when batched), or none
+    when they have no images: a text request stays what it was."""
+    if images is None or not any(images[start:end]):
+        return {}
+    return {"image_data": [list(x or []) for x in images[start:end]] if batched else list(images[start])}
 
 
 def _samples_per_prompt(params: dict) -> int:

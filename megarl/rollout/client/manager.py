@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from megarl.data.batch import Batch
+from megarl.models.vision import MM_COLUMN
 from megarl.rollout.client.client import GenerateOutput, RolloutClient, RolloutRequestError
+from megarl.rollout.client.images import image_data_of, model_rows, prompt_images
 from megarl.rollout.client.partial import token_version_runs
 from megarl.wire.routing import batch_column
 
@@ -75,17 +77,19 @@ class RolloutManager:
         fleet=None,
         max_rounds: int = 4,
         agent=None,
+        vision=None,
     ):
         """server_urls: fixed engines; or `fleet` (a RolloutFleet), whose router / live engines are
         asked on every call, and which restarts engines that die. `agent`: an AgentRollout
-        (rollout.agent_loop, megarl/rollout/agent/rollout.py) that makes the rows instead."""
+        (rollout.agent_loop, megarl/rollout/agent/rollout.py) that makes the rows instead.
+        `vision`: a vision-language model's models.vision.PromptImages (prompts with images, images.py)."""
         if not server_urls and fleet is None:
             raise ValueError("rollout: no server URLs and no fleet")
         self._fixed_urls, self.fleet = list(server_urls or []), fleet
         self._client_options = dict(
             timeout_s=timeout_s, max_retries=max_retries, max_batch_prompts=max_batch_prompts, api_key=api_key
         )
-        self.batched, self.max_rounds, self.agent = batched, max_rounds, agent
+        self.batched, self.max_rounds, self.agent, self.vision = batched, max_rounds, agent, vision
         self._clients: dict[tuple[str, bool], RolloutClient] = {}
         self.last_stats: dict[str, float] = {}
         self.lora_path: str | None = None  # the LoRA adapter every request names (use_lora_adapter)
@@ -110,19 +114,30 @@ class RolloutManager:
         of prompt i are i * n .. i * n + n - 1 of the result (megarl.reward.model's overlap).
 
         Requires the non-tensor column `raw_prompt_ids`; every other non-tensor column of
-        `prompts` is repeated onto its rows.
+        `prompts` is repeated onto its rows. Prompts with images (the `images` column) send them
+        as `image_data`; their rows' input_ids hold the expanded image pads and MM_COLUMN the
+        images' model inputs (images.py).
         """
+        images = prompt_images(prompts)
         if self.agent is not None:  # multi-turn trajectories, same row layout (agent/rollout.py)
+            if images is not None:
+                raise ValueError("rollout.agent_loop does not send images yet; use prompts without images")
             return self.agent.generate(self, prompts, sampling, weight_version, on_rows)
         prompt_ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
+        sent = None if images is None else image_data_of(images)
         outputs: list[list[GenerateOutput] | None] = [None] * len(prompt_ids)
         self.last_stats = self.run_rounds(
             len(prompt_ids),
-            lambda pending: asyncio.run(self._round(pending, prompt_ids, sampling, outputs, weight_version, on_rows)),
+            lambda pending: asyncio.run(
+                self._round(pending, prompt_ids, sampling, outputs, weight_version, on_rows, sent)
+            ),
         )
-        rows = [(prompt_ids[i], out) for i, outs in enumerate(outputs) for out in outs]
+        model_ids, inputs = (prompt_ids, None) if images is None else model_rows(prompt_ids, images, self.vision)
+        rows = [(model_ids[i], out) for i, outs in enumerate(outputs) for out in outs]
         _check_finished(rows)
         batch = rows_to_batch(rows, routed_experts=sampling.return_routed_experts)
+        if inputs is not None:
+            batch[MM_COLUMN] = [inputs[i] for i, outs in enumerate(outputs) for _ in outs]
         repeated = prompts.select(*[k for k in prompts.non_tensors]).repeat_interleave(sampling.n)
         return repeated.union(batch)
 
@@ -161,16 +176,23 @@ class RolloutManager:
         outputs,
         weight_version: str | None = None,
         on_rows=None,
+        image_data: list | None = None,
     ) -> dict[int, Exception]:
         """Send every pending prompt once; fill `outputs` as each request finishes (and hand its
-        prompts to `on_rows`); return the failures by prompt index."""
+        prompts to `on_rows`); return the failures by prompt index. `image_data`: each prompt's."""
         work = self._requests(pending, prompt_ids, sampling)
         errors: dict[int, Exception] = {}  # by request
 
         async def send(k: int, client: RolloutClient, idx: list[int], ids, params) -> None:
+            per_row = len(ids) // len(idx)  # the seeded path sends each prompt n times
+            images = None if image_data is None else [image_data[i] for i in idx for _ in range(per_row)]
             try:
                 result = await client.agenerate(
-                    ids, params, return_logprob=True, return_routed_experts=sampling.return_routed_experts
+                    ids,
+                    params,
+                    return_logprob=True,
+                    return_routed_experts=sampling.return_routed_experts,
+                    image_data=images,
                 )
             except Exception as exc:  # noqa: BLE001  (the prompts are re-sent or the failure raised)
                 errors[k] = exc

@@ -6,7 +6,8 @@ finish (their callers are answered at once). Aborts, pauses (abort / in_place / 
 released weights are honoured between forward steps.
 
 The model sits behind a runner (runner/runners.py): loaded in this process, or sharded over the ranks
-of a tensor-parallel mesh of which this process is rank 0.
+of a tensor-parallel mesh of which this process is rank 0. A vision-language model (Qwen2.5-VL,
+tp=1) also takes prompts with images: `attach_images` expands and processes them (vision.py).
 
 Weights change only between forward steps (`_model_lock`), so a running batch may continue with
 new weights, as SGLang's in-place pause does (weights.py: updates, staging, release); each
@@ -26,12 +27,14 @@ import threading
 
 import torch
 
+from megarl.rollout.engine.hf_names import checkpoint_renamer
 from megarl.rollout.engine.lora import EngineLora
 from megarl.rollout.engine.protocol import GenerationRequest, InvalidRequest, WeightsUnavailable
 from megarl.rollout.engine.rows import Row as _Row
 from megarl.rollout.engine.rows import finished_result
 from megarl.rollout.engine.runner.runners import LocalRunner
 from megarl.rollout.engine.scheduler import Scheduler
+from megarl.rollout.engine.vision import VisionInputs
 from megarl.rollout.engine.weights import EngineWeights
 from megarl.wire.routing import RoutingRecorder
 
@@ -69,6 +72,8 @@ class GenerationEngine(EngineWeights, EngineLora, Scheduler):
         self.weight_version = "default"
         self.routing = RoutingRecorder.attach(self.model)  # None: no MoE router to record
         self._tensors_by_name = self.model.state_dict(keep_vars=True)  # HF name -> Parameter/buffer
+        self._rename = checkpoint_renamer(self.model)  # checkpoint name -> the model's (hf_names.py)
+        self.vision = VisionInputs.of(self.model, self.model_path)  # None: a text model
         self._unfilled: set[str] = set()  # params re-allocated by resume, awaiting an update
         self._weights_resident = True
         self._generator = torch.Generator()
@@ -108,10 +113,31 @@ class GenerationEngine(EngineWeights, EngineLora, Scheduler):
                 spaces_between_special_tokens=spaces_between_special_tokens,
             )
 
+    def attach_images(
+        self, input_ids: list[int], images: list, prompt: str = "input_ids", names: list[str] | None = None
+    ) -> tuple[list[int], object | None]:
+        """(the prompt's ids with each image's pad expanded, its PromptImages for
+        GenerationRequest.images) of a prompt with one `<|image_pad|>` per image (vision.py);
+        InvalidRequest naming `prompt` or the image (`names[k]`) when they do not pair up or an
+        image does not decode, or when the model has no vision tower."""
+        if self.vision is None:
+            if not images:
+                return input_ids, None
+            raise InvalidRequest(
+                f"image_data: this model ({self.model.config.model_type}) has no vision tower; send "
+                "images only to a vision-language model (Qwen2.5-VL)"
+            )
+        return self.vision.prepare(input_ids, images, prompt, names)
+
     def validate(self, req: GenerationRequest, where: str = "input_ids") -> None:
         ids = req.input_ids
         if not ids:
             raise InvalidRequest(f"{where} is empty; a prompt needs at least one token")
+        if self.vision is not None and req.images is None and self.vision.spec.image_token_id in ids:
+            raise InvalidRequest(
+                f"{where} holds image pads (id {self.vision.spec.image_token_id}) but the request has "
+                "no images: send its images in image_data, one per pad"
+            )
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest(f"{where} contains {bad[:5]} outside the model's vocabulary [0, {self.vocab_size})")

@@ -40,7 +40,7 @@ def peft_modules(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tens
 
 
 class EngineLora:
-    # set by GenerationEngine.__init__: model_path, _tensors_by_name; update_weights from EngineWeights
+    # set by GenerationEngine.__init__: model_path, _tensors_by_name, _rename; update_weights from EngineWeights
 
     lora_adapter: str | None = None  # the adapter merged into the weights now
     _lora_base: dict[str, torch.Tensor] | None = None  # HF name -> the base weight it replaced
@@ -92,10 +92,11 @@ class EngineLora:
 
         self._lora_base = dict(self._lora_base or {})
         missing = [n for n in names if n not in self._lora_base]
-        unknown = [n for n in missing if n not in self._tensors_by_name]
+        own = self._rename or (lambda name: name)  # checkpoint names -> the model's (hf_names.py)
+        unknown = [n for n in missing if own(n) not in self._tensors_by_name]
         if unknown:
             raise ValueError(f"the adapter targets modules this model does not have: {unknown[:5]}")
         if missing:  # in the engine's dtype, as the trainer holds them (a bf16 engine of an fp32 file)
-            read = read_checkpoint_tensors(self.model_path, missing)
-            self._lora_base.update({n: t.to(self._tensors_by_name[n].dtype) for n, t in read.items()})
+            read = read_checkpoint_tensors(self.model_path, missing, self._rename)
+            self._lora_base.update({n: t.to(self._tensors_by_name[own(n)].dtype) for n, t in read.items()})
         return self._lora_base

@@ -134,6 +134,9 @@ class GenerationRequest:
     return_routed_experts: bool = False  # SGLang's field: the MoE experts of every token (megarl/wire/routing.py)
     routed_experts_start_len: int = 0  # the first token whose experts are returned
     group_rid: str | None = None  # the caller's rid when n>1 expanded it into several requests
+    # a vision-language model's prompt images (engine/vision.py PromptImages, from
+    # GenerationEngine.attach_images); input_ids are then the expanded prompt
+    images: object | None = None
     on_token: Callable[[TokenStep], None] | None = None  # called on the engine thread; must not block
     created: float = field(default_factory=time.time)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)

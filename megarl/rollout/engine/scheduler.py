@@ -10,6 +10,9 @@ One thread runs `_scheduler_loop`; each turn runs exactly one forward:
   mask, kv_merge.py) and stacks the rows; positions stay per row;
 - otherwise one decode step of the running batch (every row feeds its last sampled token).
 
+A vision-language model's rows with images (vision.py) prefill with 3-D positions and their
+images' features; they decode like any row, their positions carried ahead by their rope delta.
+
 Rows leave the batch as soon as they finish (their callers are answered at once), and leading
 cache columns that are padding for every remaining row are trimmed. Between two forwards the
 scheduler resolves aborted rows, and honours a pause: `in_place` holds the batch and its KV cache
@@ -34,6 +37,7 @@ from megarl.rollout.engine.kv_cache import headroom_for
 from megarl.rollout.engine.logit_processing import process_logits, token_steps
 from megarl.rollout.engine.protocol import sample_next_tokens
 from megarl.rollout.engine.rows import Row, fill_input_logprobs, stop_reason, wants_input_logprobs
+from megarl.rollout.engine.vision import image_keys, prefill_inputs
 from megarl.wire.routing import BatchCapture
 
 log = logging.getLogger(__name__)
@@ -78,14 +82,22 @@ class RunningBatch:
             runner.trim_cache(self.cache, shared)
 
 
-def _dedupe(fed: list[list[int]]) -> tuple[list[list[int]], torch.Tensor | None]:
-    """The distinct token lists in first-seen order, and each row's index into them (None when
-    every row is distinct: nothing to share)."""
-    first: dict[tuple[int, ...], int] = {}
-    index = [first.setdefault(tuple(ids), len(first)) for ids in fed]
+def _dedupe(fed: list[list[int]], keys: list | None = None) -> tuple[list[int], torch.Tensor | None]:
+    """The rows of the distinct token lists (the first of each, in order), and each row's index
+    into them (None when every row is distinct: nothing to share). `keys`: rows share a prefill
+    only if their keys are equal too (a prompt's images, engine/vision.py: the same text with
+    other images is another prompt)."""
+    first: dict[tuple, int] = {}
+    if keys is None:
+        index = [first.setdefault(tuple(ids), len(first)) for ids in fed]
+    else:
+        index = [first.setdefault((tuple(ids), key), len(first)) for ids, key in zip(fed, keys)]
     if len(first) == len(fed):
-        return fed, None
-    return [list(ids) for ids in first], torch.tensor(index)
+        return list(range(len(fed))), None
+    firsts = {}
+    for k, j in enumerate(index):
+        firsts.setdefault(j, k)
+    return list(firsts.values()), torch.tensor(index)
 
 
 def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
@@ -93,7 +105,7 @@ def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class Scheduler:
-    # set by GenerationEngine.__init__: runner, device, max_batch_size, continuous_batching, routing,
+    # set by GenerationEngine.__init__: runner, device, max_batch_size, continuous_batching, routing, vision,
     # eos_token_ids, stats, _cond, _queue, _running, _paused, _pause_mode, _quiet, _closed, _model_lock
 
     def _scheduler_loop(self) -> None:
@@ -190,26 +202,36 @@ class Scheduler:
         Rows that feed the same tokens (the n samples of one prompt) are prefilled once and each
         gets a copy of that KV row, as SGLang's prefix cache shares them: a prefill of n x prompt
         tokens costs one prompt's. Not when a row wants its input log-probs or its experts (those
-        records are per row)."""
+        records are per row). Rows with images share only with rows of the same images."""
         fed = [row.fed_ids() for row in admitted]
         want_input_lp = any(wants_input_logprobs(row) for row in admitted)
         routing = BatchCapture.start(self.routing, admitted)  # None unless a row asked for its experts
-        unique, index = (fed, None) if want_input_lp or routing is not None else _dedupe(fed)
+        vision = self.vision is not None and any(row.req.images is not None for row in admitted)
+        firsts, index = None, None
+        if not want_input_lp and routing is None:
+            firsts, index = _dedupe(fed, image_keys(admitted) if vision else None)
+        unique = fed if index is None else [fed[k] for k in firsts]
         ids, mask = self._left_pad(unique)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        images = None
+        if vision:  # 3-D positions, the images' features at their pads (engine/vision.py)
+            rows = admitted if index is None else [admitted[k] for k in firsts]
+            positions, last, images = prefill_inputs(rows, mask, self.device)
+        else:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            last = positions[:, -1:]
         remaining = max(row.req.params.max_new_tokens - len(row.output_ids) for row in admitted)
         cache = self.runner.new_cache(headroom_for(remaining))
-        out, version = self._forward(ids, mask, positions, cache, keep_all=want_input_lp)
+        out, version = self._forward(ids, mask, positions, cache, keep_all=want_input_lp, images=images)
         self.stats["prefill_rows"] += len(unique)
         logits = out.logits[:, -1]
         if index is not None:
             out.past_key_values.batch_select_indices(index.to(self.device))
-            mask, positions, logits = mask[index], positions[index], logits[index]
+            mask, last, logits = mask[index], last[index], logits[index]
         if routing is not None:
             routing.prefill(ids.shape[1])
         if want_input_lp:
             fill_input_logprobs(admitted, out.logits, ids)
-        joined = RunningBatch(admitted, out.past_key_values, mask, positions[:, -1:])
+        joined = RunningBatch(admitted, out.past_key_values, mask, last)
         for row in admitted:
             if row.req.params.max_new_tokens == 0:
                 self._resolve(row, {"type": "length", "length": 0})
@@ -238,13 +260,14 @@ class Scheduler:
         batch.keep_unfinished(self.runner, self.device)
         return batch if batch.rows else None
 
-    def _forward(self, ids, mask, positions, cache, keep_all: bool):
-        """(model output, the weight_version it ran with)."""
+    def _forward(self, ids, mask, positions, cache, keep_all: bool, images=None):
+        """(model output, the weight_version it ran with). `images`: a vision prefill's (vision.py)."""
+        extra = {} if images is None else {"images": images}
         while True:  # weights may be released between the caller's check and this lock
             with self._model_lock:
                 if self.weights_ready:
                     self.stats["forward_steps"] += 1
-                    return self.runner.forward(ids, mask, positions, cache, keep_all), self.weight_version
+                    return self.runner.forward(ids, mask, positions, cache, keep_all, **extra), self.weight_version
             with self._cond:
                 while not self.weights_ready and not self._closed:
                     self._wait_quietly()

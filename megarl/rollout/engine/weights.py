@@ -169,19 +169,22 @@ class EngineWeights:
         return {by_identity[id(self._tensors_by_name[n])] for n in names if id(self._tensors_by_name[n]) in by_identity}
 
 
-def read_checkpoint_tensors(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
+def read_checkpoint_tensors(model_path: str, names: list[str], rename=None) -> dict[str, torch.Tensor]:
     """`names` from the safetensors files of the checkpoint at `model_path` (KeyError naming the
-    first one that none of them holds)."""
+    first one that none of them holds). `rename` (hf_names.checkpoint_renamer): a name and a file
+    key match when they rename alike, so the loaded model's names find the checkpoint's tensors."""
     from pathlib import Path
 
     from safetensors import safe_open
 
-    wanted, found = set(names), {}
+    own = rename or (lambda name: name)
+    wanted, found = {own(n): n for n in names}, {}
     for path in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
-            for name in wanted.intersection(f.keys()):
-                found[name] = f.get_tensor(name)
-    missing = sorted(wanted - set(found))
+            for key in f.keys():
+                if own(key) in wanted:
+                    found[wanted[own(key)]] = f.get_tensor(key)
+    missing = sorted(set(names) - set(found))
     if missing:
         raise KeyError(f"{missing[0]} is in none of the safetensors files of {model_path}")
     return found

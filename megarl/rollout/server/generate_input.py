@@ -3,7 +3,10 @@
 Every field is checked against sglang_fields.py first (unknown or unsupported -> InvalidRequest
 naming it); the honoured ones are parsed here with SGLang's ranges. Batched input with n > 1
 expands prompt-major ([p0s0, p0s1, ..., p1s0, ...]), as SGLang's TokenizerManager does; a single
-prompt with n > 1 becomes a batch of one.
+prompt with n > 1 becomes a batch of one. A vision-language engine also takes `image_data`
+(image_data.py): each prompt's pads are expanded before anything else is checked, so lengths
+(context, max_new_tokens=null, input log-probs, prompt_tokens) count the expanded prompt, as in
+SGLang; the n samples of a prompt share its images.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.rollout.engine.protocol import GenerationRequest, InvalidRequest, SamplingParams
+from megarl.rollout.server.image_data import attach, check_modalities
 from megarl.rollout.server.sglang_fields import GENERATE_FIELDS, SAMPLING_FIELDS, check_fields
 
 _GREEDY_BELOW = 1e-6  # temperatures this small are greedy, as in SGLang
@@ -232,6 +236,22 @@ def _prompts(body: dict, engine) -> tuple[list[list[int]], bool]:
     return [input_ids], True
 
 
+def _prompts_and_images(body: dict, engine) -> tuple[list[list[int]], bool, list]:
+    """(token ids per prompt, single, each prompt's images or None). A vision-language engine
+    takes image_data (image_data.py); its prompts come back with each image's pad expanded."""
+    vision = getattr(engine, "vision", None) is not None
+    check_fields(body, GENERATE_FIELDS, "", vision=vision)
+    prompts, single = _prompts(body, engine)
+    if not vision:
+        return prompts, single, [None] * len(prompts)
+    if body.get("modalities") is not None:
+        check_modalities(body["modalities"])
+    field = "text" if body.get("text") is not None else "input_ids"
+    fields = [field] if single else [f"{field}[{i}]" for i in range(len(prompts))]
+    prompts = list(prompts)  # the expanded prompts replace the body's
+    return prompts, single, attach(engine, prompts, body.get("image_data"), single, fields)
+
+
 def _token_ids_logprob(raw, count: int) -> list[tuple[int, ...] | None]:
     """SGLang's shapes: null or [] (none), list[int] (the same ids for every prompt), list[list[int]]."""
     if not raw:
@@ -262,8 +282,7 @@ def parse_generate(body: Any, engine) -> GenerateCall:
     """SGLang GenerateReqInput -> GenerateCall; `engine` encodes text and validates requests."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    check_fields(body, GENERATE_FIELDS, "")
-    prompts, single = _prompts(body, engine)
+    prompts, single, images = _prompts_and_images(body, engine)
     count, raw_params = len(prompts), body.get("sampling_params")
     if isinstance(raw_params, list) and single:
         raise InvalidRequest("sampling_params is a list but the request has a single prompt")
@@ -302,6 +321,7 @@ def parse_generate(body: Any, engine) -> GenerateCall:
                 return_routed_experts=routed,
                 routed_experts_start_len=_integer(routed_start[i] or 0, "routed_experts_start_len", minimum=0),
                 group_rid=rids[i] if n > 1 else None,
+                images=images[i],
             )
             engine.validate(req, where)
             requests.append(req)

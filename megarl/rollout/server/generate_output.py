@@ -4,7 +4,10 @@ Log-prob fields use SGLang's shapes: `*_token_logprobs` are [logprob, token_id, 
 `*_top_logprobs` and `*_token_ids_logprobs` hold one list of such triples per position (None for
 the first prompt token, which nothing predicts); text is the token's decoding only with
 return_text_in_logprobs, else null. Non-finite floats (a token masked to -inf by min_new_tokens
-or logit_bias) become null, as SGLang's orjson writes them.
+or logit_bias) become null, as SGLang's orjson writes them. A prompt with images (a
+vision-language engine, image_data.py) is reported as the engine ran it, each image's one pad
+expanded to prod(grid) / merge^2 pads as in SGLang: prompt_tokens, prompt_token_ids and the input
+log-probs (logprob_start_len counts from its start) are those of the expanded prompt.
 
 meta_info carries SGLang's fields (id, finish_reason, prompt_tokens, completion_tokens,
 cached_tokens, weight_version: the engine's version when the answer was made, num_retractions,

@@ -16,7 +16,9 @@ scripts/install_sglang.sh, run it and the tests, and update these tables. Each f
   disaggregation bootstrap, options that only act on inputs this server refuses).
 - OFF_ONLY: accepted only at a value that means "off" (its default, null, false, [], {}, or a
   list of those); anything else asks for something this engine cannot give and gets HTTP 400
-  with the reason.
+  with the reason. Those marked `vision` (image_data, modalities) are HONOURED when the engine
+  serves a vision-language model (Qwen2.5-VL: image_data.py) and OFF_ONLY with a text model,
+  which has no vision tower to take them.
 
 A field in neither table is not SGLang's and gets HTTP 400 too (with a spelling hint), because a
 misspelt option silently ignored is worse than a rejected request.
@@ -38,6 +40,7 @@ class Field:
     kind: str
     default: object = None  # SGLang's default
     why: str = ""  # OFF_ONLY: why another value is refused; NO_OP: why it changes nothing here
+    vision: bool = False  # OFF_ONLY on a text model, HONOURED by a vision-language model
 
 
 def _off(why: str, default=None) -> Field:
@@ -48,8 +51,13 @@ def _noop(why: str, default=None) -> Field:
     return Field(NO_OP, default, why)
 
 
-_TEXT_ONLY = "the embedded engine serves text-only causal LMs"
-_NO_MM = "it only shapes multimodal inputs, which this server refuses"
+_TEXT_ONLY = "the embedded engine takes text and images only"
+_NO_VISION = (
+    "this model has no vision tower; images go to a vision-language model (Qwen2.5-VL), which takes them as SGLang does"
+)
+_NO_MM = "it only shapes video or audio inputs, which this server refuses"
+_TILING = "only dynamic-tiling processors (InternVL-style) read it; Qwen2.5-VL's resizes each image whole"
+_EPD = "encoder disaggregation; this server runs the vision tower itself"
 _ROUTING = "a routing or scheduling hint; this server is one engine with one queue"
 _PD = "prefill/decode disaggregation; this server runs both phases itself"
 _OBSERVABILITY = "metrics and request logging; this server keeps neither per request"
@@ -84,24 +92,28 @@ GENERATE_FIELDS: dict[str, Field] = {
     "routed_experts_start_len": Field(HONOURED, 0),
     "return_indexer_topk": _off("sparse-attention indexer records are not kept by this engine", False),
     "return_bytes": _noop("only image generation returns bytes", False),
-    # inputs this engine cannot take
-    "image_data": _off(_TEXT_ONLY),
+    # images: a vision-language model's (image_data.py: base64, data: URLs, file paths; one pad
+    # per image in the prompt), refused by a text model; other modalities: refused
+    "image_data": Field(OFF_ONLY, None, _NO_VISION, vision=True),
+    "modalities": Field(OFF_ONLY, None, _NO_VISION, vision=True),  # a VLM takes "image" / "multi-images"
     "video_data": _off(_TEXT_ONLY),
     "audio_data": _off(_TEXT_ONLY),
-    "modalities": _off(_TEXT_ONLY),
-    "mm_hashes": _off(_TEXT_ONLY),
-    "mm_content_hashes": _off(_TEXT_ONLY),
+    "mm_hashes": _off("images are sent whole; this engine keeps no cache of image features by hash"),
+    "mm_content_hashes": _off("images are sent whole; this engine keeps no cache of image features by hash"),
     "use_audio_in_video": _noop(_NO_MM, False),
     "video_config": _noop(_NO_MM),
-    "images_config": _noop(_NO_MM),
-    "mm_processor_kwargs": _noop(_NO_MM),
-    "max_dynamic_patch": _noop(_NO_MM),
-    "min_dynamic_patch": _noop(_NO_MM),
-    "image_max_dynamic_patch": _noop(_NO_MM),
+    "images_config": _noop("only the Unlimited-OCR processor reads it"),
+    "mm_processor_kwargs": _off(
+        "per-request image-processor options are not applied: images are processed with the "
+        "checkpoint's preprocessor_config.json"
+    ),
+    "max_dynamic_patch": _noop(_TILING),
+    "min_dynamic_patch": _noop(_TILING),
+    "image_max_dynamic_patch": _noop(_TILING),
     "video_max_dynamic_patch": _noop(_NO_MM),
-    "need_wait_for_mm_inputs": _noop(_NO_MM),
-    "num_items_assigned": _noop(_NO_MM),
-    "encoder_urls": _noop(_NO_MM),
+    "need_wait_for_mm_inputs": _noop(_EPD),
+    "num_items_assigned": _noop(_EPD),
+    "encoder_urls": _noop(_EPD),
     "positional_embed_overrides": _off("embedding overrides are not accepted; send token ids"),
     "token_indices_to_pool": _off("pooling is for embedding requests, which this server does not serve"),
     "watermark": _off("watermarking is not implemented by this engine"),
@@ -203,9 +215,10 @@ def is_off(value, default=None) -> bool:
     return isinstance(value, list) and all(is_off(v, default) for v in value)
 
 
-def check_fields(raw: dict, table: dict[str, Field], where: str) -> None:
+def check_fields(raw: dict, table: dict[str, Field], where: str, vision: bool = False) -> None:
     """Refuse (InvalidRequest, naming the field, the value and why) unknown fields and OFF_ONLY
-    fields set to something else; HONOURED fields are validated by their parsers."""
+    fields set to something else; HONOURED fields are validated by their parsers. `vision`: the
+    engine serves a vision-language model, whose `vision` fields are honoured."""
     for key, value in raw.items():
         rule = table.get(key)
         if rule is None:
@@ -215,7 +228,7 @@ def check_fields(raw: dict, table: dict[str, Field], where: str) -> None:
                 + (f"; did you mean {hint[0]!r}?" if hint else "")
                 + " (megarl/rollout/server/sglang_fields.py lists every accepted field)"
             )
-        if rule.kind == OFF_ONLY and not is_off(value, rule.default):
+        if rule.kind == OFF_ONLY and not (vision and rule.vision) and not is_off(value, rule.default):
             raise InvalidRequest(
                 f"{where}{key}={value!r:.120} is not supported by the embedded rollout server: "
                 f"{rule.why}; leave it out or set it to {rule.default!r}"

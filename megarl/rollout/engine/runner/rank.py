@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megarl.rollout.engine import kv_merge
 from megarl.rollout.engine.attn_mask import forward_step, prepare_model
+from megarl.rollout.engine.hf_names import checkpoint_renamer
 from megarl.rollout.engine.runner.receive import (
     ReceiveBuffer,
     ReceiveFailed,
@@ -108,6 +109,7 @@ class RankWorker:
         self.model, self.plan, self.full_shapes = model, plan, full_shapes
         self.tp, self.rank, self.device = tp, rank, device
         self.tensors = model.state_dict(keep_vars=True)  # HF name -> this rank's Parameter/buffer
+        self._rename = checkpoint_renamer(model)  # checkpoint name -> the model's (hf_names.py); None: same
         self._caches: dict[int, object] = {}  # cache id -> this rank's DynamicCache (local heads)
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self.groups = UpdateGroups(rank)
@@ -240,12 +242,16 @@ class RankWorker:
             buffers = receive_messages(group, ranks[self.rank], self.buffers)
             pieces, problems = message_pieces(ranks[self.rank], buffers, self._local_shape)
             _reject_if(problems)
+            if self._rename is not None:
+                pieces = [Piece(self._rename(p.name), p.box, p.read) for p in pieces]
             return pieces
         if source == "distributed":
             full = receive_full_tensors(self.groups.get(cmd["group_name"]), cmd, self.buffers)
             items = [(n, tuple(t.shape), partial(ShardSpec.take, full=t)) for n, t in full]
         else:
             items = self._update_items(cmd)
+        if self._rename is not None:  # the checkpoint's names (what senders export) -> the model's
+            items = [(self._rename(name), shape, fetch) for name, shape, fetch in items]
         check_update([(name, shape) for name, shape, _ in items], self.full_shapes, type(self.model).__name__)
         pieces = []
         for name, shape, fetch in items:
@@ -253,6 +259,8 @@ class RankWorker:
         return pieces
 
     def _local_shape(self, name: str) -> tuple[int, ...] | None:
+        if self._rename is not None:
+            name = self._rename(name)
         if name not in self.full_shapes:
             return None
         return shard_spec(name, self.full_shapes[name], self.plan, self.tp, self.rank).local_shape

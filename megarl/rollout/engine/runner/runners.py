@@ -2,6 +2,7 @@
 `TPRunner` (rank 0 of a tensor-parallel mesh). Both offer the same calls:
 
     new_cache(headroom) -> cache    forward(ids, mask, positions, cache, keep_all) -> .logits, .past_key_values
+    (LocalRunner.forward also takes a vision-language prefill's `images`: engine/vision.py)
     load_named(named, ...) / load_payloads(payloads, load_format, ...) / load_files(files) -> Applied
     load_distributed(request) / load_reshard(request) -> Applied    (received over an update group)
     commit(weight_version) -> Applied      abort() -> pieces discarded      (the stage of defer=True updates)
@@ -34,6 +35,7 @@ import torch
 
 from megarl.rollout.engine import kv_merge
 from megarl.rollout.engine.attn_mask import forward_step
+from megarl.rollout.engine.hf_names import model_to_checkpoint
 from megarl.rollout.engine.runner.channel import CommandChannel
 from megarl.rollout.engine.runner.rank import Applied, RankWorker, UpdateFailed, UpdateRejected, encode_inputs
 from megarl.rollout.engine.runner.sharding import parameter_layout
@@ -75,10 +77,9 @@ class LocalRunner(_WeightCommands):
     tp_size = nnodes = 1
 
     def __init__(self, model_path: str, dtype: str, device: torch.device):
-        from transformers import AutoModelForCausalLM
-
         self.device = device
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        model_class = _model_class(model_path)
+        self.model = model_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.full_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self._worker = RankWorker(self.model, {}, self.full_shapes, tp=1, rank=0, device=device)
@@ -88,7 +89,13 @@ class LocalRunner(_WeightCommands):
 
         return new_engine_cache(headroom)
 
-    def forward(self, ids, mask, positions, cache, keep_all: bool):
+    def forward(self, ids, mask, positions, cache, keep_all: bool, images=None):
+        """`images`: a vision-language prefill's images (engine/vision.py PrefillImages), which
+        then takes 3-D positions [3, rows, width]."""
+        if images is not None:
+            from megarl.rollout.engine.vision import vision_forward
+
+            return vision_forward(self.model, ids, mask, positions, cache, keep_all, images)
         return forward_step(self.model, ids, mask, positions, cache, keep_all)
 
     def merge_caches(self, into, other) -> None:
@@ -123,10 +130,23 @@ class LocalRunner(_WeightCommands):
         return self._worker.resume()
 
     def layout(self) -> dict:
-        return parameter_layout(self.full_shapes, {}, 1)
+        """Under the checkpoint's names (hf_names.py): the names a sender exports."""
+        saved = model_to_checkpoint(self.model, self.full_shapes)
+        return parameter_layout({saved[n]: shape for n, shape in self.full_shapes.items()}, {}, 1)
 
     def close(self) -> None:
         pass
+
+
+def _model_class(model_path: str):
+    """transformers' image-text class for a vision-language checkpoint (models/vision.py), else
+    its causal LM class."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from megarl.models.vision import VisionSpec
+
+    vision = VisionSpec.of(AutoConfig.from_pretrained(model_path)) is not None
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
 
 
 class _CacheHandle:

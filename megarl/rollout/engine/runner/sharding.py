@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.models.vision import VisionSpec
+
 VOCAB_EMBEDDING = "megarl_vocab_embedding"
 VOCAB_HEAD = "megarl_vocab_head"
 BLOCK_GATHER = "gather"  # transformers' GatherParallel: all-reduce a block's first output
@@ -73,6 +75,12 @@ def validate_tp(config, tp: int) -> None:
     """ValueError naming the config key that tp does not divide (heads are never split inside)."""
     if tp < 1:
         raise ValueError(f"--tp {tp} must be >= 1")
+    if tp > 1 and VisionSpec.of(config) is not None:  # the mesh shards and runs text models only
+        raise ValueError(
+            f"--tp {tp}: vision-language models ({config.model_type}) run with tp=1 in the embedded "
+            "engine (its tensor-parallel ranks shard and feed text models only); start it with --tp 1, "
+            "or more engines behind the router"
+        )
     for key in _SPLIT_CONFIG_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int) and value % tp:

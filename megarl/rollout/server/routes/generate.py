@@ -12,6 +12,7 @@ import concurrent.futures
 import threading
 
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from megarl.rollout.engine.generation import GenerationEngine
@@ -27,7 +28,11 @@ router = APIRouter()
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request):
     engine = engine_of(request)
-    call = parse_generate(await read_body(request), engine)
+    body = await read_body(request)
+    if isinstance(body, dict) and body.get("image_data") is not None:  # decoding images: off the event loop
+        call = await run_in_threadpool(parse_generate, body, engine)
+    else:
+        call = parse_generate(body, engine)
     if call.stream:
         stream = GenerationStream(call, engine, item_of(call, engine))
         return StreamingResponse(stream.events(request), media_type="text/event-stream")
