@@ -63,12 +63,19 @@ def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
 
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor the transformers model of `config` saves (meta device)."""
-    from transformers import AutoModelForCausalLM
+    """name -> shape of every tensor the transformers model of `config` saves (meta device; a
+    vision-language model's under the names its checkpoints use, models/hf_names.py)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from megarl.models.hf_names import model_to_checkpoint
+    from megarl.models.vision import VisionSpec
+
+    auto = AutoModelForCausalLM if VisionSpec.of(config) is None else AutoModelForImageTextToText
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        model = auto.from_config(config)
+    state = model.state_dict()
+    saved = model_to_checkpoint(model, list(state))
+    shapes = {saved[k]: tuple(v.shape) for k, v in state.items()}
     if getattr(config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)  # transformers saves the embedding only
     return shapes

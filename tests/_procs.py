@@ -115,3 +115,20 @@ def _wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float) -> str:
             return "".join(seen)
     proc.kill()
     raise AssertionError(f"never saw {text!r}; output:\n{''.join(seen)[-3000:]}")
+
+
+def whole_and_resumed(root: Path, run: list[str], steps: int, cut_extra: tuple[str, ...] = ()) -> str:
+    """`megarl train` of `run` for `steps` steps under root/whole; the same run under root/cut
+    stopped at its checkpoint of step steps // 2 and resumed to `steps`. Returns the resumed
+    run's output; each run must succeed within 300 s."""
+    import uuid
+
+    def finish(args: list[str]) -> str:
+        out, _ = (proc := _start(["train", *args], uuid.uuid4().hex)).communicate(timeout=300)
+        assert proc.returncode == 0, out[-4000:]
+        return out
+
+    finish([*run, f"trainer.total_steps={steps}", f"trainer.output_dir={root}/whole"])
+    cut = [*run, f"trainer.output_dir={root}/cut", f"trainer.save_every={steps // 2}", *cut_extra]
+    finish([*cut, f"trainer.total_steps={steps // 2}"])
+    return finish([*cut, f"trainer.total_steps={steps}"])

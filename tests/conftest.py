@@ -45,6 +45,7 @@ SLOW_MODULES = {
     "tests/engine/test_megatron_engine.py",
     "tests/engine/test_vlm_engine.py",
     "tests/rollout/client/test_manager_images.py",
+    "tests/trainer/test_vlm_run.py",
     "tests/engine/test_output_head.py",
     "tests/engine/test_offload.py",
     "tests/engine/test_routing_replay.py",

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 
-from tests._procs import _start, assert_runs_identical, run_cli
+from tests._procs import _start, assert_runs_identical, run_cli, whole_and_resumed
 from tests.trainer.test_durability import _finish, _tensors
 
 STEPS = 6
@@ -31,12 +31,7 @@ RUN = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_run")
-    _finish(
-        _start(["train", *RUN, f"trainer.total_steps={STEPS}", f"trainer.output_dir={root}/whole"], uuid.uuid4().hex)
-    )
-    cut = [*RUN, f"trainer.output_dir={root}/cut", f"trainer.save_every={STEPS // 2}"]
-    _finish(_start(["train", *cut, f"trainer.total_steps={STEPS // 2}"], uuid.uuid4().hex))
-    resumed = _finish(_start(["train", *cut, f"trainer.total_steps={STEPS}"], uuid.uuid4().hex))
+    resumed = whole_and_resumed(root, RUN, STEPS)
     adapter = [*RUN, f"trainer.total_steps={STEPS}", f"trainer.output_dir={root}/adapter", "bridge.transport=adapter"]
     _finish(_start(["train", *adapter, "trainer.export_hf=false"], uuid.uuid4().hex))
     return {

@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from megarl.rollout.engine.hf_names import checkpoint_renamer
+from megarl.models.hf_names import checkpoint_renamer
 from megarl.rollout.engine.lora import EngineLora
 from megarl.rollout.engine.protocol import GenerationRequest, InvalidRequest, WeightsUnavailable
 from megarl.rollout.engine.rows import Row as _Row

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.models.hf_names import checkpoint_renamer
 from megarl.rollout.engine import kv_merge
 from megarl.rollout.engine.attn_mask import forward_step, prepare_model
-from megarl.rollout.engine.hf_names import checkpoint_renamer
 from megarl.rollout.engine.runner.receive import (
     ReceiveBuffer,
     ReceiveFailed,

@@ -33,9 +33,9 @@ from types import SimpleNamespace
 
 import torch
 
+from megarl.models.hf_names import model_to_checkpoint
 from megarl.rollout.engine import kv_merge
 from megarl.rollout.engine.attn_mask import forward_step
-from megarl.rollout.engine.hf_names import model_to_checkpoint
 from megarl.rollout.engine.runner.channel import CommandChannel
 from megarl.rollout.engine.runner.rank import Applied, RankWorker, UpdateFailed, UpdateRejected, encode_inputs
 from megarl.rollout.engine.runner.sharding import parameter_layout
