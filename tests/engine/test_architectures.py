@@ -258,8 +258,10 @@ def test_schema_presets_are_the_built_presets():
     import typing
 
     from megarl.config.schema import ModelConfig
-    from megarl.models import smollm2
+    from megarl.models import smollm2, tiny_vlm
     from megarl.models.tiny import PRESETS
 
-    # every preset the schema offers is built in code, or materialised from a package (SmolLM2)
-    assert set(typing.get_args(typing.get_type_hints(ModelConfig)["preset"])) == set(PRESETS) | {smollm2.PRESET}
+    # every preset the schema offers is built in code (the text models, the VLM), or materialised
+    # from a package (SmolLM2)
+    built = set(PRESETS) | {tiny_vlm.PRESET, smollm2.PRESET}
+    assert set(typing.get_args(typing.get_type_hints(ModelConfig)["preset"])) == built

@@ -7,7 +7,8 @@ own ranks). Tolerances (fp32 Megatron against float64 references):
 - log-probs: 3e-5 absolute (observed up to 2.4e-6, 1.3e-5 on the 4-layer model: the adapters are
   large, 0.2 x N(0, 1), so the log-probs reach -6);
 - adapter gradients of the mean response NLL: 2e-5 of the largest gradient (0.3 .. 1.2; observed
-  up to 1.1e-5 of it: fp32 rounding of the dense model's lm_head adapter);
+  up to 1.1e-5 of it: fp32 rounding of the dense model's lm_head adapter), 5e-5 on the 4-layer
+  model (observed 2.4e-5, as HF + peft's own float32 run: the first layer's adapters);
 - merged HF weights against peft's merge_and_unload: 1e-6 absolute;
 - PEFT folder, checkpoint TP=2 -> EP=2 and adapter state round trips: exact.
 """
@@ -239,7 +240,10 @@ def test_dense_lora_under_tp2_and_vpp_equals_hf_peft(results, paths, model, layo
     want_logp, want_grads, _ = _reference(paths[model], results[0][f"{model}_adapters"])
     got = next(r[layout] for r in results if r[layout]["log_probs"] is not None)  # the last stage's
     assert (got["log_probs"].double() - want_logp).abs().max() < 3e-5
-    assert _close(got["grads"], want_grads) < 2e-5 * _largest(want_grads)
+    # float32 through four layers: HF + peft itself in float32 is 1.2e-4 (2.5e-5 of the largest)
+    # off its float64 gradients of the deep model's first layer; a wrong scale or a missed
+    # adapter is off by the gradient's own size
+    assert _close(got["grads"], want_grads) < 5e-5 * _largest(want_grads)
 
 
 def test_the_distributed_optimizer_holds_only_adapters(results):
