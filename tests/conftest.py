@@ -44,6 +44,8 @@ SLOW_MODULES = {
     "tests/engine/test_lora.py",
     "tests/engine/test_megatron_engine.py",
     "tests/engine/test_vlm_engine.py",
+    "tests/engine/test_recipes_engine.py",
+    "tests/trainer/test_recipe_runs.py",
     "tests/rollout/client/test_manager_images.py",
     "tests/trainer/test_vlm_run.py",
     "tests/engine/test_output_head.py",

@@ -10,7 +10,9 @@ Every estimator takes what it needs by parameter name, from
     group_index          (B,)   dense 0..G-1 from the per-row `uid`s (rows of one prompt share it)
     values               (B, R) the critic's values (gae)
     baseline_scores      (B,)   the greedy rollout's score for the row's prompt (remax)
-plus the options gamma, lam, norm_by_std, eps, and returns (advantages, returns), both (B, R) and
+    process_rewards      (B, R) an implicit PRM's token rewards (prime, algo/prime.py)
+plus the options gamma, lam, norm_by_std, eps (and process_coef, outcome_coef for prime;
+sppo_eta, bt_scale for sppo, algo/self_play.py), and returns (advantages, returns), both (B, R) and
 exactly 0 where response_mask is 0. Arithmetic is float64 inside; outputs have the dtype of the
 rewards (float32 for integer rewards).
 
@@ -33,8 +35,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-INPUTS = ("scores", "token_level_rewards", "response_mask", "group_index", "values", "baseline_scores")
-OPTIONS = ("gamma", "lam", "norm_by_std", "eps")
+INPUTS = (
+    "scores",
+    "token_level_rewards",
+    "response_mask",
+    "group_index",
+    "values",
+    "baseline_scores",
+    "process_rewards",
+)
+OPTIONS = ("gamma", "lam", "norm_by_std", "eps", "process_coef", "outcome_coef", "sppo_eta", "bt_scale")
 WHITEN_EPS = 1e-8
 
 
@@ -47,8 +57,9 @@ class Estimator:
 
     @property
     def score_only(self) -> bool:
-        """Needs nothing beyond rewards/scores, the mask and the group ids (no critic, no baseline rollout)."""
-        return not {"values", "baseline_scores"} & set(self.inputs)
+        """Needs nothing beyond rewards/scores, the mask and the group ids (no critic, no baseline
+        rollout, no process reward model)."""
+        return not {"values", "baseline_scores", "process_rewards"} & set(self.inputs)
 
 
 ESTIMATORS: dict[str, Estimator] = {}
@@ -83,12 +94,13 @@ def compute_advantages(
     *,
     values: torch.Tensor | None = None,
     baseline_scores: torch.Tensor | None = None,
+    process_rewards: torch.Tensor | None = None,
     **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) of estimator `name`, each (B, R) and 0 outside response_mask.
 
     rewards: (B,) per-row scores or (B, R) token-level rewards. group_ids: one uid per row (any
-    hashables). options: gamma, lam, norm_by_std, eps; an estimator ignores those it does not take.
+    hashables). options: the OPTIONS; an estimator ignores those it does not take.
     """
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ESTIMATORS)}")
@@ -106,7 +118,12 @@ def compute_advantages(
             f"token-level rewards {tuple(rewards.shape)} and response_mask {tuple(response_mask.shape)} differ in shape"
         )
     rewards = rewards if rewards.is_floating_point() else rewards.float()
-    given = {"response_mask": response_mask, "values": values, "baseline_scores": baseline_scores}
+    given = {
+        "response_mask": response_mask,
+        "values": values,
+        "baseline_scores": baseline_scores,
+        "process_rewards": process_rewards,
+    }
     kwargs = {}
     for key in est.inputs:
         if key == "scores":
@@ -321,6 +338,45 @@ def gae(token_level_rewards, values, response_mask, gamma=1.0, lam=1.0):
         adv[:, t] = a * m
     returns = (adv + v) * mask
     return masked_whiten(adv, mask), returns
+
+
+# ------------------------------------------------------------------ recipes' estimators
+@register_estimator("sppo")
+def sppo(scores, response_mask, group_index, sppo_eta=1.0, bt_scale=1.0):
+    """SPPO (arXiv 2405.00675): each sample's win probability against the policy, estimated over
+    its prompt's K samples under a Bradley-Terry model of the scores,
+    P_i = 1/K sum_k sigmoid(bt_scale * (s_i - s_k)) (k = i included: 1/2, as the paper's mean over
+    the K samples); advantages = sppo_eta * (P_i - 1/2), the sppo loss's target log-ratio
+    (algo/sequence_losses.py); returns = P_i. A group of 1 gets P = 1/2, advantage 0."""
+    s = _f64(scores)
+    wins = torch.sigmoid(bt_scale * (s.unsqueeze(1) - s.unsqueeze(0)))  # (B, B): row i beats row k
+    same = (group_index.unsqueeze(1) == group_index.unsqueeze(0)).to(s.dtype)
+    p = (wins * same).sum(1) / same.sum(1)
+    return _broadcast(sppo_eta * (p - 0.5), response_mask), _broadcast(p, response_mask)
+
+
+def _leave_one_out(per_row: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The mean of the other rows of each row's group (0 for a row alone in its group)."""
+    counts, sums, _ = _group_stats(per_row, index)
+    return torch.where(counts > 1, (sums - per_row) / (counts - 1).clamp(min=1), per_row)
+
+
+@register_estimator("prime")
+def prime(scores, process_rewards, response_mask, group_index, gamma=1.0, process_coef=5.0, outcome_coef=5.0):
+    """PRIME (arXiv 2502.01456): leave-one-out baselines for both reward sources, then returns.
+    A token's process reward (the implicit PRM's, algo/prime.py) minus the mean over the prompt's
+    other samples of their mean token reward; the outcome score minus the other samples' mean
+    score, on the last response token; each source weighted by its coefficient, summed, discounted
+    into returns G_t and whitened over the batch's response tokens (the returns are G)."""
+    mask, s, r = _f64(response_mask), _f64(scores), _f64(process_rewards)
+    lengths = mask.sum(-1)
+    mean_reward = (r * mask).sum(-1) / lengths.clamp(min=1)
+    alone = _group_stats(s, group_index)[0] <= 1  # no other sample: no baseline, no advantage
+    process = (r - _leave_one_out(mean_reward, group_index).unsqueeze(-1)) * mask
+    outcome = token_level_rewards(s - _leave_one_out(s, group_index), mask)
+    rewards = torch.where(alone.unsqueeze(-1), torch.zeros_like(r), process_coef * process + outcome_coef * outcome)
+    returns = _discounted_returns(rewards, mask, gamma)
+    return masked_whiten(returns, mask), returns
 
 
 def grpo_advantages(

@@ -11,18 +11,25 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # the reward section (rules, model rewards): megarl/config/schema_reward.py
+# shared by the actor, critic and PRM sections: megarl/config/schema_parts.py
+from megarl.config.schema_parts import OffloadConfig, OptimConfig, ParallelConfig, Recompute  # noqa: F401
+from megarl.config.schema_recipes import PrimeConfig, PrmConfig, SpinConfig, SppoConfig
 from megarl.config.schema_reward import OverlongBufferConfig, RewardConfig, RewardModelConfig  # noqa: F401
 from megarl.config.schema_sft import SFTConfig
 from megarl.config.schema_trackers import LoggerName, MlflowConfig, WandbConfig
 
 KlLossType = Literal["k1", "k2", "k3", "low_var_kl"]
-# Activation recompute (Megatron's; numbers unchanged: tests/engine/test_engine_recompute.py). "none"
-# keeps every activation; "selective" recomputes core attention (no [s, s] scores kept, a few % more
-# compute); "full" keeps each layer's input and recomputes the layer in backward (granularity full,
-# method uniform, 1 layer per unit): least memory, ~+33% compute. MFU counts model FLOPs (trainer/mfu.py).
-Recompute = Literal["none", "selective", "full"]
 AdvEstimator = Literal[
-    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gae"
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "gae",
+    "sppo",
+    "prime",
 ]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
@@ -116,33 +123,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: KlLossType = "k1"  # the per-token KL estimator in the reward (algo/kl.py)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-
-
-@dataclass
-class ParallelConfig:
-    tp: int = 1  # tensor parallel
-    pp: int = 1  # pipeline parallel
-    ep: int = 1  # expert parallel
-    etp: int = 1  # expert tensor parallel
-    cp: int = 1  # context parallel
-    vpp: int = 1  # virtual pipeline stages per pp rank (interleaved 1F1B)
-    # uneven pipelines (Megatron's num_layers_in_first/last_pipeline_stage): layers of the first /
-    # last stage; the rest split evenly over the middle stages. None: an even split. DeepSeek-V3's
-    # 61 layers (a prime) need it for any pp other than 1
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-    sequence_parallel: bool | None = None  # None: on when tp > 1
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
-    use_distributed_optimizer: bool = True
+    sppo: SppoConfig = field(default_factory=SppoConfig)  # the recipes' options (schema_recipes.py)
+    spin: SpinConfig = field(default_factory=SpinConfig)
+    prime: PrimeConfig = field(default_factory=PrimeConfig)
 
 
 @dataclass
@@ -181,17 +164,6 @@ class LoraConfig:
 
 
 @dataclass
-class OffloadConfig:
-    """What leaves the device between calls (colocation): host memory, pinned on GPU machines.
-    Parameters come back for every forward, gradients and optimizer state only for updates."""
-
-    params: bool = False
-    grads: bool = False
-    optimizer: bool = False
-    host_optimizer: float = 0.0  # share of Adam's state and step kept and run on the host (CPU Adam)
-
-
-@dataclass
 class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -201,8 +173,9 @@ class ActorConfig:
     max_tokens_per_micro_batch: int | None = None  # set: micro-batches by token budget, not rows
     pack_sequences: bool = True  # THD packing inside the engine; False: right-padded rows
     ppo_epochs: int = 1  # passes over each step's rows
-    # the policy loss (megarl/algo/losses.py): vanilla PPO clip (+ dual-clip), gspo, cispo
-    policy_loss: Literal["vanilla", "gspo", "cispo"] = "vanilla"
+    # the policy loss (megarl/algo/losses.py): vanilla PPO clip (+ dual-clip), gspo, cispo; or a
+    # sequence loss against the reference (algo/sequence_losses.py): spin, sppo
+    policy_loss: Literal["vanilla", "gspo", "cispo", "spin", "sppo"] = "vanilla"
     clip_ratio_low: float = 0.2  # vanilla: ratio clipped to [1 - low, 1 + high];
     clip_ratio_high: float = 0.2  # high > low is DAPO's clip-higher (e.g. 0.28)
     clip_ratio_c: float | None = None  # vanilla: dual-clip (> 1, e.g. 3): for A < 0 the loss is
@@ -241,8 +214,9 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    enabled: bool | None = None  # None: on exactly when actor.use_kl_loss or algorithm.use_kl_in_reward
+    enabled: bool | None = None  # None: on when a KL (loss or reward) or a spin / sppo loss reads it
     offload: bool = False  # the reference's weights leave the device between calls
+    update_every: int = 0  # >0: the actor's weights replace the reference's after every N steps' update
 
 
 @dataclass
@@ -427,6 +401,7 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    prm: PrmConfig = field(default_factory=PrmConfig)  # algorithm.adv_estimator=prime (schema_recipes.py)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     bridge: BridgeConfig = field(default_factory=BridgeConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -43,11 +43,12 @@ from megarl.config.validate_parallel import (
 )
 from megarl.config.validate_pipeline import stage_layers
 from megarl.config.validate_ranges import check_ranges
+from megarl.config.validate_recipes import check_recipes
 from megarl.config.validate_reward import check_reward_function, check_reward_model, resolve_reward
 from megarl.config.validate_rollout import check_rollout, resolve_rollout
 from megarl.config.validate_trackers import check_loggers
 from megarl.config.validate_trainer import check_loop_mode, resolved_rollout_is, reuses_rollout_log_probs
-from megarl.config.validate_vision import check_vision, text_view
+from megarl.config.validate_vision import check_vision, is_vision_language, text_view
 
 # importable from here as before: the package, the CLI and the engine use them
 __all__ = ["data_parallel_size", "read_model_config", "resolve", "stage_layers", "validate"]
@@ -79,6 +80,7 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     if model_config is None:
         model_config = read_model_config(cfg)
     check_vision(cfg, model_config)
+    vision = is_vision_language(model_config)
     model_config = text_view(model_config)  # a vision-language model's text sizes, at the top
     check_parallel(cfg, model_config)
     check_offload(cfg)
@@ -92,6 +94,7 @@ def validate(cfg: RunConfig, model_config: dict | None = None) -> RunConfig:
     check_dapo(cfg)
     check_reward_model(cfg)
     check_losses(cfg)
+    check_recipes(cfg, model_config, vision)
     check_loop_mode(cfg)
     check_loggers(cfg)
     return resolve(cfg)

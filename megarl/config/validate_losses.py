@@ -51,6 +51,13 @@ def check_losses(cfg: RunConfig) -> None:
 
 
 def resolve_ref(cfg: RunConfig) -> None:
-    """ref.enabled auto: on exactly when a KL needs reference log-probs (in the loss or the reward)."""
+    """ref.enabled auto: on exactly when something reads reference log-probs (a KL in the loss or
+    the reward, a sequence loss) or the reference is refreshed."""
     if cfg.ref.enabled is None:
-        cfg.ref.enabled = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        cfg.ref.enabled = (
+            cfg.actor.use_kl_loss
+            or cfg.algorithm.use_kl_in_reward
+            or cfg.actor.policy_loss in ("spin", "sppo")  # sequence losses against the reference
+            or cfg.algorithm.adv_estimator == "prime"  # the implicit PRM's reference
+            or cfg.ref.update_every > 0
+        )

@@ -27,7 +27,7 @@ from megarl.config.validate_cluster import check_nodes
 from megarl.config.validate_pipeline import check_stage_options, check_virtual_pipeline, stage_layers
 
 # estimators whose baseline is the other samples of the same prompt
-_GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "opo", "reinforce_plus_plus_baseline")
+_GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "opo", "reinforce_plus_plus_baseline", "sppo", "prime")
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -51,8 +51,8 @@ def num_experts(model_config: dict | None) -> int:
 
 
 def resolve_sequence_parallel(cfg: RunConfig) -> None:
-    """sequence_parallel null (auto): on exactly when tp > 1 (actor and critic)."""
-    for p in (cfg.actor.parallel, cfg.critic.parallel):
+    """sequence_parallel null (auto): on exactly when tp > 1 (actor, critic and PRM)."""
+    for p in (cfg.actor.parallel, cfg.critic.parallel, cfg.prm.parallel):
         if p.sequence_parallel is None:
             p.sequence_parallel = p.tp > 1
 

@@ -32,6 +32,7 @@ def reuses_rollout_log_probs(cfg) -> bool:
         and a.rollout_is.level is None
         and cfg.rollout.agent_loop is None
         and cfg.bridge.check_parity
+        and a.policy_loss != "spin"  # its chosen rows were not sampled: no rollout log-probs
     )
 
 

@@ -77,3 +77,22 @@ def balance_across_ranks(lengths: Sequence[int], n_ranks: int) -> list[int]:
     starts = [sum(sizes[:r]) for r in range(n_ranks)]
     naive = max((sum(lengths[s : s + size]) for s, size in zip(starts, sizes)), default=0)
     return order if max(loads, default=0) < naive * (1 - REBALANCE_GAIN) else list(range(n))
+
+
+def balance_groups_across_ranks(lengths: Sequence[int], groups: Sequence, n_ranks: int) -> list[int]:
+    """balance_across_ranks for whole groups (rows sharing a group id, e.g. a prompt's samples): a
+    row order that keeps every group's rows together, in their order, groups balanced by their
+    summed tokens over the ranks. The groups must share one size and split evenly over the ranks
+    (then every rank gets whole groups and as many rows)."""
+    rows_of: dict = {}
+    for i, g in enumerate(groups):
+        rows_of.setdefault(g, []).append(i)
+    members = list(rows_of.values())
+    sizes = {len(m) for m in members}
+    if len(sizes) > 1 or len(members) % n_ranks:
+        raise ValueError(
+            f"cannot keep groups whole over {n_ranks} ranks: {len(members)} groups of sizes {sorted(sizes)}; "
+            "each rank needs the same number of equal groups"
+        )
+    order = balance_across_ranks([sum(lengths[i] for i in m) for m in members], n_ranks)
+    return [i for g in order for i in members[g]]

@@ -58,13 +58,20 @@ def _concat(parts: list[Batch]) -> Batch:
 
 
 def fill_informative(
-    generate: Callable[[int], Batch], groups_wanted: int, max_rounds: int, raw_key: str = "raw_scores", pad: bool = True
+    generate: Callable[[int], Batch],
+    groups_wanted: int,
+    max_rounds: int,
+    raw_key: str = "raw_scores",
+    pad: bool = True,
+    keep: Callable[[torch.Tensor, list], np.ndarray] = informative_groups,
 ) -> tuple[Batch, dict]:
     """Call generate(k) for rounds k = 0, 1, ... (each a scored batch of groups with `raw_key` and
     `uid`) until `groups_wanted` informative groups are in; the first `groups_wanted` of them, in
     order, are returned with the metrics. When max_rounds (> 0) do not suffice: with `pad`, the
     batch is topped up with uninformative groups (zero advantage: they add no gradient, the step
-    keeps its shape; counted in rollout/groups_padded), else FilterGroupsError."""
+    keeps its shape; counted in rollout/groups_padded), else FilterGroupsError. `keep(scores,
+    uids)`: the row mask of the groups to keep (default: groups whose scores differ; PRIME's
+    accuracy band, trainer/prime.py)."""
     kept: list[Batch] = []
     spare: list[Batch] = []
     have = generated = 0
@@ -74,16 +81,16 @@ def fill_informative(
             if pad:
                 break
             raise FilterGroupsError(
-                f"dynamic sampling: {have} of the {groups_wanted} groups a step needs had responses "
-                f"with different scores after {k} generation rounds ({generated} groups generated); every "
-                "other group scored the same for all its responses. Raise "
+                f"dynamic sampling: {have} of the {groups_wanted} groups a step needs passed the group "
+                f"filter (responses with different scores, or algorithm.prime.accuracy_band) after {k} "
+                f"generation rounds ({generated} groups generated). Raise "
                 "algorithm.filter_groups.max_num_gen_batches (0: no bound), or set "
                 "algorithm.filter_groups.on_exhausted=pad"
             )
         rows = generate(k)
         uids = list(rows["uid"])
         generated += len(dict.fromkeys(uids))
-        mask = informative_groups(rows[raw_key], uids)
+        mask = keep(rows[raw_key], uids)
         if mask.any():
             part = rows[torch.from_numpy(np.flatnonzero(mask))]
             kept.append(part)

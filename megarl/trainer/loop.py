@@ -45,11 +45,13 @@ from megarl.reward.model import RowScorer
 from megarl.reward.overlong import overlong_penalty
 from megarl.rollout.client.manager import SamplingSpec
 from megarl.trainer import checkpoints, finite, parity, phases, run_state, status
-from megarl.trainer.dynamic_sampling import fill_informative
+from megarl.trainer.dynamic_sampling import fill_informative, informative_groups
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.mfu import StepMfu
 from megarl.trainer.preemption import STOP_SIGNALS, GracefulStop, Stopped
+from megarl.trainer.prime import accuracy_filter
 from megarl.trainer.rank_watch import RankWatch
+from megarl.trainer.remax import remax_baseline
 from megarl.trainer.sources import RolloutSource, rollout_source
 from megarl.trainer.step_metrics import average, rollout_metrics, timer
 
@@ -164,7 +166,7 @@ class Trainer:
         """The step's scored rows and rollout stats (ReMax: with their greedy baselines)."""
         rows, rollout_stats = self._generate_scored(step, prompts, timing)
         if self.cfg.algorithm.adv_estimator == "remax":  # its baseline: the greedy response's score
-            rows["baseline_scores"], remax_metrics = self._remax_baseline(step, rows, timing)
+            rows["baseline_scores"], remax_metrics = remax_baseline(self, step, rows, timing)
             rollout_stats.update(remax_metrics)
         return rows, rollout_stats
 
@@ -175,7 +177,7 @@ class Trainer:
             rows["raw_scores"] = self._score(rows)
             rows["scores"] = rows["raw_scores"] + self._overlong_penalty(rows)
         if self.cfg.algorithm.adv_estimator == "remax":
-            rows["baseline_scores"], remax_metrics = self._remax_baseline(step, rows, timing)
+            rows["baseline_scores"], remax_metrics = remax_baseline(self, step, rows, timing)
             timing.update(remax_metrics)
         return rows
 
@@ -194,7 +196,7 @@ class Trainer:
         reuse = self.reuse_rollout_log_probs and not self.source.off_policy
         rows, parity = phases.old_ref_values(self, rows, step, timing, reuse)
         finite.check_rows(rows, finite.ROLLOUT_AND_OLD, "old/ref/values", step, self.weight_version)
-        rows, kl_metrics = phases.advantages(self, rows, timing)
+        rows, kl_metrics = phases.advantages(self, rows, timing, step)
         finite.check_rows(rows, finite.ADVANTAGES, "advantages", step, self.weight_version)
         per_rank, critic_metrics = phases.update(self, rows, step, timing, reuse)
         finite.check_ranks(critic_metrics or [], "critic update", step, self.weight_version)
@@ -290,7 +292,8 @@ class Trainer:
                 rows["scores"] = rows["raw_scores"] + self._overlong_penalty(rows)
             return rows
 
-        if not f.enable:
+        keep = accuracy_filter(self.cfg)  # PRIME's accuracy band, in place of DAPO's filter
+        if not (f.enable or keep):
             return generate(0), stats
         every: list[torch.Tensor] = []  # all rounds' scores: the policy's reward before the filter
 
@@ -300,27 +303,13 @@ class Trainer:
             return rows
 
         rows, filled = fill_informative(
-            generate_all, self.cfg.data.train_batch_size, f.max_num_gen_batches, pad=f.on_exhausted == "pad"
+            generate_all,
+            self.cfg.data.train_batch_size,
+            f.max_num_gen_batches,
+            pad=f.on_exhausted == "pad",
+            keep=keep or informative_groups,
         )
         return rows, {**stats, **filled, "reward/generated_mean": float(torch.cat(every).mean())}
-
-    def _remax_baseline(self, step: int, rows: Batch, timing: dict) -> tuple[torch.Tensor, dict]:
-        from dataclasses import replace
-
-        from megarl.trainer.remax import greedy_baselines
-
-        base = self.sampling(step, train=False)  # seeds (seed, step, 2): neither training's nor validation's
-        greedy = replace(base, n=1, temperature=0.0, seed=base.seed and (self.cfg.trainer.seed, step, 2))
-
-        def generate(prompts: Batch) -> Batch:
-            with timer(timing, "gen_baseline"), self._watching_ranks():
-                return self.rt.rollout.generate(prompts, greedy, self._served_version())
-
-        def score(out: Batch) -> torch.Tensor:
-            with timer(timing, "reward"):
-                return self._score(out, train=False) + self._overlong_penalty(out)
-
-        return greedy_baselines(rows, generate, score)
 
     def _rewards(self, rows: Batch) -> tuple[torch.Tensor, dict]:
         """The estimator's rewards: the scores, or with algorithm.use_kl_in_reward token-level
@@ -361,7 +350,7 @@ class Trainer:
         if self.source.off_policy:
             return contextlib.nullcontext()
         # the fleet makes its own clients: the manager's belong to the main thread
-        return RankWatch([self.rt.actor, self.rt.critic], lambda: self.rt.fleet.abort_all_requests())
+        return RankWatch([self.rt.actor, self.rt.critic, self.rt.prm], lambda: self.rt.fleet.abort_all_requests())
 
     def sampling(self, step: int, train: bool, round_: int = 0) -> SamplingSpec:
         """round_: a step's k-th generation round (dynamic sampling); its own seeds."""

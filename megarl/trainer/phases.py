@@ -13,41 +13,19 @@ version; every phase records its seconds in `timing` under perf/<phase>_s.
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from megarl.algo.advantages import compute_advantages
-from megarl.data.balance import balance_across_ranks
+from megarl.algo.sequence_losses import SEQUENCE_LOSSES
+from megarl.data.balance import balance_across_ranks, balance_groups_across_ranks
 from megarl.data.batch import Batch
+from megarl.trainer.step_loop import StepLoop
 from megarl.trainer.step_metrics import timer
 
 if TYPE_CHECKING:
     from megarl.config.schema import RunConfig
-    from megarl.trainer.parity import Probe
-    from megarl.trainer.runtime import Runtime
-    from megarl.trainer.sources import RolloutSource
-
-
-class StepLoop(Protocol):
-    """What the phases use of the loop that runs them (the Trainer, loop.py)."""
-
-    rt: Runtime
-    cfg: RunConfig
-    release: bool  # colocated engines release their memory for the training phases
-    dp_size: int
-    weight_version: int
-    actor_version: int
-    actor_lock: threading.Lock
-    source: RolloutSource  # where the rows come from; it waits for or pauses generation at the sync
-
-    def sync_weights(self) -> dict: ...
-    def _token_lengths(self, rows: Batch) -> list[int]: ...
-    def _trainer_view(self, rows: Batch, *extra: str) -> Batch: ...
-    def _start_probe(self, rows: Batch) -> Probe | None: ...
-    def _check_parity(self, rows: Batch, step: int, probe: Probe | None = None) -> dict: ...
-    def _rewards(self, rows: Batch) -> tuple[torch.Tensor, dict]: ...
 
 
 def release_and_balance(loop: StepLoop, rows: Batch, timing: dict) -> Batch:
@@ -57,8 +35,18 @@ def release_and_balance(loop: StepLoop, rows: Batch, timing: dict) -> Batch:
         with timer(timing, "release"):
             loop.rt.fleet.release_memory(["weights", "kv_cache"])
     if loop.cfg.trainer.balance_batch and loop.dp_size > 1:
-        rows = rows[balance_across_ranks(loop._token_lengths(rows), loop.dp_size)]
+        if coupled_loss(loop.cfg):  # a group's rows train together: whole groups per rank
+            order = balance_groups_across_ranks(loop._token_lengths(rows), list(rows["uid"]), loop.dp_size)
+        else:
+            order = balance_across_ranks(loop._token_lengths(rows), loop.dp_size)
+        rows = rows[order]
     return rows
+
+
+def coupled_loss(cfg: RunConfig) -> bool:
+    """The actor's loss couples the rows of a prompt (spin): they stay on one rank, in one mini-batch."""
+    loss = SEQUENCE_LOSSES.get(cfg.actor.policy_loss)
+    return loss is not None and loss.coupled
 
 
 def old_ref_values(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: bool) -> tuple[Batch, dict]:
@@ -83,8 +71,14 @@ def old_ref_values(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: 
     return rows, parity
 
 
-def advantages(loop: StepLoop, rows: Batch, timing: dict) -> tuple[Batch, dict]:
-    """rows["advantages"] and rows["returns"] from the configured estimator; the KL-in-reward metrics."""
+def advantages(loop: StepLoop, rows: Batch, timing: dict, step: int) -> tuple[Batch, dict]:
+    """rows["advantages"] and rows["returns"] from the configured estimator (PRIME: with the implicit
+    PRM's process rewards, prime.py); the KL-in-reward (and PRM) metrics."""
+    metrics = {}
+    if loop.rt.prm is not None:
+        from megarl.trainer.prime import process_rewards
+
+        rows, metrics = process_rewards(loop, rows, step, timing)
     with timer(timing, "adv"):
         a = loop.cfg.algorithm
         rewards, kl_metrics = loop._rewards(rows)
@@ -95,12 +89,17 @@ def advantages(loop: StepLoop, rows: Batch, timing: dict) -> tuple[Batch, dict]:
             rows["uid"],
             values=rows["values"] if "values" in rows else None,
             baseline_scores=rows["baseline_scores"] if "baseline_scores" in rows else None,
+            process_rewards=rows["process_rewards"] if "process_rewards" in rows else None,
             gamma=a.gamma,
             lam=a.lam,
             norm_by_std=a.norm_adv_by_std,
             eps=a.epsilon,
+            sppo_eta=a.sppo.eta,
+            bt_scale=a.sppo.bt_scale,
+            process_coef=a.prime.process_coef,
+            outcome_coef=a.prime.outcome_coef,
         )
-    return rows, kl_metrics
+    return rows, {**metrics, **kl_metrics}
 
 
 def update(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: bool) -> tuple[list[dict], list[dict]]:
@@ -115,18 +114,35 @@ def update(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: bool) ->
                 c.ppo_epochs,
                 cfg.trainer.seed + step,
             )
+    batch, mini, extra = _actor_batch(loop, rows, timing)
     with timer(timing, "update"), loop.actor_lock:  # a restarted engine's resync waits (loop._resync)
-        keys = ["old_log_probs", "advantages", "rollout_log_probs"] + (["ref_log_probs"] if cfg.ref.enabled else [])
         per_rank = loop.rt.actor.update_actor(
-            loop._trainer_view(rows, *keys),
-            cfg.actor.ppo_mini_batch_size,
+            batch,
+            mini,
             cfg.actor.ppo_epochs,
             cfg.rollout.temperature,
             cfg.trainer.seed + step,
             parity_atol=cfg.bridge.parity_atol if reuse else None,
         )
         loop.actor_version = loop.weight_version + 1
-    return per_rank, critic_metrics
+    every = cfg.ref.update_every
+    if every and step % every == 0:  # the reference becomes the policy just trained (spin, sppo)
+        with timer(timing, "ref_refresh"):
+            extra = {**extra, **loop.rt.actor.refresh_ref()}
+    return [{**m, **extra} for m in per_rank], critic_metrics
+
+
+def _actor_batch(loop: StepLoop, rows: Batch, timing: dict) -> tuple[Batch, int, dict]:
+    """What the actor trains on, the mini-batch size in its rows, and metrics. SPIN adds each
+    prompt's chosen row (spin.py): the mini-batches grow by as many rows as they have prompts."""
+    cfg = loop.cfg
+    if cfg.actor.policy_loss == "spin":
+        from megarl.trainer.spin import spin_update_batch
+
+        batch, extra = spin_update_batch(loop, rows, timing)
+        return batch, cfg.actor.ppo_mini_batch_size * len(batch) // len(rows), extra
+    keys = ["old_log_probs", "advantages", "rollout_log_probs"] + (["ref_log_probs"] if cfg.ref.enabled else [])
+    return loop._trainer_view(rows, *keys), cfg.actor.ppo_mini_batch_size, {}
 
 
 def sync(loop: StepLoop, timing: dict) -> dict:

@@ -50,3 +50,23 @@ def greedy_baselines(
         "remax/greedy_length_mean": float(greedy["response_mask"].sum(1).float().mean()),
         "remax/beats_baseline_frac": float((rows["scores"] > per_row).float().mean()),
     }
+
+
+def remax_baseline(loop, step: int, rows: Batch, timing: dict) -> tuple[torch.Tensor, dict]:
+    """The loop's greedy rollout of the step's prompts and its scores (`loop`: the Trainer)."""
+    from dataclasses import replace
+
+    from megarl.trainer.step_metrics import timer
+
+    base = loop.sampling(step, train=False)  # seeds (seed, step, 2): neither training's nor validation's
+    greedy = replace(base, n=1, temperature=0.0, seed=base.seed and (loop.cfg.trainer.seed, step, 2))
+
+    def generate(prompts: Batch) -> Batch:
+        with timer(timing, "gen_baseline"), loop._watching_ranks():
+            return loop.rt.rollout.generate(prompts, greedy, loop._served_version())
+
+    def score(out: Batch) -> torch.Tensor:
+        with timer(timing, "reward"):
+            return loop._score(out, train=False) + loop._overlong_penalty(out)
+
+    return greedy_baselines(rows, generate, score)

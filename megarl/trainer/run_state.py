@@ -1,6 +1,7 @@
 """A run's durable state: saving it to a checkpoint, continuing from one, exporting the policy.
 
-The checkpoint holds the actor (and critic) with their optimizers and RNG, the step, the weight
+The checkpoint holds the actor (and critic, and PRIME's PRM) with their optimizers and RNG (and
+the reference when it is refreshed from the actor), the step, the weight
 version, the data position, the adaptive KL coefficient, the model reward's normalisation
 statistics and the controller's RNG; a resumed run
 loads them, pushes the weights to the engines and continues with the next step's batch.
@@ -50,9 +51,13 @@ def save(loop: DurableLoop, step: int, data_position: int) -> None:
     start = time.perf_counter()
     with status.phase("save checkpoint"):
         partial = loop.checkpointer.begin(step)
-        loop.rt.actor.save_checkpoint(str(partial / "actor"))
+        # a reference refreshed from the actor (ref.update_every) is saved beside it
+        ref_path = str(partial / "ref") if loop.cfg.ref.update_every else None
+        loop.rt.actor.save_checkpoint(str(partial / "actor"), ref_path=ref_path)
         if loop.rt.critic is not None:
             loop.rt.critic.save_checkpoint(str(partial / "critic"))
+        if loop.rt.prm is not None:  # PRIME's implicit PRM, with its optimizer
+            loop.rt.prm.save_checkpoint(str(partial / "prm"))
         state = {
             "weight_version": loop.weight_version,
             "data": loop._data_identity(),
@@ -77,13 +82,28 @@ def restore(loop: DurableLoop, path, state: dict) -> None:
             "Restore those data settings, or start a new run (trainer.experiment_name)"
         )
     start = time.perf_counter()
-    loop.rt.actor.load_checkpoint(str(path / "actor"))
+    ref_path = None
+    if loop.cfg.ref.update_every:
+        if not (path / "ref").is_dir():
+            raise ResumeRefused(
+                f"{path} holds no ref/ (saved by a run whose reference was never refreshed); resume it "
+                "with ref.update_every=0, or start a new run"
+            )
+        ref_path = str(path / "ref")
+    loop.rt.actor.load_checkpoint(str(path / "actor"), ref_path=ref_path)
     if loop.rt.critic is not None:
         if not (path / "critic").is_dir():
             raise ResumeRefused(
                 f"{path} holds no critic/ (saved by a run without critic.enabled); resume it with critic.enabled=false"
             )
         loop.rt.critic.load_checkpoint(str(path / "critic"))
+    if loop.rt.prm is not None:
+        if not (path / "prm").is_dir():
+            raise ResumeRefused(
+                f"{path} holds no prm/ (saved by a run with another algorithm.adv_estimator than prime); "
+                "resume it with the estimator it was saved with, or start a new run"
+            )
+        loop.rt.prm.load_checkpoint(str(path / "prm"))
     set_driver_rng_state(state["driver_rng"])
     loop.start_step, loop.weight_version = int(state["step"]), int(state["weight_version"])
     loop.actor_version = loop.weight_version

@@ -12,15 +12,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megarl.algo.losses import PolicyLossConfig
 from megarl.config.schema import RunConfig
 from megarl.controller.shm_leftovers import record_ranks, remove_recorded_leftovers
 from megarl.engine.megatron.actor import ActorLossSpec, MegatronActor
-from megarl.engine.megatron.critic import CriticLossSpec, MegatronCritic
-from megarl.engine.megatron.engine import EngineSpec
-from megarl.engine.megatron.lora import LoraSpec
+from megarl.engine.megatron.critic import MegatronCritic
 from megarl.procs.net import get_node_ip
 from megarl.trainer.reward_workers import reward_model_path, start_reward_workers
+
+# the worker groups' engine and loss specs (importable from here as before)
+from megarl.trainer.specs import (  # noqa: F401
+    critic_engine_spec,
+    critic_loss_spec,
+    engine_spec,
+    lora_spec,
+    loss_spec,
+    prm_engine_spec,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -57,6 +64,7 @@ class Runtime:
     fleet: RolloutFleet  # the engines (and router) the rollout talks to
     placement: PlacementPlan
     critic: RayWorkerGroup | None = None  # of MegatronCritic (critic.enabled)
+    prm: RayWorkerGroup | None = None  # of MegatronPRM (algorithm.adv_estimator=prime)
     reward_model_url: str | None = None  # the embedded judge server (reward.model genrm without url)
     reward_workers: ClassifierWorkers | None = None  # the classifier reward model's ranks
     startup: dict[str, float] | None = None  # seconds per start-up phase (StartupClock), in order
@@ -114,75 +122,6 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
         build_tiny_checkpoint(
             run_dir / "init_model", seed=cfg.model.seed, preset=cfg.model.preset, **preset_overrides(cfg.model)
         )
-    )
-
-
-def engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
-    return EngineSpec(
-        model_path=model_path,
-        parallel=cfg.actor.parallel,
-        optim=cfg.actor.optim,
-        micro_batch_size=cfg.actor.micro_batch_size,
-        seed=cfg.actor.seed,
-        moe_dispatcher=cfg.actor.moe.dispatcher,
-        pack_sequences=cfg.actor.pack_sequences,
-        max_tokens_per_micro_batch=cfg.actor.max_tokens_per_micro_batch,
-        precision=cfg.actor.precision,
-        recompute=cfg.actor.recompute,
-        routing_replay=cfg.actor.moe.routing_replay,
-        host_optimizer=cfg.actor.offload.host_optimizer,
-        logits_memory=cfg.actor.logits_memory,
-        lora=lora_spec(cfg.actor.lora),
-    )
-
-
-def lora_spec(lora) -> LoraSpec | None:
-    """actor.lora as the engine's LoRA spec; None when off (rank 0)."""
-    if lora.rank == 0:
-        return None
-    return LoraSpec(rank=lora.rank, alpha=lora.alpha, target_modules=tuple(lora.target_modules), dropout=lora.dropout)
-
-
-def critic_engine_spec(cfg: RunConfig, model_path: str) -> EngineSpec:
-    """The value model starts from critic.model.path, else from the actor's checkpoint."""
-    c = cfg.critic
-    return EngineSpec(
-        model_path=c.model.path or model_path,
-        parallel=c.parallel,
-        optim=c.optim,
-        micro_batch_size=c.micro_batch_size,
-        seed=c.seed,
-        moe_dispatcher=cfg.actor.moe.dispatcher,
-        value_head=True,
-        recompute=c.recompute,
-    )
-
-
-def critic_loss_spec(cfg: RunConfig) -> CriticLossSpec:
-    return CriticLossSpec(cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic.loss_agg_mode)
-
-
-def loss_spec(cfg: RunConfig) -> ActorLossSpec:
-    a = cfg.actor
-    policy = PolicyLossConfig(
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c,
-        gspo_clip_ratio_low=a.gspo_clip_ratio_low,
-        gspo_clip_ratio_high=a.gspo_clip_ratio_high,
-        cispo_clip_ratio_low=a.cispo_clip_ratio_low,
-        cispo_clip_ratio_high=a.cispo_clip_ratio_high,
-    )
-    return ActorLossSpec(
-        policy_loss=a.policy_loss,
-        policy=policy,
-        rollout_is_level=a.rollout_is.level,
-        rollout_is_threshold=a.rollout_is.threshold,
-        loss_agg_mode=a.loss_agg_mode,
-        use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type,
-        entropy_coeff=a.entropy_coeff,
     )
 
 
@@ -315,9 +254,9 @@ def start_runtime(cfg: RunConfig, cluster=None):
         fleet = build_fleet(cfg, plan, pools, model_path, run_dir)
         stack.callback(fleet.close)
         fleet.launch()  # engines start while the Megatron ranks initialise
-        actor, critic = worker_groups(cfg, plan, pools, resource, model_path, stack, clock)
+        actor, critic, prm = worker_groups(cfg, plan, pools, resource, model_path, stack, clock)
         reward_workers = start_reward_workers(cfg, plan, pools, resource, reward_path, RANK_ENV, stack)
-        ranks = [g.processes for g in (actor, critic, reward_workers and reward_workers.group) if g]
+        ranks = [g.processes for g in (actor, critic, prm, reward_workers and reward_workers.group) if g]
         record([p for group in ranks for p in group])
         from megarl.reward.model import reward_model_server
 
@@ -338,6 +277,7 @@ def start_runtime(cfg: RunConfig, cluster=None):
             fleet=fleet,
             placement=plan,
             critic=critic,
+            prm=prm,
             reward_model_url=reward_model_url,
             reward_workers=reward_workers,
             startup=clock.phases,
@@ -368,8 +308,9 @@ def worker_groups(
     cfg: RunConfig, plan, pools: dict, resource: str, model_path: str, stack, clock, loss: ActorLossSpec | None = None
 ):
     """The actor's Megatron ranks (with the reference when ref.enabled) and, with critic.enabled,
-    the critic's on the same devices; each shut down by `stack`. `loss`: the actor's alone, with
-    neither reference nor critic (`megarl sft`); None: the RL run's (loss_spec(cfg))."""
+    the critic's (with algorithm.adv_estimator=prime, the PRM's) on the same devices; each shut
+    down by `stack`. `loss`: the actor's alone, with neither reference, critic nor PRM (`megarl
+    sft`); None: the RL run's (loss_spec(cfg)). Returns (actor, critic or None, PRM or None)."""
     from megarl.controller.placement import CRITIC_DEVICE_SHARE, RANK_DEVICE_SHARE
     from megarl.controller.worker_group import RayWorkerGroup
 
@@ -406,7 +347,24 @@ def worker_groups(
             **device_share(CRITIC_DEVICE_SHARE),
         )
         stack.callback(critic.shutdown)
-    return actor, critic
+    prm = None
+    if cfg.algorithm.adv_estimator == "prime" and loss is None:  # a mesh of its own, like the critic's
+        from megarl.algo.sequence_losses import SequenceLossConfig
+        from megarl.engine.megatron.prm import MegatronPRM
+
+        prm = RayWorkerGroup(
+            MegatronPRM,
+            cfg.cluster.num_actor_ranks,
+            init_args=(prm_engine_spec(cfg, model_path), SequenceLossConfig(prm_beta=cfg.algorithm.prime.beta)),
+            init_kwargs={"offload": cfg.prm.offload},
+            num_cpus_per_worker=0,
+            bundles=actor_bundles,
+            env_vars=RANK_ENV,
+            name_prefix="prm",
+            **device_share(CRITIC_DEVICE_SHARE),
+        )
+        stack.callback(prm.shutdown)
+    return actor, critic, prm
 
 
 def _rollout_manager(cfg: RunConfig, fleet, tokenizer, stack, vision=None):

@@ -66,7 +66,8 @@ class SFTRuntime:
     model_path: str
     actor: RayWorkerGroup  # of MegatronActor
     placement: PlacementPlan
-    critic: None = None  # run_state's checkpoints look for one
+    critic: None = None  # run_state's checkpoints look for these
+    prm: None = None
     startup: dict[str, float] | None = None
 
 

@@ -91,7 +91,7 @@ def start_sft_runtime(cfg: RunConfig, cluster=None):
         clock.mark("model")
         pools, resource, record = reserve_pools(plan, run_dir, cluster, stack, clock, names=("actor",))
         sft = ActorLossSpec(objective="sft")
-        actor, _ = worker_groups(cfg, plan, pools, resource, model_path, stack, clock, loss=sft)
+        actor, _, _ = worker_groups(cfg, plan, pools, resource, model_path, stack, clock, loss=sft)
         record(actor.processes)
         yield SFTRuntime(cfg, run_dir, model_path, actor, plan, startup=clock.phases)
 

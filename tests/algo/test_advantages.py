@@ -45,7 +45,15 @@ def run(name, **kw):
 def test_the_config_offers_exactly_the_registered_estimators():
     assert set(typing.get_args(AdvEstimator)) == set(ESTIMATORS)
     score_only = {n for n, e in ESTIMATORS.items() if e.score_only}
-    assert score_only == {"grpo", "dr_grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+    assert score_only == {
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "opo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "sppo",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
@@ -59,6 +67,7 @@ def test_every_estimator_keeps_the_contract(name, dtype):
     rewards = torch.randn(7, generator=g).to(dtype)
     values = torch.randn(7, 5, generator=g).to(dtype)
     baseline = torch.randn(7, generator=g).to(dtype)
+    process = torch.randn(7, 5, generator=g).to(dtype) * mask
     groups = [0, 0, 1, 1, 1, 2, 3]  # groups of 2 and 3, two of 1
     for r in (rewards, rewards[:, None] * mask):  # per-row scores and token-level rewards
         adv, ret = compute_advantages(
@@ -68,6 +77,7 @@ def test_every_estimator_keeps_the_contract(name, dtype):
             groups,
             values=values,
             baseline_scores=baseline,
+            process_rewards=process,
             gamma=0.9,
             lam=0.8,
             norm_by_std=True,
@@ -81,7 +91,13 @@ def test_every_estimator_keeps_the_contract(name, dtype):
     # a batch of empty responses: zeros, no NaN
     empty = torch.zeros(3, 4, dtype=torch.long)
     adv, ret = compute_advantages(
-        name, rewards[:3], empty, [0, 0, 1], values=values[:3, :4], baseline_scores=baseline[:3]
+        name,
+        rewards[:3],
+        empty,
+        [0, 0, 1],
+        values=values[:3, :4],
+        baseline_scores=baseline[:3],
+        process_rewards=process[:3, :4],
     )
     assert (adv == 0).all() and (ret == 0).all()
 

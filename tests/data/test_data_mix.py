@@ -287,6 +287,7 @@ def test_resume_with_another_mix_is_refused(mixed, tmp_path):
         run_dir=tmp_path,
         train_data=mixed,
         critic=None,
+        prm=None,
         actor=SimpleNamespace(mesh=[SimpleNamespace(dp_size=1)]),
         fleet=SimpleNamespace(on_restart=None),
     )
@@ -360,6 +361,7 @@ def test_validation_over_two_val_files_per_data_source(tmp_path, tokenizer):
         run_dir=tmp_path,
         val_data=val,
         critic=None,
+        prm=None,
         actor=SimpleNamespace(mesh=[SimpleNamespace(dp_size=1)]),
         fleet=SimpleNamespace(on_restart=None, engine_urls=[]),
         rollout=SimpleNamespace(generate=generate),

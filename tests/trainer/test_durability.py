@@ -322,6 +322,7 @@ def test_resume_with_other_data_settings_is_refused_before_loading_anything(tmp_
         run_dir=tmp_path,
         train_data=[0] * 1024,
         critic=None,
+        prm=None,
         actor=SimpleNamespace(mesh=[SimpleNamespace(dp_size=1)]),
         fleet=SimpleNamespace(on_restart=None),
     )

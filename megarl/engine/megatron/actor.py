@@ -18,6 +18,7 @@ import torch
 from megarl.algo.corrections import mismatch_metrics, parity_stats, rollout_is_weights, version_span_metrics
 from megarl.algo.kl import kl_penalty
 from megarl.algo.losses import PolicyLossConfig, agg_loss, get_policy_loss, masked_mean
+from megarl.algo.sequence_losses import SEQUENCE_LOSSES, SequenceLoss, SequenceLossConfig
 from megarl.bridge.spec import BridgeSpec
 from megarl.config.schema import OffloadConfig
 from megarl.controller.decorator import register
@@ -27,6 +28,7 @@ from megarl.data.batch import Batch
 from megarl.engine.megatron.engine import EngineSpec, MegatronEngine, mean_metrics
 from megarl.engine.megatron.offload import memory_metrics
 from megarl.engine.megatron.offload_policy import OffloadPolicy
+from megarl.engine.megatron.sequence_update import WEIGHTS, group_mini_batches, micro_batch_loss, row_weights
 
 
 @dataclass
@@ -34,8 +36,10 @@ class ActorLossSpec:
     # what update_actor minimises: "policy" (actor_loss: the RL policy loss below) or "sft" (sft_loss:
     # the token-mean negative log-likelihood of the rows' response_mask tokens; `megarl sft`)
     objective: str = "policy"
-    policy_loss: str = "vanilla"  # a name registered in megarl/algo/losses.py
+    # a name registered in megarl/algo/losses.py, or a sequence loss (algo/sequence_losses.py)
+    policy_loss: str = "vanilla"
     policy: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
+    sequence: SequenceLossConfig = dataclasses.field(default_factory=SequenceLossConfig)
     rollout_is_level: str | None = None  # token | sequence | None (off): megarl/algo/corrections.py
     rollout_is_threshold: float = 2.0
     loss_agg_mode: str = "token-mean"
@@ -50,7 +54,10 @@ def actor_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
 
     Units are tokens for token-mean and sequences otherwise; Megatron divides the summed
     gradient by the units of the whole mini-batch (all micro-batches, all data-parallel ranks).
+    A sequence loss counts its own units (sequence_update.py).
     """
+    if spec.policy_loss in SEQUENCE_LOSSES:
+        return _sequence_loss(spec, log_prob, entropy, mb)
     mask = mb["response_mask"].to(log_prob.dtype)
     units = mask.sum() if spec.loss_agg_mode == "token-mean" else torch.tensor(float(len(mb)))
     weights, extra = None, {}
@@ -92,6 +99,18 @@ def actor_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
         metrics["actor/kl_loss"] = float(masked_mean(kl.detach(), mask))
     metrics["actor/pg_loss"] = float(pg.detach()) / max(float(units), 1.0)
     return loss, units, metrics
+
+
+def _sequence_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
+    loss = SEQUENCE_LOSSES[spec.policy_loss]
+    value, units, metrics = micro_batch_loss(loss, spec.sequence, log_prob, mb)
+    mask = mb["response_mask"].to(log_prob.dtype)
+    metrics = {**metrics, "actor/entropy": float(masked_mean(entropy.detach(), mask))}
+    if not loss.coupled:  # a coupled loss's value comes with its row weights (update_actor)
+        metrics["actor/pg_loss"] = float(value.detach()) / max(float(units), 1.0)
+    if "rollout_log_probs" in mb:
+        metrics.update(mismatch_metrics(mb["old_log_probs"], mb["rollout_log_probs"].to(log_prob.dtype), mask))
+    return value, units, metrics
 
 
 def sft_loss(spec: ActorLossSpec, log_prob, entropy, mb: Batch):
@@ -236,12 +255,19 @@ class MegatronActor(Worker):
             return value, units, metrics
 
         capture = parity_atol is not None
+        coupled = self._coupled_loss()  # whole groups per mini-batch, rows weighted first
         with self.actor_offload.update(keep_params=True), self._nan_gradient(fault == "grad"):
-            for _ in range(epochs):
-                order = torch.randperm(len(batch), generator=gen)
-                shuffled = batch[order]
-                for mini in shuffled.chunk(n_mini):
-                    collected.append(self.actor.train_mini_batch(mini, loss, temperature, head=head))
+            for epoch in range(epochs):
+                if coupled is not None:
+                    minis = group_mini_batches(batch, n_mini, gen)
+                else:
+                    minis = batch[torch.randperm(len(batch), generator=gen)].chunk(n_mini)
+                for k, mini in enumerate(minis):
+                    extra = {}
+                    if coupled is not None:  # the old log-probs are these weights' in the first
+                        current = epoch == 0 and k == 0 and parity_atol is None
+                        extra = self._weigh_rows(coupled, mini, temperature, current)
+                    collected.append({**self.actor.train_mini_batch(mini, loss, temperature, head=head), **extra})
                     capture = False
             memory = memory_metrics(self.actor.model, self.actor.optimizer)  # all resident here
         metrics = mean_metrics(collected)
@@ -254,6 +280,41 @@ class MegatronActor(Worker):
         if self.ref_offload_policy is not None:
             metrics.update(self.ref_offload_policy.metrics("ref"))
         return metrics
+
+    def _coupled_loss(self) -> SequenceLoss | None:
+        loss = SEQUENCE_LOSSES.get(self.loss_spec.policy_loss) if self.loss_spec.objective == "policy" else None
+        return loss if loss is not None and loss.coupled else None
+
+    def _weigh_rows(self, loss: SequenceLoss, mini: Batch, temperature: float, current: bool) -> dict:
+        """mini[WEIGHTS]: each row's weight in a coupled loss at the current weights (from the step's
+        old log-probs when `current`, else a forward pass); the loss's metrics."""
+        if current:
+            log_prob = mini["old_log_probs"]
+        else:
+            out = self.actor.compute_log_prob(mini, temperature, with_entropy=False)
+            log_prob = None if out is None else out["log_probs"]
+        if log_prob is None:  # not the last pipeline stage: it computes no loss
+            mini[WEIGHTS] = torch.zeros(len(mini))
+            return {}
+        mini[WEIGHTS], metrics = row_weights(loss, self.loss_spec.sequence, log_prob, mini)
+        return metrics
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def refresh_ref(self) -> dict:
+        """The reference takes the actor's current weights (ref.update_every: SPIN's previous round,
+        SPPO's previous iterate). Both engines share the rank's layout: a parameter-wise copy."""
+        if self.ref is None:
+            raise RuntimeError("refresh_ref: this actor group has no reference engine of its own (ref.enabled / LoRA)")
+        copied = 0
+        with self.actor_offload.forward(release_after=False), self.ref_offload_policy.forward(), torch.no_grad():
+            ours = [(n, p) for chunk in self.actor.bare_chunks() for n, p in chunk.named_parameters()]
+            theirs = [(n, p) for chunk in self.ref.bare_chunks() for n, p in chunk.named_parameters()]
+            if [n for n, _ in ours] != [n for n, _ in theirs]:
+                raise RuntimeError("refresh_ref: the actor's and the reference's parameters differ")
+            for (_, src), (_, dst) in zip(ours, theirs):
+                dst.copy_(src)
+                copied += dst.numel() * dst.element_size()
+        return {"ref/refresh_bytes": float(copied)}
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def sync_weights(self, spec: BridgeSpec, weight_version: str, server_urls: list[str] | None = None) -> dict:
@@ -326,19 +387,28 @@ class MegatronActor(Worker):
                 param.copy_(kept)
 
     @register(dispatch=Dispatch.RANK_ZERO)
-    def save_checkpoint(self, path: str) -> dict:
+    def save_checkpoint(self, path: str, ref_path: str | None = None) -> dict:
         """The policy's model, optimizer and RNG to `path` (every rank writes its own shards);
-        returns the checkpoint's metadata. The reference policy is not saved: it never changes and
-        is rebuilt from model.path."""
+        returns the checkpoint's metadata. The reference policy is saved (to `ref_path`) only when
+        it is refreshed from the actor (ref.update_every); else it never changes and is rebuilt
+        from model.path."""
         with self.actor_offload.update():  # offloaded parts are saved from where they live now
-            return self.actor.save_checkpoint(path)
+            meta = self.actor.save_checkpoint(path)
+        if ref_path is not None:
+            with self.ref_offload_policy.forward():
+                self.ref.save_checkpoint(ref_path)
+        return meta
 
     @register(dispatch=Dispatch.RANK_ZERO)
-    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict:
-        """Restore the policy from a checkpoint saved in any TP / PP / EP layout; returns what was
-        restored (rank 0's view)."""
+    def load_checkpoint(self, path: str, load_optimizer: bool = True, ref_path: str | None = None) -> dict:
+        """Restore the policy (and from `ref_path` a refreshed reference) from a checkpoint saved in
+        any TP / PP / EP layout; returns what was restored (rank 0's view)."""
         with self.actor_offload.update():
-            return self.actor.load_checkpoint(path, load_optimizer)
+            out = self.actor.load_checkpoint(path, load_optimizer)
+        if ref_path is not None:
+            with self.ref_offload_policy.forward():
+                self.ref.load_checkpoint(ref_path, load_optimizer=False)
+        return out
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def export_lora(self, out_dir: str) -> dict:

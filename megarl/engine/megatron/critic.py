@@ -18,11 +18,10 @@ import torch
 from megarl.algo.losses import masked_mean, value_loss
 from megarl.config.schema import OffloadConfig
 from megarl.controller.decorator import register
-from megarl.controller.dispatch import Dispatch, MeshCoord
-from megarl.controller.worker import Worker
+from megarl.controller.dispatch import Dispatch
 from megarl.data.batch import Batch
-from megarl.engine.megatron.engine import EngineSpec, MegatronEngine, mean_metrics
-from megarl.engine.megatron.offload_policy import OffloadPolicy
+from megarl.engine.megatron.engine import EngineSpec, mean_metrics
+from megarl.engine.megatron.engine_worker import EngineWorker
 
 
 @dataclass
@@ -50,28 +49,14 @@ def critic_loss(spec: CriticLossSpec, values: torch.Tensor, mb: Batch):
     return loss, units, metrics
 
 
-class MegatronCritic(Worker):
+class MegatronCritic(EngineWorker):
     def __init__(
         self, engine_spec: EngineSpec, loss_spec: CriticLossSpec, offload: OffloadConfig | None = None, **dist
     ):
-        super().__init__(**dist)
+        super().__init__(engine_spec, offload, **dist)
         if not engine_spec.value_head or engine_spec.optim is None:
             raise ValueError("MegatronCritic needs an EngineSpec with value_head=True and an optimizer")
-        self.engine_spec = engine_spec
         self.loss_spec = loss_spec
-        self.offload_config = offload
-        self.engine = None
-        self.offload = None
-
-    def init_distributed(self) -> None:
-        super().init_distributed()
-        self.engine = MegatronEngine(self.engine_spec)
-        self.engine.initialize()
-        self.offload = OffloadPolicy(self.engine, self.offload_config)
-        self.offload.release()
-
-    def get_mesh_coord(self) -> MeshCoord:
-        return MeshCoord(**self.engine.mesh_coord())
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch | None:
@@ -108,17 +93,6 @@ class MegatronCritic(Worker):
         metrics["perf/critic_update_s"] = time.perf_counter() - start
         metrics.update(self.offload.metrics("critic"))
         return metrics
-
-    @register(dispatch=Dispatch.RANK_ZERO)
-    def save_checkpoint(self, path: str) -> dict:
-        """The value model (with its head), optimizer and RNG to `path`; rank 0's metadata."""
-        with self.offload.update():
-            return self.engine.save_checkpoint(path)
-
-    @register(dispatch=Dispatch.RANK_ZERO)
-    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict:
-        with self.offload.update():
-            return self.engine.load_checkpoint(path, load_optimizer)
 
     @staticmethod
     def value_head():
