@@ -99,6 +99,12 @@ def advantages(loop: StepLoop, rows: Batch, timing: dict, step: int) -> tuple[Ba
             process_coef=a.prime.process_coef,
             outcome_coef=a.prime.outcome_coef,
         )
+    if a.adv_estimator == "sppo":  # its returns are each sample's win probability against the policy
+        from megarl.algo.sequence_losses import row_value
+
+        p = row_value(rows["returns"], rows["response_mask"])
+        metrics["sppo/win_prob_spread"] = float((p - 0.5).abs().mean())  # 0: the samples all alike
+        metrics["sppo/win_prob_max"] = float(p.max())
     return rows, {**metrics, **kl_metrics}
 
 

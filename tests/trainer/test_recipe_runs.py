@@ -84,5 +84,8 @@ def test_sppo_trains_towards_its_win_rate_targets(runs):
     assert len(records) == 3
     for r in records:
         assert r["sppo/target_abs"] > 0 and "sppo/abs_error" in r
+        # the win rates' spread, and the loss's targets eta (2) times it
+        assert r["sppo/target_abs"] == pytest.approx(2.0 * r["sppo/win_prob_spread"], rel=1e-4)
+        assert 0.5 < r["sppo/win_prob_max"] <= 1
         assert r["ref/refresh_bytes"] > 0  # ref.update_every=1: the previous iterate is the policy that sampled
         assert r["rollout/logprob_diff_max"] <= 1e-4
