@@ -333,37 +333,33 @@ def worker_groups(
     )
     stack.callback(actor.shutdown)
     clock.mark("actor_ranks")
-    critic = None
-    if cfg.critic.enabled and loss is None:  # on the actor ranks' devices, a mesh of its own
-        critic = RayWorkerGroup(
-            MegatronCritic,
+
+    def colocated(cls, name: str, init_args: tuple, offload):
+        """A worker group of its own mesh on the actor ranks' devices (the critic, the PRM)."""
+        group = RayWorkerGroup(
+            cls,
             cfg.cluster.num_actor_ranks,
-            init_args=(critic_engine_spec(cfg, model_path), critic_loss_spec(cfg)),
-            init_kwargs={"offload": cfg.critic.offload},
+            init_args=init_args,
+            init_kwargs={"offload": offload},
             num_cpus_per_worker=0,
             bundles=actor_bundles,
             env_vars=RANK_ENV,
-            name_prefix="critic",
+            name_prefix=name,
             **device_share(CRITIC_DEVICE_SHARE),
         )
-        stack.callback(critic.shutdown)
-    prm = None
-    if cfg.algorithm.adv_estimator == "prime" and loss is None:  # a mesh of its own, like the critic's
+        stack.callback(group.shutdown)
+        return group
+
+    critic = prm = None
+    if cfg.critic.enabled and loss is None:
+        critic_args = (critic_engine_spec(cfg, model_path), critic_loss_spec(cfg))
+        critic = colocated(MegatronCritic, "critic", critic_args, cfg.critic.offload)
+    if cfg.algorithm.adv_estimator == "prime" and loss is None:
         from megarl.algo.sequence_losses import SequenceLossConfig
         from megarl.engine.megatron.prm import MegatronPRM
 
-        prm = RayWorkerGroup(
-            MegatronPRM,
-            cfg.cluster.num_actor_ranks,
-            init_args=(prm_engine_spec(cfg, model_path), SequenceLossConfig(prm_beta=cfg.algorithm.prime.beta)),
-            init_kwargs={"offload": cfg.prm.offload},
-            num_cpus_per_worker=0,
-            bundles=actor_bundles,
-            env_vars=RANK_ENV,
-            name_prefix="prm",
-            **device_share(CRITIC_DEVICE_SHARE),
-        )
-        stack.callback(prm.shutdown)
+        prm_args = (prm_engine_spec(cfg, model_path), SequenceLossConfig(prm_beta=cfg.algorithm.prime.beta))
+        prm = colocated(MegatronPRM, "prm", prm_args, cfg.prm.offload)
     return actor, critic, prm
 
 
