@@ -118,9 +118,13 @@ def _wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float) -> str:
 
 
 def whole_and_resumed(root: Path, run: list[str], steps: int, cut_extra: tuple[str, ...] = ()) -> str:
-    """`megarl train` of `run` for `steps` steps under root/whole; the same run under root/cut
-    stopped at its checkpoint of step steps // 2 and resumed to `steps`. Returns the resumed
-    run's output; each run must succeed within 300 s."""
+    """`megarl train` of `run` for `steps` steps under root/whole, checkpointing at step steps // 2;
+    then that run dir as a run stopped right after its mid checkpoint would leave it (copied to
+    root/cut, the later checkpoints removed; the metrics past the checkpoint stay, as a killed
+    run's would, for the resume to drop) resumed to `steps`. Returns the resumed run's output;
+    each run must succeed within 300 s. Two runs, not three: the uninterrupted run is also the
+    one that stops."""
+    import shutil
     import uuid
 
     def finish(args: list[str]) -> str:
@@ -128,7 +132,17 @@ def whole_and_resumed(root: Path, run: list[str], steps: int, cut_extra: tuple[s
         assert proc.returncode == 0, out[-4000:]
         return out
 
-    finish([*run, f"trainer.total_steps={steps}", f"trainer.output_dir={root}/whole"])
-    cut = [*run, f"trainer.output_dir={root}/cut", f"trainer.save_every={steps // 2}", *cut_extra]
-    finish([*cut, f"trainer.total_steps={steps // 2}"])
-    return finish([*cut, f"trainer.total_steps={steps}"])
+    half = steps // 2
+    every = f"trainer.save_every={half}"
+    finish([*run, f"trainer.total_steps={steps}", f"trainer.output_dir={root}/whole", every])
+    shutil.copytree(root / "whole", root / "cut", symlinks=True)
+    [run_dir] = [d for d in (root / "cut").iterdir() if d.is_dir()]
+    for end_of_run in ("hf", "lora", "summary.json"):  # what only a finished run writes
+        path = run_dir / end_of_run
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    kept = f"step_{half:06d}"
+    for ckpt in (run_dir / "checkpoints").iterdir():
+        if ckpt.name.startswith("step_") and ckpt.name != kept:
+            shutil.rmtree(ckpt)
+    (run_dir / "checkpoints" / "latest").write_text(kept)
+    return finish([*run, *cut_extra, f"trainer.total_steps={steps}", f"trainer.output_dir={root}/cut", every])
