@@ -273,10 +273,16 @@ def _log_ignored_signal(signum: int, frame: FrameType | None) -> None:
 def _is_ray_process(process: psutil.Process) -> bool:
     try:
         name = process.name()
-        cmdline = " ".join(process.cmdline())
+        cmdline = process.cmdline()
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return False
-    return name in ("raylet", "gcs_server") or name.startswith("ray::") or "/ray/" in cmdline
+    if name in ("raylet", "gcs_server") or name.startswith("ray::"):
+        return True
+    # Ray's python daemons and workers run a script of the ray package (dashboard, agents, log
+    # monitor, setup worker); a process that only mentions ray in an argument is not one (a
+    # multiprocessing forkserver started here carries sys.path, ray's own entries included, in its -c)
+    script = next((arg for arg in cmdline[1:] if arg.endswith(".py")), "")
+    return "/ray/" in script
 
 
 def _reap(processes: list[psutil.Process], grace_s: float) -> None:
