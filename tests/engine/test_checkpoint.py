@@ -32,14 +32,14 @@ from tests._dist import run_ranks
 from tests.engine.test_megatron_engine import make_rows
 
 
-def _spec(model_path, tp=1, ep=1, pp=1):
+def _spec(model_path, tp=1, ep=1, pp=1, distributed_optimizer=True):
     from megarl.config.schema import OptimConfig, ParallelConfig
     from megarl.engine.megatron.engine import EngineSpec
 
     return EngineSpec(
         model_path=str(model_path),
         parallel=ParallelConfig(tp=tp, ep=ep, pp=pp, sequence_parallel=tp > 1),
-        optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0),
+        optim=OptimConfig(lr=1e-3, adam_eps=1e-2, clip_grad=0.0, use_distributed_optimizer=distributed_optimizer),
         micro_batch_size=2,
         seed=1,
     )
@@ -95,7 +95,7 @@ def _weights(engine):
 def _adam_state(engine):
     """(fp32 main shard, exp_avg, exp_avg_sq, step) of every parameter this rank optimizes."""
     found = []
-    for opt in engine.optimizer.chained_optimizers:
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
                 s = opt.optimizer.state[p]
@@ -110,6 +110,22 @@ def _draw_rngs():
     with tensor_parallel.get_cuda_rng_tracker().fork():
         tracked = torch.rand(4)
     return dict(python=random.random(), numpy=float(np.random.rand()), torch=torch.rand(4), tracker=tracked)
+
+
+def _plain_optimizer_on_rank(rank, model_path, root):
+    """actor.optim.use_distributed_optimizer=false (DP=2): save after a step, take a second step;
+    a fresh engine loads the checkpoint and takes the same second step."""
+    engine = _engine(model_path, distributed_optimizer=False)
+    _step(engine)
+    engine.save_checkpoint(os.path.join(root, "plain"))
+    saved = _adam_state(engine)
+    _step(engine)
+    continued = _weights(engine)
+    engine = _engine(model_path, distributed_optimizer=False)
+    info = engine.load_checkpoint(os.path.join(root, "plain"))
+    loaded = _adam_state(engine)
+    _step(engine)
+    return dict(info=info, saved=saved, loaded=loaded, continued=continued, resumed=_weights(engine))
 
 
 def _reference_on_rank(rank, model_path):
@@ -257,6 +273,18 @@ def test_incomplete_checkpoints_are_refused(runs):
         assert "megarl_ckpt.json is missing" in refused["no_marker"]
         assert "does not exist" in refused["interrupted"] and ".partial" in refused["interrupted"]
         assert "staging directory" in refused["interrupted.partial"]
+
+
+def test_the_plain_optimizer_saves_and_resumes_its_adam_state(tiny_model_path, tmp_path):
+    """The non-distributed optimizer's state (each rank holds all of it) goes through the same
+    torch_dist checkpoint: moments and step come back bitwise, the next step equals the
+    uninterrupted one."""
+    for got in run_ranks(_plain_optimizer_on_rank, 2, tiny_model_path, str(tmp_path)):
+        assert got["info"]["optimizer"]
+        assert len(got["loaded"]) == len(got["saved"]) > 0
+        for (p, m, v, step), (p0, m0, v0, step0) in zip(got["loaded"], got["saved"]):
+            assert torch.equal(p, p0) and torch.equal(m, m0) and torch.equal(v, v0) and step == step0 == 1.0
+        _assert_weights_close(got["resumed"], got["continued"], 0.0, "plain optimizer")
 
 
 def test_read_metadata_rejects_a_marker_that_is_not_complete(tmp_path):

@@ -5,7 +5,8 @@ and the checkpoint describes tensors by their GLOBAL shape and offsets, so it lo
 TP / PP / EP layout. The distributed optimizer's state (Adam moments, fp32 main params) is saved
 in the `fully_reshardable` format, which maps each moment to its model parameter rather than to
 this run's flat buffers, so it reshards along with the weights. The step count rides in the
-optimizer's param groups. RNG state (python, numpy, torch, Megatron's tensor-parallel tracker) is
+optimizer's param groups (the plain optimizer's, actor.optim.use_distributed_optimizer=false, in
+megatron's `common_step` beside its per-parameter state). RNG state (python, numpy, torch, Megatron's tensor-parallel tracker) is
 per rank and means something only for the same layout; it is restored only then.
 
 Atomicity: every rank writes into `<path>.partial`; after a barrier rank 0 adds `megarl_ckpt.json`
@@ -248,21 +249,26 @@ def _optimizer_state(template: dict, loaded: dict) -> dict:
     two differ. The tensors are keyed by model parameter, so take them at this run's paths, keep
     this run's param groups (hyperparameters come from the config), and carry the step over.
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 
     steps = _param_group_steps(loaded)
     if len(steps) > 1:
         raise CheckpointError(f"the checkpoint's optimizers disagree on the step count: {sorted(steps)}")
 
     def fill(node, got):
+        if isinstance(node, LocalNonpersistentObject):  # this run's own value, never saved (the
+            return node.unwrap()  # plain optimizer's param ids): the bare value, as load() gives it
         if isinstance(node, ShardedBase):
             if got is None:  # megatron would skip it silently and keep a fresh moment
                 raise CheckpointError(f"optimizer tensor {node.key} was not loaded from the checkpoint")
             return got
         if isinstance(node, dict):
-            return {k: fill(v, got.get(k) if isinstance(got, dict) else None) for k, v in node.items()}
+            out = {k: fill(v, got.get(k) if isinstance(got, dict) else None) for k, v in node.items()}
+            if isinstance(got, dict) and "common_step" in got:  # the plain optimizer's step, which
+                out["common_step"] = got["common_step"]  # megatron keeps beside the per-parameter state
+            return out
         if isinstance(node, list) and _holds_sharded(node):
-            return [fill(v, got[i]) for i, v in enumerate(node)]
+            return [fill(v, got[i] if isinstance(got, list) and i < len(got) else None) for i, v in enumerate(node)]
         return node
 
     state = fill(template, loaded)
@@ -273,9 +279,10 @@ def _optimizer_state(template: dict, loaded: dict) -> dict:
 
 
 def _holds_sharded(node) -> bool:
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
+    """A saved tensor or a wrapped local value somewhere in `node` (fill must go in)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 
-    if isinstance(node, ShardedBase):
+    if isinstance(node, (ShardedBase, LocalNonpersistentObject)):
         return True
     values = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
     return any(_holds_sharded(v) for v in values)
