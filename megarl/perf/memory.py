@@ -183,7 +183,8 @@ def micro_batch_tokens(cfg, section: str = "actor") -> int:
 def micro_batches_per_rank(cfg, section: str = "actor") -> int:
     sec, p = getattr(cfg, section), getattr(cfg, section).parallel
     dp = max(cfg.cluster.num_actor_ranks // (p.tp * p.pp * p.cp), 1)
-    rows = sec.ppo_mini_batch_size // dp
+    rows = getattr(sec, "ppo_mini_batch_size", None) or sec.mini_batch_size  # the PRM's has no ppo_
+    rows //= dp
     row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     return max(1, math.ceil(rows * row / micro_batch_tokens(cfg, section)))
 
@@ -197,7 +198,7 @@ def in_flight(p, stage: int, micro_batches: int) -> float:
 
 
 def train_memory(cfg, hf: dict, device: Device, section: str = "actor") -> TrainMemory:
-    """Peak memory of one training rank (actor or critic) of `cfg` on `device`."""
+    """Peak memory of one training rank (actor, critic or prm) of `cfg` on `device`."""
     sec = getattr(cfg, section)
     p = sec.parallel
     world = cfg.cluster.num_actor_ranks

@@ -1,8 +1,9 @@
 """`megarl plan`: memory per device in every phase of a step, the step's time, and a verdict.
 
 A step's phases on one device:
-- colocated: `train` (the actor's peak next to whatever else stays resident: the reference's and
-  critic's parameters unless offloaded, the released engine's runtime), `generate` (the engine's
+- colocated: `train` (the actor's peak next to whatever else stays resident: the reference's
+  parameters, the critic's and PRIME's PRM's state unless offloaded, the released engine's
+  runtime), `critic train` / `prm train` (that model's peak next to the same), `generate` (the engine's
   weights + KV cache pool and runtime next to what the trainer keeps resident: its offload
   settings decide), `sync` (the engine's weights resumed next to the trainer's parameters and two
   buckets in flight);
@@ -71,9 +72,9 @@ def make_plan(
     resident = {}
     if cfg.ref.enabled and not cfg.ref.offload:
         resident["reference params"] = reference_params_bytes(cfg, hf)
-    critic = train_memory(cfg, hf, device, "critic") if cfg.critic.enabled else None
-    if critic is not None:
-        resident["critic resident"] = critic.resident(cfg.critic.offload)
+    others = colocated_models(cfg, hf, device)
+    for name, mem in others.items():
+        resident[f"{name} resident"] = mem.resident(getattr(cfg, name).offload)
     trainer = {
         "actor params": actor.params,
         "actor grads": actor.grads,
@@ -107,14 +108,15 @@ def make_plan(
                 "buckets in flight": bucket,
             },
         }
-        if critic is not None:
-            phases["critic train"] = {
-                "critic params": critic.params,
-                "critic grads": critic.grads,
-                "critic optimizer": critic.optimizer,
-                "critic activations": critic.activations,
-                "critic runtime": critic.reserve,
-                **{k: v for k, v in kept.items() if v},
+        for name, mem in others.items():  # its whole state, next to what the others keep resident
+            phases[f"{name} train"] = {
+                f"{name} params": mem.params,
+                f"{name} grads": mem.grads,
+                f"{name} optimizer": mem.optimizer,
+                f"{name} activations": mem.activations,
+                **({f"{name} logits": mem.logits} if mem.logits else {}),
+                f"{name} runtime": mem.reserve,
+                **{k: v for k, v in kept.items() if v and k != f"{name} resident"},
                 **released,
             }
     else:
@@ -130,7 +132,7 @@ def make_plan(
     plan = Plan(sum(pool_sizes(cfg)), device, phases, actor, t, rollout.kv_capacity, rollout.kv_needed, mean)
     if timed:
         plan.weight_sync = predict(cfg, hf, device, rollout, efficiency_of(device))
-    plan.host = host_memory(cfg, hf, actor, critic)
+    plan.host = host_memory(cfg, hf, actor, others)
     plan.notes += _kv_notes(rollout)
     return plan
 
@@ -146,7 +148,18 @@ def _kv_notes(rollout) -> list[str]:
     ]
 
 
-def host_memory(cfg, hf: dict, actor: TrainMemory, critic: TrainMemory | None = None) -> dict[str, float]:
+def colocated_models(cfg, hf: dict, device: Device) -> dict[str, TrainMemory]:
+    """The trained models beside the actor on its ranks, by config section: the critic (PPO) and
+    PRIME's implicit PRM (a causal LM with its own optimizer)."""
+    out = {}
+    if cfg.critic.enabled:
+        out["critic"] = train_memory(cfg, hf, device, "critic")
+    if cfg.algorithm.adv_estimator == "prime":
+        out["prm"] = train_memory(cfg, hf, device, "prm")
+    return out
+
+
+def host_memory(cfg, hf: dict, actor: TrainMemory, others: dict[str, TrainMemory] | None = None) -> dict[str, float]:
     """Host memory per node that the trainer's state takes (beyond its processes): the host
     optimizer's share (actor.offload.host_optimizer) and what colocation offload parks there
     between phases, for the ranks of one node (cluster.devices_per_node, else the actor pool)."""
@@ -159,8 +172,8 @@ def host_memory(cfg, hf: dict, actor: TrainMemory, critic: TrainMemory | None = 
         "actor optimizer (offloaded)": actor.optimizer if off.optimizer else 0.0,
         "reference params (offloaded)": reference_params_bytes(cfg, hf) if cfg.ref.enabled and cfg.ref.offload else 0.0,
     }
-    if critic is not None:
-        per_rank["critic (offloaded)"] = critic.static + critic.reserve - critic.resident(cfg.critic.offload)
+    for name, mem in (others or {}).items():
+        per_rank[f"{name} (offloaded)"] = mem.static + mem.reserve - mem.resident(getattr(cfg, name).offload)
     return {k: v * ranks for k, v in per_rank.items() if v}
 
 
@@ -169,7 +182,7 @@ def _candidates(cfg, hf: dict, phase: str) -> list[tuple[str, object]]:
     a, p, r = cfg.actor, cfg.actor.parallel, cfg.rollout
     moe = any(hf.get(k) for k in ("num_experts", "n_routed_experts"))
     out: list[tuple[str, object]] = []
-    if phase in ("train", "critic train", "sync"):
+    if phase in ("train", "critic train", "prm train", "sync"):
         if not a.optim.use_distributed_optimizer:
             out.append(("actor.optim.use_distributed_optimizer", True))
         if getattr(a, "recompute", None) == "none":
@@ -182,7 +195,9 @@ def _candidates(cfg, hf: dict, phase: str) -> list[tuple[str, object]]:
         out += [("actor.parallel.tp", p.tp * 2)]
         if a.offload.host_optimizer < 1:  # last: the host Adam step and its PCIe traffic cost time
             out.append(("actor.offload.host_optimizer", 1.0))
-    if phase in ("generate", "critic train"):
+    if phase in ("critic train", "prm train"):  # that model's own knobs first
+        out += _model_candidates(cfg, phase.split()[0], moe)
+    if phase in ("generate", "critic train", "prm train"):
         for item in ("optimizer", "grads", "params"):
             if not getattr(a.offload, item):
                 out.append((f"actor.offload.{item}", True))
@@ -196,6 +211,19 @@ def _candidates(cfg, hf: dict, phase: str) -> list[tuple[str, object]]:
                     out.append(("rollout.mem_fraction_static", f))
         out.append(("rollout.tp", r.tp * 2))
     return out
+
+
+def _model_candidates(cfg, name: str, moe: bool) -> list[tuple[str, object]]:
+    """The single changes that shrink a colocated model's own training peak (critic, prm)."""
+    sec, p, out = getattr(cfg, name), getattr(cfg, name).parallel, []
+    if not sec.optim.use_distributed_optimizer:
+        out.append((f"{name}.optim.use_distributed_optimizer", True))
+    if sec.recompute == "none":
+        out.append((f"{name}.recompute", "full"))
+    if sec.micro_batch_size > 1:
+        out.append((f"{name}.micro_batch_size", sec.micro_batch_size // 2))
+    out += [(f"{name}.parallel.pp", p.pp * 2)] + ([(f"{name}.parallel.ep", p.ep * 2)] if moe else [])
+    return out + [(f"{name}.parallel.tp", p.tp * 2)]
 
 
 def _set(cfg, key: str, value):
@@ -233,6 +261,19 @@ def _fallback_knob(cfg, phase: str, items: dict) -> str:
     if phase == "generate" and kept:  # what the trainer keeps while the engine generates
         return f"actor.offload.{max(kept, key=kept.get).split()[1]}"
     item = max(items, key=items.get)
+    owner = item.split()[0]
+    if owner in ("critic", "prm") and item.endswith(" resident"):  # its state kept between its updates
+        sec = getattr(cfg, owner)
+        # the largest part first: fp32 gradients (4 bytes a parameter) unless the optimizer's
+        # 12 bytes are not sharded over data parallel
+        order = (
+            ("grads", "optimizer", "params")
+            if sec.optim.use_distributed_optimizer
+            else ("optimizer", "grads", "params")
+        )
+        parts = [f"{owner}.offload.{k}" for k in order if not getattr(sec.offload, k)]
+        if parts:
+            return parts[0]
     ep_room = p.ep * p.etp * p.pp < cfg.cluster.num_actor_ranks
     options = {
         "actor optimizer": [

@@ -265,3 +265,7 @@ def test_step_mfu_divides_model_flops_by_time_devices_and_peak():
     assert got["perf/mfu/log_prob"] == pytest.approx(forward_flops(cfg, lengths) / (0.25 * 2 * 1e9))
     assert got["perf/tflops_per_device/update"] == pytest.approx(got["perf/mfu/update"] * 1e9 / 1e12)
     assert "perf/mfu/ref" not in got  # no reference pass timed: nothing claimed
+    # an update over more rows than the step sampled (SPIN's chosen rows) counts the rows it trained on
+    more = step.metrics(lengths, {"perf/update_s": 0.5, "perf/old_log_prob_s": 0.25}, [*lengths, 5, 5, 5])
+    assert more["perf/mfu/update"] == pytest.approx(2 * train_flops(cfg, [*lengths, 5, 5, 5]) / (0.5 * 2 * 1e9))
+    assert more["perf/mfu/update"] > got["perf/mfu/update"] and more["perf/mfu/log_prob"] == got["perf/mfu/log_prob"]

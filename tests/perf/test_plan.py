@@ -269,3 +269,48 @@ def test_more_memory_never_hurts_and_recompute_shrinks_activations():
         cfg.actor.recompute = "none"
         none = train_memory(cfg, hf, GPUS["H100"])
         assert full.activations < none.activations / 4
+
+
+def test_the_prm_and_the_critic_are_planned_beside_the_actor():
+    """PRIME's implicit PRM is a second trained model on the actor's ranks: its whole state in a
+    phase of its own (not counting its resident part twice), its resident part in every other
+    phase, its offloaded part on the host, and a refusal that names its own knob."""
+    from megarl.perf.hardware import GPUS
+    from megarl.perf.memory import train_memory
+    from megarl.perf.plan import make_plan, refusal
+
+    h100 = GPUS["H100"]
+    base_cfg, hf = _load("qwen3-30b-a3b")
+    base = make_plan(base_cfg, hf, h100, timed=False)
+    cfg, _ = _load("qwen3-30b-a3b", "algorithm.adv_estimator=prime")
+    plan = make_plan(cfg, hf, h100, timed=False)
+    prm = train_memory(cfg, hf, h100, "prm")
+    own = plan.phases["prm train"]
+    assert (own["prm params"], own["prm optimizer"], own["prm activations"]) == (
+        prm.params,
+        prm.optimizer,
+        prm.activations,
+    )
+    assert own["prm logits"] > 0 and "prm resident" not in own  # a causal LM's head; its state once
+    for phase in ("train", "generate", "sync"):
+        assert plan.phases[phase]["prm resident"] == prm.resident(cfg.prm.offload)
+        ref = plan.phases[phase]["reference params"]  # PRIME's reference: the PRM's baseline
+        assert "reference params" not in base.phases[phase]
+        assert plan.peak(phase) == pytest.approx(base.peak(phase) + prm.resident(cfg.prm.offload) + ref)
+    assert "prm train" not in base.phases and "prm (offloaded)" not in plan.host
+    why = refusal(cfg, hf, plan)
+    assert why is not None and "(prm resident" in why and "start with prm.offload.grads" in why, why
+
+    off, _ = _load(
+        "qwen3-30b-a3b",
+        "algorithm.adv_estimator=prime",
+        *(f"prm.offload.{k}=true" for k in ("params", "grads", "optimizer")),
+    )
+    parked = make_plan(off, hf, h100, timed=False)
+    assert parked.phases["train"]["prm resident"] == prm.reserve
+    ranks = min(off.cluster.devices_per_node or off.cluster.num_actor_ranks, off.cluster.num_actor_ranks)
+    assert parked.host["prm (offloaded)"] == pytest.approx(prm.static * ranks)
+
+    gae, _ = _load("qwen3-30b-a3b", "algorithm.adv_estimator=gae", "critic.enabled=true")
+    critic = make_plan(gae, hf, h100, timed=False).phases["critic train"]
+    assert "critic resident" not in critic and critic["critic params"] > 0
