@@ -84,6 +84,7 @@ class Trainer:
         # notices (a rollout thread runs ahead in the async modes); the lock orders it with updates
         self.actor_version, self.actor_lock = 0, threading.Lock()
         self.release = bool(self.cfg.rollout.release_memory)
+        self.ref_is_actor = False  # the reference was refreshed after the last update (phases.update)
         self.reuse_rollout_log_probs = self.cfg.actor.old_log_prob == "rollout"  # resolved by validate
         self.resume_from, self.start_step = resume, 0
         self.checkpointer = checkpoints.RunCheckpointer(runtime.run_dir, self.cfg.trainer.max_checkpoints)
@@ -198,7 +199,7 @@ class Trainer:
         finite.check_rows(rows, finite.ROLLOUT_AND_OLD, "old/ref/values", step, self.weight_version)
         rows, kl_metrics = phases.advantages(self, rows, timing, step)
         finite.check_rows(rows, finite.ADVANTAGES, "advantages", step, self.weight_version)
-        per_rank, critic_metrics = phases.update(self, rows, step, timing, reuse)
+        per_rank, critic_metrics, trained = phases.update(self, rows, step, timing, reuse)
         finite.check_ranks(critic_metrics or [], "critic update", step, self.weight_version)
         finite.check_ranks(per_rank, "actor update", step, self.weight_version)  # before the sync
         if reuse:
@@ -207,7 +208,7 @@ class Trainer:
         self.source.after_sync()
         timing["perf/step_s"] = time.perf_counter() - t_step
         if self.mfu is not None:
-            timing.update(self.mfu.metrics(self._token_lengths(rows), timing))
+            timing.update(self.mfu.metrics(self._token_lengths(rows), timing, self._token_lengths(trained)))
         # engines restarted anywhere in the step: in generation, memory release/resume or the sync
         rollout_stats["rollout/engine_restarts"] = float(self.rt.fleet.restarts - restarts_before)
         return {

@@ -29,13 +29,18 @@ class StepMfu:
         peak = actor_group.device_peak_flops("bf16" if cfg.actor.precision == "bf16" else "fp32")
         return cls(config, len(actor_group.mesh), peak, cfg.actor.ppo_epochs if epochs is None else epochs)
 
-    def metrics(self, lengths: list[int], timing: dict[str, float]) -> dict[str, float]:
-        """perf/mfu/{update,log_prob,ref} and perf/tflops_per_device/... for the phases timed."""
+    def metrics(
+        self, lengths: list[int], timing: dict[str, float], update_lengths: list[int] | None = None
+    ) -> dict[str, float]:
+        """perf/mfu/{update,log_prob,ref} and perf/tflops_per_device/... for the phases timed.
+        `lengths`: the step's rows; `update_lengths`: the rows the update trained on where they
+        are more (SPIN adds each prompt's chosen row), else the same."""
         from megarl.perf.flops import forward_flops, train_flops
 
         forward = forward_flops(self.config, lengths)
+        trained = train_flops(self.config, lengths if update_lengths is None else update_lengths)
         phases = {
-            "update": (train_flops(self.config, lengths) * self.epochs, timing.get("perf/update_s")),
+            "update": (trained * self.epochs, timing.get("perf/update_s")),
             "log_prob": (forward, timing.get("perf/old_log_prob_s")),
             "ref": (forward, timing.get("perf/ref_s")),
         }

@@ -62,7 +62,11 @@ def old_ref_values(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: 
         with timer(timing, "old_log_prob"):
             rows = rows.union(loop.rt.actor.compute_log_prob(loop._trainer_view(rows), cfg.rollout.temperature))
         parity = loop._check_parity(rows, step, probe)
-    if cfg.ref.enabled:
+    if cfg.ref.enabled and loop.ref_is_actor and not reuse:
+        # the same weights in the same engine and layout as the actor's forward just done: the
+        # same log-probs, bit for bit (ref.update_every=1 refreshes it after every update)
+        rows["ref_log_probs"] = rows["old_log_probs"].clone()
+    elif cfg.ref.enabled:
         with timer(timing, "ref"):
             rows = rows.union(loop.rt.actor.compute_ref_log_prob(loop._trainer_view(rows), cfg.rollout.temperature))
     if loop.rt.critic is not None:  # PPO: the value function's estimate at every response token
@@ -108,8 +112,9 @@ def advantages(loop: StepLoop, rows: Batch, timing: dict, step: int) -> tuple[Ba
     return rows, {**metrics, **kl_metrics}
 
 
-def update(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: bool) -> tuple[list[dict], list[dict]]:
-    """The critic's update (PPO), then the actor's; returns their per-rank metrics."""
+def update(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: bool) -> tuple[list[dict], list[dict], Batch]:
+    """The critic's update (PPO), then the actor's; returns their per-rank metrics and the rows
+    the actor trained on (`rows`' own columns, or more rows: SPIN's chosen ones)."""
     cfg, critic_metrics = loop.cfg, []
     if loop.rt.critic is not None:
         with timer(timing, "critic_update"):
@@ -132,10 +137,11 @@ def update(loop: StepLoop, rows: Batch, step: int, timing: dict, reuse: bool) ->
         )
         loop.actor_version = loop.weight_version + 1
     every = cfg.ref.update_every
-    if every and step % every == 0:  # the reference becomes the policy just trained (spin, sppo)
+    loop.ref_is_actor = bool(every) and step % every == 0
+    if loop.ref_is_actor:  # the reference becomes the policy just trained (spin, sppo)
         with timer(timing, "ref_refresh"):
             extra = {**extra, **loop.rt.actor.refresh_ref()}
-    return [{**m, **extra} for m in per_rank], critic_metrics
+    return [{**m, **extra} for m in per_rank], critic_metrics, batch
 
 
 def _actor_batch(loop: StepLoop, rows: Batch, timing: dict) -> tuple[Batch, int, dict]:

@@ -113,7 +113,10 @@ def spin_update_batch(loop: StepLoop, rows: Batch, timing: dict) -> tuple[Batch,
     with timer(timing, "spin_chosen"):
         view = chosen.select("input_ids", "prompt_lengths", "responses", "response_mask")
         chosen = chosen.union(loop.rt.actor.compute_log_prob(view, t).select("old_log_probs"))
-        chosen = chosen.union(loop.rt.actor.compute_ref_log_prob(view, t))
+        if loop.ref_is_actor:  # refreshed after the last update: the actor's own (phases.old_ref_values)
+            chosen["ref_log_probs"] = chosen["old_log_probs"].clone()
+        else:
+            chosen = chosen.union(loop.rt.actor.compute_ref_log_prob(view, t))
     mask = chosen["response_mask"]
     return merge(rows, chosen), {
         "spin/chosen_length": float(mask.sum(1).mean()),

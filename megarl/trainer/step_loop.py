@@ -27,6 +27,9 @@ class StepLoop(Protocol):
     weight_version: int
     actor_version: int
     actor_lock: threading.Lock
+    # ref.update_every: the reference was refreshed from the actor after its last update, so it
+    # holds the actor's weights; its log-probs are the actor's old ones (phases.old_ref_values)
+    ref_is_actor: bool
     source: RolloutSource  # where the rows come from; it waits for or pauses generation at the sync
 
     def sync_weights(self) -> dict: ...

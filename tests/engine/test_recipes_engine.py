@@ -3,7 +3,8 @@ reference refreshed from the actor (and checkpointed), PRIME's implicit PRM lear
 
 SPIN: 4 prompts x (1 chosen + 2 samples), micro-batches of 2 rows (so a group's rows are split),
 2 mini-batches of whole groups, 2 epochs (the first mini-batch weighted from the old log-probs,
-every later one from a forward pass). Under DP=2, PP=2 and CP=2 the weights after every step equal a
+every later one from a forward pass). Under DP=2, PP=2, CP=2, TP=2 (sequence parallel) and EP=2
+(the experts split, the dense layers data-parallel) the weights after every step equal a
 single-rank reference that computes the whole pairwise loss in one micro-batch (fp32; 1e-6
 absolute, observed ~1e-8) and the grad norms agree to 1e-5; with stale row weights (a bug) they
 would differ by the step itself.
@@ -200,10 +201,14 @@ def spin_runs(tiny_model_path):
         "dp2": run_ranks(_spin_on_rank, 2, tiny_model_path, free_port(), ref["ref_log_probs"], {}),
         "pp2": run_ranks(_spin_on_rank, 2, tiny_model_path, free_port(), ref["ref_log_probs"], {"pp": 2}),
         "cp2": run_ranks(_spin_on_rank, 2, tiny_model_path, free_port(), ref["ref_log_probs"], {"cp": 2}),
+        "tp2": run_ranks(
+            _spin_on_rank, 2, tiny_model_path, free_port(), ref["ref_log_probs"], {"tp": 2, "sequence_parallel": True}
+        ),
+        "ep2": run_ranks(_spin_on_rank, 2, tiny_model_path, free_port(), ref["ref_log_probs"], {"ep": 2}),
     }
 
 
-@pytest.mark.parametrize("layout, dp", [("dp2", 2), ("pp2", 1), ("cp2", 1)])
+@pytest.mark.parametrize("layout, dp", [("dp2", 2), ("pp2", 1), ("cp2", 1), ("tp2", 1), ("ep2", 2)])
 def test_spin_update_equals_the_whole_pairwise_loss(spin_runs, layout, dp):
     want = spin_runs["reference"][f"dp{dp}"]
     runs = spin_runs[layout]

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -56,7 +57,11 @@ def runs(tmp_path_factory):
     """An uninterrupted run; and the same run SIGKILLed (its driver) after its step-2 checkpoint,
     resumed, losing a trainer rank (SIGKILL) after its step-4 checkpoint, and resumed again."""
     root = tmp_path_factory.mktemp("durability")
-    whole = _finish(_start(["train", *RUN, f"trainer.output_dir={root}/whole"], uuid.uuid4().hex))
+    # the uninterrupted run beside the interrupted ones (each leaves a core idle part of the time)
+    background = ThreadPoolExecutor(1)
+    whole_run = background.submit(
+        lambda: _finish(_start(["train", *RUN, f"trainer.output_dir={root}/whole"], uuid.uuid4().hex))
+    )
     cut = ["train", *RUN, f"trainer.output_dir={root}/cut", "trainer.save_every=1"]
 
     run_id = uuid.uuid4().hex
@@ -91,6 +96,8 @@ def runs(tmp_path_factory):
     _assert_nothing_left(run_id, also=tree)
 
     again = _finish(_start(cut, uuid.uuid4().hex))
+    whole = whole_run.result()
+    background.shutdown()
     return {
         "whole": root / "whole" / "quickstart",
         "cut": root / "cut" / "quickstart",

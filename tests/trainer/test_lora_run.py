@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -31,9 +32,14 @@ RUN = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_run")
-    resumed = whole_and_resumed(root, RUN, STEPS)
+    background = ThreadPoolExecutor(1)  # the adapter-transport run beside the whole and resumed ones
     adapter = [*RUN, f"trainer.total_steps={STEPS}", f"trainer.output_dir={root}/adapter", "bridge.transport=adapter"]
-    _finish(_start(["train", *adapter, "trainer.export_hf=false"], uuid.uuid4().hex))
+    adapter_run = background.submit(
+        lambda: _finish(_start(["train", *adapter, "trainer.export_hf=false"], uuid.uuid4().hex))
+    )
+    resumed = whole_and_resumed(root, RUN, STEPS)
+    adapter_run.result()
+    background.shutdown()
     return {
         "whole": root / "whole" / "quickstart-lora",
         "cut": root / "cut" / "quickstart-lora",

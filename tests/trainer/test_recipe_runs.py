@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -34,8 +35,12 @@ PRIME = ["configs/quickstart-prime.yaml", *SHORT, "prm.mini_batch_size=64"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("recipe_runs")
-    whole_and_resumed(root, PRIME, STEPS)
-    out = {"prime": root / "whole" / "quickstart-prime", "prime_cut": root / "cut" / "quickstart-prime"}
+    background = ThreadPoolExecutor(1)  # PRIME's two runs beside SPIN's and SPPO's
+    prime = background.submit(whole_and_resumed, root / "prime", PRIME, STEPS)
+    out = {
+        "prime": root / "prime" / "whole" / "quickstart-prime",
+        "prime_cut": root / "prime" / "cut" / "quickstart-prime",
+    }
     for name, extra in (("spin", ["ref.update_every=2"]), ("sppo", [])):
         args = [
             f"configs/quickstart-{name}.yaml",
@@ -46,6 +51,8 @@ def runs(tmp_path_factory):
         ]
         _finish(_start(["train", *args], uuid.uuid4().hex))
         out[name] = root / f"quickstart-{name}"
+    prime.result()
+    background.shutdown()
     return out
 
 
@@ -75,6 +82,9 @@ def test_spin_trains_on_chosen_rows_against_a_refreshed_reference(runs):
         assert r["rollout/logprob_diff_max"] <= 1e-4
     # the reference is refreshed after step 2's update only (ref.update_every=2)
     assert ["ref/refresh_bytes" in r for r in records] == [False, True, False]
+    # step 3's reference holds the actor's weights: its log-probs are the old ones, no forward of its own
+    assert ["perf/ref_s" in r for r in records] == [True, True, False]
+    assert records[2]["actor/kl"] == 0.0 and records[1]["actor/kl"] != 0.0
     # step 2 trains against the initial model, a step behind the actor: the chosen answers gained on the samples
     assert records[1]["spin/margin"] > 1e-3
 
@@ -89,3 +99,6 @@ def test_sppo_trains_towards_its_win_rate_targets(runs):
         assert 0.5 < r["sppo/win_prob_max"] <= 1
         assert r["ref/refresh_bytes"] > 0  # ref.update_every=1: the previous iterate is the policy that sampled
         assert r["rollout/logprob_diff_max"] <= 1e-4
+    # the old log-probs are the rollout's (within parity, not bit for bit the actor's): the
+    # reference's forward is the step's only one, and is kept
+    assert all("perf/ref_s" in r and "perf/old_log_prob_s" not in r for r in records)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,10 @@ def runs(tmp_path_factory):
     """The example config uninterrupted; and the same run stopped by SIGTERM after step 20 (it
     finishes its step, saves and exits 0), then continued with trainer.resume=auto."""
     root = tmp_path_factory.mktemp("sft")
-    whole = _finish(_start(["sft", CONFIG, f"trainer.output_dir={root}/whole"], uuid.uuid4().hex))
+    background = ThreadPoolExecutor(1)  # the uninterrupted run beside the interrupted one
+    whole_run = background.submit(
+        lambda: _finish(_start(["sft", CONFIG, f"trainer.output_dir={root}/whole"], uuid.uuid4().hex))
+    )
     run_id = uuid.uuid4().hex
     proc = _start(["sft", CONFIG, f"trainer.output_dir={root}/cut"], run_id)
     before = _wait_for_line(proc, f"step 20/{STEPS}", timeout_s=300)
@@ -48,6 +52,8 @@ def runs(tmp_path_factory):
     stopped = before + _finish(proc)
     _assert_nothing_left(run_id)
     resumed = _finish(_start(["sft", CONFIG, f"trainer.output_dir={root}/cut"], uuid.uuid4().hex))
+    whole = whole_run.result()
+    background.shutdown()
     return {
         "whole": root / "whole" / "sft-quickstart",
         "cut": root / "cut" / "sft-quickstart",
