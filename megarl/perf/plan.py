@@ -262,18 +262,10 @@ def _fallback_knob(cfg, phase: str, items: dict) -> str:
         return f"actor.offload.{max(kept, key=kept.get).split()[1]}"
     item = max(items, key=items.get)
     owner = item.split()[0]
-    if owner in ("critic", "prm") and item.endswith(" resident"):  # its state kept between its updates
-        sec = getattr(cfg, owner)
-        # the largest part first: fp32 gradients (4 bytes a parameter) unless the optimizer's
-        # 12 bytes are not sharded over data parallel
-        order = (
-            ("grads", "optimizer", "params")
-            if sec.optim.use_distributed_optimizer
-            else ("optimizer", "grads", "params")
-        )
-        parts = [f"{owner}.offload.{k}" for k in order if not getattr(sec.offload, k)]
-        if parts:
-            return parts[0]
+    if owner in ("critic", "prm"):
+        knob = _colocated_knob(cfg, owner, item.split()[1])
+        if knob is not None:
+            return knob
     ep_room = p.ep * p.etp * p.pp < cfg.cluster.num_actor_ranks
     options = {
         "actor optimizer": [
@@ -294,6 +286,26 @@ def _fallback_knob(cfg, phase: str, items: dict) -> str:
         "reference params": ["ref.offload"],
     }.get(item, [])
     return next((k for k in options if k), "cluster.num_actor_ranks")
+
+
+def _colocated_knob(cfg, owner: str, part: str) -> str | None:
+    """The knob for a colocated model's (critic, prm) largest item, or None to fall through."""
+    sec = getattr(cfg, owner)
+    if part == "resident":  # its state kept between its updates: the largest part first, fp32
+        # gradients (4 bytes a parameter) unless the optimizer's 12 are not sharded over data parallel
+        order = (
+            ("grads", "optimizer", "params")
+            if sec.optim.use_distributed_optimizer
+            else ("optimizer", "grads", "params")
+        )
+        return next((f"{owner}.offload.{k}" for k in order if not getattr(sec.offload, k)), None)
+    if part == "activations":
+        return f"{owner}.recompute" if sec.recompute != "full" else f"{owner}.micro_batch_size"
+    if part == "optimizer" and not sec.optim.use_distributed_optimizer:
+        return f"{owner}.optim.use_distributed_optimizer"
+    if part in ("params", "grads", "optimizer"):
+        return f"{owner}.parallel.pp"
+    return None
 
 
 def refusal(cfg, hf: dict, plan: Plan) -> str | None:

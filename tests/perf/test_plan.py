@@ -314,3 +314,19 @@ def test_the_prm_and_the_critic_are_planned_beside_the_actor():
     gae, _ = _load("qwen3-30b-a3b", "algorithm.adv_estimator=gae", "critic.enabled=true")
     critic = make_plan(gae, hf, h100, timed=False).phases["critic train"]
     assert "critic resident" not in critic and critic["critic params"] > 0
+
+
+def test_a_colocated_models_largest_item_names_that_models_knob():
+    """When no single change fits, the knob for the largest item of a critic or PRM phase is that
+    model's own, not the actor's or "more devices"."""
+    from megarl.perf.plan import _fallback_knob
+
+    cfg, _ = _load("qwen3-30b-a3b", "algorithm.adv_estimator=prime")  # the critic section is read as it stands
+    assert _fallback_knob(cfg, "prm train", {"prm activations": 9.0, "prm params": 1.0}) == "prm.recompute"
+    cfg.prm.recompute = "full"
+    assert _fallback_knob(cfg, "prm train", {"prm activations": 9.0}) == "prm.micro_batch_size"
+    assert _fallback_knob(cfg, "prm train", {"prm grads": 9.0}) == "prm.parallel.pp"
+    cfg.critic.optim.use_distributed_optimizer = False
+    assert _fallback_knob(cfg, "critic train", {"critic optimizer": 9.0}) == "critic.optim.use_distributed_optimizer"
+    assert _fallback_knob(cfg, "train", {"critic resident": 9.0}) == "critic.offload.optimizer"  # 12 bytes unsharded
+    assert _fallback_knob(cfg, "train", {"prm resident": 9.0}) == "prm.offload.grads"
